@@ -1,0 +1,102 @@
+"""Checkpoints: sharded model and optimizer through torch.distributed.checkpoint (DCP), plus each rank's
+own small state (scheduler, data position, RNG, outer state) and a meta.json written last.
+
+Layout of `<ckpt.path>/step-N/`: DCP's `.metadata` and `__*.distcp` shards, `rank-R.pt` per rank, `meta.json`.
+A checkpoint is written to `step-N.tmp/` and renamed once every rank has finished, so a folder named
+`step-N` is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from diloco.config import UsageError
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class ModelAndOptimizer:
+    """DCP Stateful view of a sharded model and its optimizer (each rank saves and loads its own shards)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+
+def save(
+    folder: Path, step: int, sharded: ModelAndOptimizer, local_state: dict[str, Any], rank: int, world_size: int
+) -> Path:
+    """Collective: every rank calls it. Returns the final `step-N` folder."""
+    final = folder / f"step-{step}"
+    tmp = folder / f"step-{step}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save({"app": sharded}, checkpoint_id=str(tmp))
+    torch.save(local_state, tmp / f"rank-{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    dist.barrier()
+    return final
+
+
+def resolve(resume: str, folder: Path) -> Path:
+    """`latest` is the newest complete step-N under `folder`; anything else is a checkpoint folder."""
+    if resume != "latest":
+        return Path(resume)
+    steps = [
+        (int(m.group(1)), p) for p in (folder.iterdir() if folder.is_dir() else []) if (m := STEP_DIR.match(p.name))
+    ]
+    if not steps:
+        raise UsageError(f"--ckpt.resume latest: no step-N checkpoint under --ckpt.path {folder}")
+    return max(steps)[1]
+
+
+def check(path: Path, world_size: int) -> int:
+    """Validate a checkpoint before any work; return its step."""
+    meta_file = path / "meta.json"
+    if not path.is_dir():
+        raise UsageError(f"--ckpt.resume {path}: no such checkpoint folder")
+    try:
+        meta = json.loads(meta_file.read_text())
+        step = int(meta["step"])
+        saved_world = int(meta["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"--ckpt.resume {path}: corrupt or incomplete checkpoint (bad or missing meta.json)") from None
+    if saved_world != world_size:
+        raise UsageError(f"--ckpt.resume {path}: saved with {saved_world} ranks, this run has {world_size}")
+    missing = [name for name in [".metadata", *(f"rank-{r}.pt" for r in range(world_size))] if not (path / name).is_file()]
+    if missing:
+        raise UsageError(f"--ckpt.resume {path}: corrupt or incomplete checkpoint (missing {', '.join(missing)})")
+    return step
+
+
+def load(path: Path, sharded: ModelAndOptimizer, rank: int) -> dict[str, Any]:
+    """Collective: load the shards in place; return this rank's local state."""
+    try:
+        dcp.load({"app": sharded}, checkpoint_id=str(path))
+        return torch.load(path / f"rank-{rank}.pt", weights_only=False)
+    except Exception as e:  # DCP wraps reader errors in several types; all mean the files are unusable
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({message})") from None

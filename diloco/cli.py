@@ -1,0 +1,130 @@
+"""Command line: argv (+ an optional TOML file) -> validated config -> one call. No training logic here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import cyclopts
+import pydantic
+from cyclopts import App, Parameter
+
+from diloco.config import Config, UsageError
+from diloco.parallel import DistEnv
+
+USAGE_EXIT = 2
+
+
+def train(config: Config) -> int:
+    """Train one worker group (under torchrun for several ranks)."""
+    from diloco import train as training
+
+    env = DistEnv.from_environ()
+    _setup_logging(env.rank)
+    return training.main(config, env)
+
+
+def _train_command(*, config: Config) -> int:
+    return train(config)
+
+
+def dht(
+    *,
+    identity: Annotated[Path, Parameter(help="Private key file; created with mode 0600 when missing.")] = Path(
+        "keys/id.pem"
+    ),
+    host_maddrs: Annotated[list[str], Parameter(consume_multiple=True, help="Multiaddrs to listen on.")] = [  # noqa: B006
+        "/ip4/0.0.0.0/tcp/0"
+    ],
+    announce_maddrs: Annotated[
+        list[str], Parameter(consume_multiple=True, help="Multiaddrs to announce to peers.")
+    ] = [],  # noqa: B006
+) -> int:
+    """Run a hivemind DHT bootstrap peer with a stable peer id until SIGINT/SIGTERM."""
+    from diloco import swarm
+    from diloco.config import HvConfig
+
+    _setup_logging(0)
+    _validated(lambda: HvConfig(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs))
+    return swarm.serve_dht(identity, host_maddrs, announce_maddrs)
+
+
+def build_app(train_only: bool = False) -> App:
+    common: dict[str, Any] = {"print_error": False, "exit_on_error": False, "result_action": "return_value"}
+    if train_only:
+        return App(name="diloco.train", default_command=_train_command, help=train.__doc__, **common)
+    app = App(name="diloco", help="Decentralized DiLoCo training: FSDP worker groups averaging through hivemind.", **common)
+    app.command(_train_command, name="train")
+    app.command(dht)
+    return app
+
+
+def run_app(app: App, argv: Sequence[str]) -> int:
+    """Parse and call; every user error becomes one line on stderr and exit code 2."""
+    try:
+        tokens, config_file = _pop_config_flag(list(argv))
+        if config_file is not None:
+            if not config_file.is_file():
+                raise UsageError(f"--config {config_file}: no such file")
+            app.config = cyclopts.config.Toml(config_file, must_exist=True, allow_unknown=False)
+        result = app(tokens)
+    except (UsageError, cyclopts.CycloptsError, pydantic.ValidationError) as e:
+        _usage_exit(e)
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """`diloco ...` console script."""
+    sys.exit(run_app(build_app(), sys.argv[1:] if argv is None else argv))
+
+
+def train_entry(argv: Sequence[str] | None = None) -> NoReturn:
+    """`python -m diloco.train ...` (what torchrun runs)."""
+    sys.exit(run_app(build_app(train_only=True), sys.argv[1:] if argv is None else argv))
+
+
+def _pop_config_flag(tokens: list[str]) -> tuple[list[str], Path | None]:
+    """Take `--config FILE` out of argv; flags given on the command line then win over the file."""
+    for i, token in enumerate(tokens):
+        if token == "--config":
+            if i + 1 >= len(tokens):
+                raise UsageError("--config needs a TOML file path")
+            return tokens[:i] + tokens[i + 2 :], Path(tokens[i + 1])
+        if token.startswith("--config="):
+            return tokens[:i] + tokens[i + 1 :], Path(token.split("=", 1)[1])
+    return tokens, None
+
+
+def _validated(build: Callable[[], Any]) -> Any:
+    return build()
+
+
+def _usage_exit(error: BaseException) -> NoReturn:
+    """One line, on rank 0 only (every rank of a torchrun group sees the same bad input)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+    sys.exit(USAGE_EXIT)
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, cyclopts.CycloptsError) and isinstance(error.__cause__, pydantic.ValidationError):
+        error = error.__cause__
+    if isinstance(error, pydantic.ValidationError):
+        first = error.errors()[0]
+        flag = "--" + ".".join(str(part).replace("_", "-") for part in first["loc"]) if first["loc"] else ""
+        message = first["msg"].removeprefix("Value error, ")
+        got = f" (got {first['input']!r})" if first["loc"] and "input" in first else ""
+        return f"{flag}: {message}{got}" if flag else message
+    return " ".join(str(error).split())
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )

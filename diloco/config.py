@@ -1,0 +1,140 @@
+"""Configuration: pydantic models validated once at the edge, then passed down as objects.
+
+Field names become the CLI flags (``path_model`` -> ``--path-model``, ``ckpt.interval`` -> ``--ckpt.interval``);
+field descriptions are the CLI help. Derived values are properties or methods, never written back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from cyclopts import Parameter
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class UsageError(ValueError):
+    """Bad user input: reported as one line naming the flag or file, exit code 2, no traceback."""
+
+
+Precision = Literal["fp16-mixed", "bf16-mixed", "32-true"]
+ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]
+Compression = Literal["none", "fp16", "int8"]
+Maddrs = Annotated[list[str], Parameter(consume_multiple=True)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CkptConfig(_Strict):
+    """Checkpointing: sharded model and optimizer through torch.distributed.checkpoint."""
+
+    interval: int | None = Field(None, gt=0, description="Write a checkpoint every N inner steps.")
+    path: Path | None = Field(None, description="Folder of step-N checkpoints [default: <run-dir>/checkpoints].")
+    resume: str | None = Field(
+        None, description="Checkpoint folder to continue from, or 'latest' for the newest step-N under --ckpt.path."
+    )
+
+
+class HvConfig(_Strict):
+    """The decentralized (hivemind) outer loop. With galaxy size 1 none of it starts."""
+
+    initial_peers: Maddrs = Field(default_factory=list, description="Multiaddrs of DHT peers to bootstrap from.")
+    galaxy_size: int = Field(1, ge=1, description="Number of worker groups expected in the swarm.")
+    world_rank: int = Field(0, ge=0, description="Index of this worker group, 0 <= world rank < galaxy size.")
+    local_steps: int = Field(500, gt=0, description="H: inner steps between two outer steps.")
+    outer_lr: float = Field(0.7, gt=0, description="Learning rate of the outer SGD.")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Nesterov momentum of the outer SGD.")
+    matchmaking_time: float = Field(5.0, gt=0, description="Seconds to wait for peers when forming a round.")
+    averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
+    skip_load_from_peers: bool = Field(False, description="Do not download the outer state from peers on join.")
+    compression: Compression = Field("none", description="Pseudo-gradient compression on the wire.")
+    run_id: str = Field("diloco", min_length=1, description="Swarm name: keeps separate runs apart on one DHT.")
+    host_maddrs: Maddrs = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="Multiaddrs this peer listens on."
+    )
+    announce_maddrs: Maddrs = Field(default_factory=list, description="Multiaddrs announced to other peers.")
+
+    @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
+    @classmethod
+    def _valid_maddrs(cls, values: list[str]) -> list[str]:
+        from multiaddr import Multiaddr
+
+        for value in values:
+            try:
+                Multiaddr(value)
+            except Exception as e:  # the package raises several types; all mean "not a multiaddr"
+                raise ValueError(f"{value!r} is not a valid multiaddr ({e})") from None
+        return values
+
+    @model_validator(mode="after")
+    def _rank_in_galaxy(self) -> HvConfig:
+        if self.world_rank >= self.galaxy_size:
+            raise ValueError(f"--hv.world-rank {self.world_rank} must be smaller than --hv.galaxy-size {self.galaxy_size}")
+        return self
+
+
+@Parameter(name="*")
+class Config(_Strict):
+    """One training run of one worker group."""
+
+    path_model: Path = Field(description="Local Hugging Face model folder (config.json alone: fresh init).")
+    fake_data: bool = Field(False, description="Train on random tokens (deterministic by --seed, no I/O).")
+    dataset: Path | None = Field(None, description="A .txt, .jsonl or .parquet file, or a folder of them.")
+    tokenizer: str | None = Field(None, description="Local Hugging Face tokenizer folder [default: byte-level].")
+    seq_length: int = Field(1024, gt=1, description="Tokens per packed sequence.")
+    per_device_train_batch_size: int = Field(32, gt=0, description="Sequences per rank per micro-batch.")
+    total_batch_size: int = Field(512, gt=0, description="Sequences per inner step over all ranks of this group.")
+    lr: float = Field(4e-4, gt=0, description="Peak inner (AdamW) learning rate.")
+    warmup_steps: int = Field(1000, ge=0, description="Linear warm-up steps before the cosine decay.")
+    max_steps: Annotated[int, Parameter(alias="--total-steps")] = Field(
+        88_000, ge=0, description="Inner steps to train for."
+    )
+    precision: Precision = Field("bf16-mixed", description="Parameter/compute precision.")
+    sharding_strategy: ShardingStrategy = Field("FULL_SHARD", description="How FSDP shards the model over ranks.")
+    cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    torch_compile: bool = Field(True, description="Compile each decoder layer with torch.compile.")
+    metric_logger_type: Literal["dummy", "wandb"] = Field("dummy", description="Extra metric sink besides metrics.jsonl.")
+    project: str = Field("diloco", description="wandb project name.")
+    seed: int = Field(42, ge=0, description="Seed for initialisation, data order and fake data.")
+    eval_interval: int | None = Field(None, gt=0, description="Evaluate every N inner steps (and at the last).")
+    eval_steps: int = Field(10, gt=0, description="Batches per evaluation and rank.")
+    log_interval: int = Field(1, gt=0, description="Write a metrics row every N inner steps.")
+    run_name: str | None = Field(None, description="Name of the run folder under runs/ [default: a timestamp].")
+    run_dir: Path | None = Field(None, description="Output folder [default: runs/<run name>/worker-<hv.world-rank>].")
+    ckpt: Annotated[CkptConfig, Parameter(name="ckpt")] = Field(default_factory=CkptConfig)
+    hv: Annotated[HvConfig, Parameter(name="hv")] = Field(default_factory=HvConfig)
+
+    @model_validator(mode="after")
+    def _one_data_source(self) -> Config:
+        if self.fake_data and self.dataset is not None:
+            raise ValueError("pass either --fake-data or --dataset, not both")
+        if not self.fake_data and self.dataset is None:
+            raise ValueError("no data: pass --dataset PATH (a .txt/.jsonl/.parquet file or folder) or --fake-data")
+        return self
+
+    def grad_accumulation(self, world_size: int) -> int:
+        """Micro-batches per inner step: total ÷ (per-device × ranks), which must be a whole number."""
+        per_step = self.per_device_train_batch_size * world_size
+        if self.total_batch_size % per_step:
+            raise UsageError(
+                f"--total-batch-size {self.total_batch_size} is not a multiple of --per-device-train-batch-size "
+                f"{self.per_device_train_batch_size} × {world_size} ranks = {per_step}"
+            )
+        return self.total_batch_size // per_step
+
+    def check_files(self) -> None:
+        """Fail before any work starts when a named file or folder is missing."""
+        if not self.path_model.is_dir():
+            raise UsageError(
+                f"--path-model {self.path_model}: no such local folder (models are loaded from local Hugging Face "
+                "folders only; download it first, e.g. with `huggingface-cli download`)"
+            )
+        if not (self.path_model / "config.json").is_file():
+            raise UsageError(f"--path-model {self.path_model}: no config.json in that folder")
+        if self.dataset is not None and not self.dataset.exists():
+            raise UsageError(f"--dataset {self.dataset}: no such file or folder")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise UsageError(f"--tokenizer {self.tokenizer}: no such local tokenizer folder")

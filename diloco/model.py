@@ -1,0 +1,63 @@
+"""Hugging Face causal LMs from a local folder: fresh initialisation or weights, and export."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from diloco.config import UsageError
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def has_weights(path: Path) -> bool:
+    return any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS)
+
+
+def load_model(path: Path, seed: int) -> PreTrainedModel:
+    """Load weights when the folder has them; with only config.json, initialise from `seed`.
+
+    Master weights are float32 whatever the folder holds: mixed precision is FSDP's job.
+    """
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--path-model {path}: not a readable Hugging Face model config ({_first_line(e)})") from None
+    if has_weights(path):
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise UsageError(f"--path-model {path}: could not load the weights ({_first_line(e)})") from None
+    torch.manual_seed(seed)  # every rank builds the same initial model, so no broadcast is needed
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The repeated transformer blocks, the unit FSDP shards and gradient checkpointing recomputes."""
+    depth = model.config.num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == depth:
+            return list(module)
+    raise UsageError(f"model type {model.config.model_type!r}: could not find its {depth} decoder layers")
+
+
+def params_sha256(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over full parameters in name order, as float32 bytes: equal hashes mean equal models."""
+    digest = hashlib.sha256()
+    for _, tensor in sorted(named_tensors, key=lambda item: item[0]):
+        digest.update(tensor.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_hf(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """Write a folder that `AutoModelForCausalLM.from_pretrained(out_dir)` loads."""
+    fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    fresh.load_state_dict(state_dict)
+    fresh.save_pretrained(out_dir)
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -1,0 +1,133 @@
+"""Device detection, process groups and FSDP2 wrapping: the only module that knows about meshes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from diloco.config import Precision, ShardingStrategy, UsageError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in its worker group, as torchrun describes it (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    under_launcher: bool = False
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
+        """Read torchrun's variables once, at the edge."""
+        if "RANK" not in environ:
+            return cls()
+        world_size = int(environ["WORLD_SIZE"])
+        return cls(
+            rank=int(environ["RANK"]),
+            world_size=world_size,
+            local_rank=int(environ.get("LOCAL_RANK", 0)),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world_size)),
+            under_launcher=True,
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(env: DistEnv) -> torch.device:
+    """One accelerator per local rank when there is one, the CPU otherwise."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(env: DistEnv, device: torch.device, timeout_s: float = 600) -> None:
+    """nccl for accelerator tensors plus gloo for CPU-side objects; plain gloo on CPU."""
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if env.under_launcher:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:  # a plain `python -m diloco.train`: a group of one, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_mesh(strategy: ShardingStrategy, env: DistEnv, device: torch.device) -> DeviceMesh:
+    """NO_SHARD replicates over all ranks, HYBRID_SHARD replicates across nodes and shards within one."""
+    if strategy == "NO_SHARD":
+        return init_device_mesh(device.type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    if strategy == "HYBRID_SHARD":
+        if env.world_size % env.local_world_size:
+            raise UsageError("--sharding-strategy HYBRID_SHARD needs the same number of ranks on every node")
+        return init_device_mesh(
+            device.type, (env.num_nodes, env.local_world_size), mesh_dim_names=("replicate", "shard")
+        )
+    return init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("shard",))
+
+
+def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
+    """Compute in the low precision, keep master weights and gradient reduction in float32."""
+    param_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "32-true": None}[precision]
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(
+    model: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    mesh: DeviceMesh,
+    strategy: ShardingStrategy,
+    precision: Precision,
+    cpu_offload: bool,
+) -> None:
+    """fully_shard each decoder layer, then the root (FSDP2). SHARD_GRAD_OP keeps parameters gathered
+    between forward and backward (ZeRO-2); FULL_SHARD reshards after forward (ZeRO-3)."""
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mixed_precision(precision),
+        "reshard_after_forward": strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+    }
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def all_reduce_mean(value: float, device: torch.device) -> float:
+    """Average a Python scalar over the ranks of this group."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.item() / dist.get_world_size()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is true on any (for stop requests that must be agreed on)."""
+    tensor = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's value on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

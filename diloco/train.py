@@ -1,0 +1,358 @@
+"""One worker group's training run: build everything, run the inner loop, let the outer loop wrap it.
+
+Run it with `torchrun --nproc_per_node=N -m diloco.train --path-model ... --fake-data ...` (or plain
+`python -m diloco.train ...` for one process). Flags: `diloco train --help`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+
+from diloco import checkpoint, parallel
+from diloco.config import Config, UsageError
+from diloco.data import BatchSource, Data, Shard, build_data
+from diloco.metrics import Metrics, peak_memory_mb, write_json_atomic
+from diloco.model import decoder_layers, load_model, params_sha256, save_hf
+from diloco.outer import NoOuter, OuterLoop
+from diloco.parallel import DistEnv
+
+log = logging.getLogger("diloco")
+
+GRAD_CLIP = 1.0
+ADAMW_BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.1
+
+
+class StopRequest:
+    """Set by SIGINT/SIGTERM; the loop stops at the next step boundary. A second signal exits at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt  # second signal: leave now
+        self.requested = True
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once."""
+
+    config: Config
+    env: DistEnv
+    device: torch.device
+    run_dir: Path
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: ShardedGradScaler
+    data: Data
+    grad_accum: int
+    metrics: Metrics
+    outer: OuterLoop
+    stop: StopRequest
+    step: int = 0
+    last_loss: float | None = None
+    last_eval_loss: float | None = None
+    extra_summary: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- the hot loop
+
+
+def inner_step(run: Run) -> torch.Tensor:
+    """One optimizer step over `grad_accum` micro-batches. Returns this rank's mean loss (no sync)."""
+    model, batches = run.model, run.data.train
+    total = torch.zeros((), device=run.device)
+    for micro in range(run.grad_accum):
+        batch = batches.next_batch().to(run.device, non_blocking=True)
+        model.set_requires_gradient_sync(micro == run.grad_accum - 1)  # reduce-scatter once per step
+        loss = model(input_ids=batch, labels=batch).loss / run.grad_accum
+        run.scaler.scale(loss).backward()
+        total += loss.detach()
+    run.scaler.unscale_(run.optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def evaluate(run: Run) -> float | None:
+    """Mean held-out loss over every rank of the group; None without an eval split."""
+    if not run.data.eval_batches:
+        return None
+    run.model.eval()
+    with torch.no_grad():
+        losses = [run.model(input_ids=b.to(run.device), labels=b.to(run.device)).loss for b in run.data.eval_batches]
+    run.model.train()
+    return parallel.all_reduce_mean(torch.stack(losses).mean().item(), run.device)
+
+
+def train_loop(run: Run) -> str:
+    """Inner steps until max_steps or a stop request; the outer loop runs after each. Returns the status."""
+    cfg = run.config
+    tokens_per_step = run.data.tokens_per_batch * run.grad_accum * run.env.world_size
+    tick = time.perf_counter()
+    while run.step < cfg.max_steps:
+        if parallel.any_rank(run.stop.requested, run.device):
+            return "interrupted"
+        loss = inner_step(run)
+        run.step += 1
+        if run.step % cfg.log_interval == 0 or run.step == cfg.max_steps:
+            run.last_loss = parallel.all_reduce_mean(loss.item(), run.device)
+            if not math.isfinite(run.last_loss):
+                raise FloatingPointError(f"loss is {run.last_loss} at step {run.step}: stopping this group")
+            elapsed, tick = time.perf_counter() - tick, time.perf_counter()
+            run.metrics.log(
+                {
+                    "step": run.step,
+                    "loss": run.last_loss,
+                    "lr": run.scheduler.get_last_lr()[0],
+                    "tokens_per_s": tokens_per_step * cfg.log_interval / elapsed,
+                    "peak_memory_mb": peak_memory_mb(run.device),
+                }
+            )
+        outer_row = run.outer.after_inner_step(run.step)
+        if outer_row is not None:
+            run.metrics.log(outer_row)
+        if cfg.eval_interval and run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps:
+            log_eval(run)
+        if cfg.ckpt.interval and run.step % cfg.ckpt.interval == 0:
+            save_checkpoint(run)
+        if outer_row is not None or (cfg.eval_interval and run.step % cfg.eval_interval == 0):
+            tick = time.perf_counter()  # keep outer steps and evals out of the inner throughput
+    return "ok"
+
+
+def log_eval(run: Run) -> None:
+    run.last_eval_loss = evaluate(run)
+    if run.last_eval_loss is not None:
+        run.metrics.log(
+            {"step": run.step, "eval_loss": run.last_eval_loss, "eval_perplexity": math.exp(run.last_eval_loss)}
+        )
+
+
+# ---------------------------------------------------------------- building
+
+
+def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path, stop: StopRequest) -> Run:
+    grad_accum = config.grad_accumulation(env.world_size)
+    model = load_model(config.path_model, config.seed)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = decoder_layers(model)
+    if config.torch_compile:
+        for layer in layers:
+            layer.compile()
+    model.to(device)
+    mesh = parallel.build_mesh(config.sharding_strategy, env, device)
+    parallel.shard_model(model, layers, mesh, config.sharding_strategy, config.precision, config.cpu_offload)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY, foreach=True
+    )
+    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(config.max_steps, 1))
+    data = build_data(
+        dataset=config.dataset,
+        tokenizer_spec=config.tokenizer,
+        vocab_size=model.config.vocab_size,
+        seq_length=config.seq_length,
+        batch_size=config.per_device_train_batch_size,
+        eval_steps=config.eval_steps,
+        seed=config.seed,
+        shard=Shard.of(config.hv.world_rank, config.hv.galaxy_size, env.rank, env.world_size),
+        eval_shard=Shard(env.rank, env.world_size),
+    )
+    metrics = Metrics.build(
+        enabled=env.is_main,
+        run_dir=run_dir,
+        logger_type=config.metric_logger_type,
+        project=config.project,
+        run_name=run_dir.parent.name if config.run_dir is None else run_dir.name,
+        config=config.model_dump(mode="json"),
+    )
+    return Run(
+        config=config,
+        env=env,
+        device=device,
+        run_dir=run_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=ShardedGradScaler(device=device.type, enabled=config.precision == "fp16-mixed"),
+        data=data,
+        grad_accum=grad_accum,
+        metrics=metrics,
+        outer=NoOuter(),
+        stop=stop,
+    )
+
+
+def ckpt_folder(config: Config, run_dir: Path) -> Path:
+    return config.ckpt.path if config.ckpt.path is not None else run_dir / "checkpoints"
+
+
+def local_state(run: Run) -> dict[str, Any]:
+    """What each rank keeps for itself: identical-on-all-ranks state is cheap enough to store per rank."""
+    return {
+        "step": run.step,
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "data": run.data.train.state_dict(),
+        "rng": torch.get_rng_state(),
+        "outer": run.outer.state_dict(),
+    }
+
+
+def save_checkpoint(run: Run) -> None:
+    folder = checkpoint.save(
+        ckpt_folder(run.config, run.run_dir),
+        run.step,
+        checkpoint.ModelAndOptimizer(run.model, run.optimizer),
+        local_state(run),
+        run.env.rank,
+        run.env.world_size,
+    )
+    log.info("checkpoint written to %s", folder)
+
+
+def resume(run: Run, path: Path) -> None:
+    state = checkpoint.load(path, checkpoint.ModelAndOptimizer(run.model, run.optimizer), run.env.rank)
+    run.step = state["step"]
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.scaler.load_state_dict(state["scaler"])
+    run.data.train.load_state_dict(state["data"])
+    torch.set_rng_state(state["rng"])
+    run.outer.load_state_dict(state["outer"])
+    log.info("resumed from %s at step %d", path, run.step)
+
+
+# ---------------------------------------------------------------- finishing
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the unsharded model on rank 0 (CPU), an empty dict elsewhere."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def finish(run: Run, status: str, started: float) -> dict[str, Any]:
+    """Final eval (or checkpoint when interrupted), export and summary. Collective."""
+    if status == "ok" and run.data.eval_batches:
+        log_eval(run)
+    if status == "interrupted" and (run.config.ckpt.path or run.config.ckpt.interval):
+        save_checkpoint(run)
+    state = full_state_dict(run.model)
+    summary: dict[str, Any] = {
+        "status": status,
+        "steps": run.step,
+        "final_loss": run.last_loss,
+        "final_eval_loss": run.last_eval_loss,
+        **run.outer.summary(),
+    }
+    if run.env.is_main:
+        names = [name for name, _ in run.model.named_parameters()]
+        summary["params_sha256"] = params_sha256([(name, state[name]) for name in names])
+        save_hf(run.model, state, run.run_dir / "final")
+    summary["wall_s"] = time.perf_counter() - started
+    return summary
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def check_before_start(config: Config, env: DistEnv) -> Path | None:
+    """Every check that needs no process group, so bad input fails before any work. Returns the resume path."""
+    config.check_files()
+    config.grad_accumulation(env.world_size)
+    if config.run_dir is not None and config.ckpt.resume is None and (config.run_dir / "metrics.jsonl").exists():
+        raise UsageError(
+            f"--run-dir {config.run_dir} already holds a run (metrics.jsonl); pick another folder or continue it "
+            "with --ckpt.resume"
+        )
+    if config.ckpt.resume is None:
+        return None
+    if config.ckpt.resume == "latest" and config.ckpt.path is None and config.run_dir is None:
+        raise UsageError("--ckpt.resume latest needs --ckpt.path (or --run-dir) to say where to look")
+    folder = config.ckpt.path if config.ckpt.path is not None else config.run_dir / "checkpoints"
+    path = checkpoint.resolve(config.ckpt.resume, folder)
+    checkpoint.check(path, env.world_size)
+    return path
+
+
+def resolve_run_dir(config: Config) -> Path:
+    """--run-dir, else runs/<run name>/worker-<world rank>; the default name is rank 0's clock (collective)."""
+    if config.run_dir is not None:
+        return config.run_dir
+    name = config.run_name or parallel.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
+    return Path("runs") / str(name) / f"worker-{config.hv.world_rank}"
+
+
+def main(config: Config, env: DistEnv) -> int:
+    """Train one worker group. Returns the exit code: 0 done, 130 stopped by a signal."""
+    started = time.perf_counter()
+    resume_path = check_before_start(config, env)
+    stop = StopRequest()
+    stop.install()
+    device = parallel.pick_device(env)
+    parallel.init_process_group(env, device)
+    run: Run | None = None
+    status = "failed"
+    try:
+        run_dir = resolve_run_dir(config)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run = build_run(config, env, device, run_dir, stop)
+        if resume_path is not None:
+            resume(run, resume_path)
+        status = train_loop(run)
+        summary = finish(run, status, started)
+    except KeyboardInterrupt:  # a second signal: no more collectives, just record what is known
+        status = "interrupted"
+        summary = {"status": status, "steps": run.step if run else 0, "wall_s": time.perf_counter() - started}
+    except UsageError:
+        raise
+    except BaseException:
+        if run is not None and env.is_main:
+            write_json_atomic(run.run_dir / "summary.json", failed_summary(run, started))
+        raise
+    finally:
+        if run is not None:
+            run.metrics.close()
+            run.outer.close()
+        parallel.destroy_process_group()
+    if env.is_main and run is not None:
+        write_json_atomic(run.run_dir / "summary.json", summary)
+        log.info("run %s: %s after %d steps, summary in %s", run.run_dir, status, run.step, run.run_dir)
+    return 0 if status == "ok" else 130
+
+
+def failed_summary(run: Run, started: float) -> dict[str, Any]:
+    return {
+        "status": "failed",
+        "steps": run.step,
+        "final_loss": run.last_loss,
+        "final_eval_loss": run.last_eval_loss,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+if __name__ == "__main__":
+    from diloco.cli import train_entry
+
+    train_entry()
