@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from diloco.config import UsageError
@@ -61,10 +62,8 @@ def save(
     return final
 
 
-def resolve(resume: str, folder: Path) -> Path:
-    """`latest` is the newest complete step-N under `folder`; anything else is a checkpoint folder."""
-    if resume != "latest":
-        return Path(resume)
+def latest(folder: Path) -> Path:
+    """The newest complete step-N checkpoint under `folder`."""
     steps = [
         (int(m.group(1)), p) for p in (folder.iterdir() if folder.is_dir() else []) if (m := STEP_DIR.match(p.name))
     ]
@@ -89,6 +88,12 @@ def check(path: Path, world_size: int) -> int:
     missing = [name for name in [".metadata", *(f"rank-{r}.pt" for r in range(world_size))] if not (path / name).is_file()]
     if missing:
         raise UsageError(f"--ckpt.resume {path}: corrupt or incomplete checkpoint (missing {', '.join(missing)})")
+    try:  # cheap reads that catch truncated or overwritten files before any work
+        dcp.FileSystemReader(str(path)).read_metadata()
+        for r in range(world_size):
+            torch.load(path / f"rank-{r}.pt", weights_only=False)
+    except Exception as e:
+        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({_first_line(e)})") from None
     return step
 
 
@@ -97,6 +102,9 @@ def load(path: Path, sharded: ModelAndOptimizer, rank: int) -> dict[str, Any]:
     try:
         dcp.load({"app": sharded}, checkpoint_id=str(path))
         return torch.load(path / f"rank-{rank}.pt", weights_only=False)
-    except Exception as e:  # DCP wraps reader errors in several types; all mean the files are unusable
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({message})") from None
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({_first_line(e)})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -117,8 +117,9 @@ def _one_line(error: BaseException) -> str:
         first = error.errors()[0]
         flag = "--" + ".".join(str(part).replace("_", "-") for part in first["loc"]) if first["loc"] else ""
         message = first["msg"].removeprefix("Value error, ")
-        got = f" (got {first['input']!r})" if first["loc"] and "input" in first else ""
-        return f"{flag}: {message}{got}" if flag else message
+        if not flag or message.startswith("--"):  # a cross-field check whose message names its flags
+            return message
+        return f"{flag}: {message} (got {first['input']!r})"
     return " ".join(str(error).split())
 
 

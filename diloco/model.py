@@ -54,8 +54,11 @@ def params_sha256(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
 
 def save_hf(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
     """Write a folder that `AutoModelForCausalLM.from_pretrained(out_dir)` loads."""
+    from transformers.utils import logging as hf_logging
+
     fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
     fresh.load_state_dict(state_dict)
+    hf_logging.disable_progress_bar()  # a progress bar per tiny shard only clutters the run's log
     fresh.save_pretrained(out_dir)
 
 

@@ -105,7 +105,7 @@ def shard_model(
         "mp_policy": mixed_precision(precision),
         "reshard_after_forward": strategy in ("FULL_SHARD", "HYBRID_SHARD"),
     }
-    if cpu_offload:
+    if cpu_offload and mesh.device_type != "cpu":  # on a CPU-only run everything already lives in CPU memory
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
         fully_shard(layer, **kwargs)

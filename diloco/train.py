@@ -205,7 +205,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     )
 
 
-def ckpt_folder(config: Config, run_dir: Path) -> Path:
+def ckpt_folder(config: Config, run_dir: Path | None) -> Path:
     return config.ckpt.path if config.ckpt.path is not None else run_dir / "checkpoints"
 
 
@@ -288,10 +288,12 @@ def check_before_start(config: Config, env: DistEnv) -> Path | None:
         )
     if config.ckpt.resume is None:
         return None
-    if config.ckpt.resume == "latest" and config.ckpt.path is None and config.run_dir is None:
+    if config.ckpt.resume != "latest":
+        path = Path(config.ckpt.resume)
+    elif config.ckpt.path is None and config.run_dir is None:
         raise UsageError("--ckpt.resume latest needs --ckpt.path (or --run-dir) to say where to look")
-    folder = config.ckpt.path if config.ckpt.path is not None else config.run_dir / "checkpoints"
-    path = checkpoint.resolve(config.ckpt.resume, folder)
+    else:
+        path = checkpoint.latest(ckpt_folder(config, config.run_dir))
     checkpoint.check(path, env.world_size)
     return path
 
