@@ -28,10 +28,6 @@ def train(config: Config) -> int:
     return training.main(config, env)
 
 
-def _train_command(*, config: Config) -> int:
-    return train(config)
-
-
 def dht(
     *,
     identity: Annotated[Path, Parameter(help="Private key file; created with mode 0600 when missing.")] = Path(
@@ -53,12 +49,23 @@ def dht(
     return swarm.serve_dht(identity, host_maddrs, announce_maddrs)
 
 
-def build_app(train_only: bool = False) -> App:
-    common: dict[str, Any] = {"print_error": False, "exit_on_error": False, "result_action": "return_value"}
+def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = train) -> App:
+    """`diloco` with its subcommands, or (train_only) the flags of `python -m diloco.train`."""
+
+    def train_command(*, config: Config) -> int:
+        return train_fn(config)
+
+    train_command.__doc__ = train.__doc__
+    common: dict[str, Any] = {
+        "print_error": False,
+        "exit_on_error": False,
+        "result_action": "return_value",
+        "default_parameter": Parameter(allow_repeating=True),  # argparse habit: a repeated flag's last value wins
+    }
     if train_only:
-        return App(name="diloco.train", default_command=_train_command, help=train.__doc__, **common)
+        return App(name="diloco.train", default_command=train_command, help=train.__doc__, **common)
     app = App(name="diloco", help="Decentralized DiLoCo training: FSDP worker groups averaging through hivemind.", **common)
-    app.command(_train_command, name="train")
+    app.command(train_command, name="train")
     app.command(dht)
     return app
 

@@ -29,7 +29,7 @@ def load_model(path: Path, seed: int) -> PreTrainedModel:
     if has_weights(path):
         try:
             return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
+        except Exception as e:  # safetensors, torch and transformers each raise their own types
             raise UsageError(f"--path-model {path}: could not load the weights ({_first_line(e)})") from None
     torch.manual_seed(seed)  # every rank builds the same initial model, so no broadcast is needed
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -114,6 +114,7 @@ def train_loop(run: Run) -> str:
     while run.step < cfg.max_steps:
         if parallel.any_rank(run.stop.requested, run.device):
             return "interrupted"
+        lr = run.scheduler.get_last_lr()[0]  # the rate this step uses
         loss = inner_step(run)
         run.step += 1
         if run.step % cfg.log_interval == 0 or run.step == cfg.max_steps:
@@ -125,7 +126,7 @@ def train_loop(run: Run) -> str:
                 {
                     "step": run.step,
                     "loss": run.last_loss,
-                    "lr": run.scheduler.get_last_lr()[0],
+                    "lr": lr,
                     "tokens_per_s": tokens_per_step * cfg.log_interval / elapsed,
                     "peak_memory_mb": peak_memory_mb(run.device),
                 }

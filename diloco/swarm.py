@@ -1,0 +1,570 @@
+"""Swarm layer: DHT peers, peer identity and bit-identical averaging. The only module that imports hivemind.
+
+hivemind is pinned to 1.1.12, so this module subclasses a few of its internals. It relies on:
+
+* ``AllReduceRunner``: ``_communicate_with_peer`` (its own-part branch), ``_accumulate_parts_streaming``
+  (the reducer's reply stream), ``_get_peer_stub``, and the attributes ``tensor_part_container``
+  (``return_deltas``, ``failed_size``, ``compression``, ``_input_parts_by_peer``), ``tensor_part_reducer``,
+  ``parts_for_local_averaging``, ``sender_peer_ids``, ``ordered_peer_ids``, ``weight``.
+* ``DecentralizedAverager``: ``_run_allreduce_inplace_`` (called once per all-reduce attempt while the averager
+  holds its tensor lock), ``_running_groups``, ``_p2p``, ``run`` and the ``_rpc_handlers`` / ``_stub_type``
+  class caches of ``hivemind.p2p.ServicerBase``.
+* ``StepControl.stage`` / ``allow_allreduce`` / ``cancel`` from ``step(require_trigger=True, wait=False)``.
+* ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES``: the decoder registry, patched inside the averager
+  process only (``ExactAverager.run``) because the stock 8-bit decoder fails on numpy >= 2.4.
+* Identity files in hivemind's format: a libp2p ``crypto_pb2.PrivateKey`` protobuf holding an RSA key (DER),
+  which is the only kind ``PeerID.from_identity`` (and so ``P2P.create(identity_path=...)``) can read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import stat
+import threading
+import time
+import warnings
+from concurrent.futures import InvalidStateError
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable, Literal, Sequence
+
+import hivemind
+import numpy as np
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    Uniform8BitQuantization,
+    deserialize_torch_tensor,
+)
+from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, crypto_pb2, runtime_pb2
+from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils.crypto import RSAPrivateKey
+
+logger = logging.getLogger(__name__)
+
+
+
+class Uniform8Bit(Uniform8BitQuantization):
+    """hivemind's ``Uniform8BitQuantization`` (per part: 256 levels over mean +- 3 sigma, codebook = bucket means)
+    with a decoder that works on numpy >= 2.4: hivemind 1.1.12 calls ``int()`` on a 1-element array, which numpy
+    2.4 rejects, so every stock 8-bit all-reduce fails there. Same wire format as stock."""
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        buffer = serialized_tensor.buffer
+        codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+        indices = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        values = torch.as_tensor(codebook)[torch.as_tensor(indices, dtype=torch.int64)]
+        values = values.to(getattr(torch, serialized_tensor.dtype)).reshape(tuple(serialized_tensor.size))
+        return values.requires_grad_(serialized_tensor.requires_grad)
+
+
+Compression = Literal["none", "fp16", "int8"]
+COMPRESSIONS: dict[str, type[CompressionBase]] = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    "int8": Uniform8Bit,  # lower error and ~20x faster than Quantile8BitQuantization; no bitsandbytes needed
+}
+
+
+# ----------------------------------------------------------------------------------------------------------- identity
+
+
+def ensure_identity(path: Path) -> Path:
+    """Create the peer's private key file at ``path`` unless it exists, then validate it.
+
+    :param path: key file; parent folders are created, a new file gets mode 0600. Reusing it keeps the peer id
+        stable across restarts.
+    :returns: ``path``
+    :raises ValueError: the file exists but cannot be read or is not a key hivemind can use.
+    """
+    path = Path(path)
+    if not path.exists():
+        _write_new_identity(path)
+    identity_peer_id(path)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        warnings.warn(f"identity file {path} is accessible to group/others (mode {mode:o}); run: chmod 600 {path}")
+    return path
+
+
+def identity_peer_id(path: Path) -> str:
+    """Return the base58 peer id of the key stored at ``path``; ``ValueError`` if unreadable or invalid."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read identity file {path}: {e.strerror or e}") from None
+    try:
+        return PeerID.from_identity(data).to_base58()
+    except Exception as e:  # protobuf DecodeError, cryptography ValueError, ...
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"identity file {path} is not a valid libp2p RSA private key: {reason}") from None
+
+
+def _write_new_identity(path: Path) -> None:
+    """Write a new RSA key in hivemind's format, atomically, never replacing a key another process just wrote."""
+    # hivemind 1.1.12 reads identity files only as RSA (PeerID.from_identity uses load_der_private_key), so an
+    # Ed25519 key would make P2P.create fail whenever initial_peers are given. Same bytes as P2P.generate_identity.
+    key = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # independent of umask
+        os.write(fd, key.SerializeToString())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # fails if a concurrent rank created the file first: keep theirs
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+
+
+# ---------------------------------------------------------------------------------------------------------------- DHT
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str],
+    identity_path: Path | None = None,
+    client_mode: bool = False,
+    startup_timeout: float = 30,
+) -> hivemind.DHT:
+    """Start a hivemind DHT peer in a background process (which owns one p2pd daemon).
+
+    :param initial_peers: multiaddrs of running peers to bootstrap from (``/ip4/1.2.3.4/tcp/31337/p2p/Qm...``);
+        empty to start a new swarm.
+    :param host_maddrs: multiaddrs to listen on, e.g. ``/ip4/0.0.0.0/tcp/31337`` (port 0 = any free port).
+    :param announce_maddrs: public multiaddrs to advertise instead of the listening ones (explicit ports);
+        empty to advertise what libp2p sees.
+    :param identity_path: private key file (created if missing, see ``ensure_identity``) making the peer id
+        stable; None for a random peer id.
+    :param client_mode: if True, this peer does not serve DHT requests or accept incoming averaging requests
+        (for peers behind NAT); it can still average with non-client peers.
+    :param startup_timeout: seconds to wait for the daemon to start and the bootstrap to finish.
+    :returns: the running DHT; call ``.shutdown()`` when done.
+    """
+    kwargs = {}
+    if identity_path is not None:
+        kwargs["identity_path"] = str(ensure_identity(identity_path))
+    dht = hivemind.DHT(
+        initial_peers=list(initial_peers) or None,
+        host_maddrs=list(host_maddrs),
+        announce_maddrs=list(announce_maddrs) or None,
+        client_mode=client_mode,
+        startup_timeout=startup_timeout,
+        start=False,
+        **kwargs,
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=startup_timeout)
+    except BaseException:
+        dht.shutdown()
+        raise
+    return dht
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """Multiaddrs (with ``/p2p/<peer id>``) under which other peers can reach ``dht``."""
+    return [str(maddr) for maddr in dht.get_visible_maddrs()]
+
+
+def serve_dht(
+    identity: Path,
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str],
+    stop_event: threading.Event | None = None,
+    print_fn: Callable[[str], object] = print,
+) -> int:
+    """Run a bootstrap DHT peer until SIGINT/SIGTERM or ``stop_event``; the body of ``diloco dht``.
+
+    Prints one line ``--hv.initial-peers <maddr> ...`` to paste into the workers' command line.
+
+    :param identity: private key file (created if missing) so the printed multiaddrs survive restarts.
+    :param host_maddrs: multiaddrs to listen on, e.g. ``/ip4/0.0.0.0/tcp/31337``.
+    :param announce_maddrs: public multiaddrs to advertise (may be empty).
+    :param stop_event: optional event that stops the peer when set (for tests and embedding).
+    :param print_fn: where the ready line goes.
+    :returns: process exit code (0).
+    """
+    stop = threading.Event()
+    previous = _install_stop_handlers(stop)
+    try:
+        dht = start_dht(
+            initial_peers=[], host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity_path=identity
+        )
+        try:
+            print_fn("--hv.initial-peers " + " ".join(visible_maddrs(dht)))
+            while not stop.is_set() and not (stop_event is not None and stop_event.is_set()):
+                stop.wait(0.2)  # short waits keep the main thread responsive to signals
+        finally:
+            dht.shutdown()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 0
+
+
+def _install_stop_handlers(stop: threading.Event) -> dict[int, object]:
+    """Make SIGINT/SIGTERM set ``stop``; only possible (and only done) in the main thread. Returns old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, lambda *_: stop.set())
+    return previous
+
+
+# ------------------------------------------------------------------------------------------------ exact all-reduce
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce after which every peer of the group holds the very same bytes.
+
+    Stock hivemind sends each sender ``compress(average - its_part)`` and adds it to the local tensor, so peers end
+    up with different rounding (and different quantization errors). Here each reducer encodes its averaged part
+    once (with the part's compression), sends those bytes to every sender, decodes the same bytes for its own
+    part, and the outputs are the decoded averages themselves (to be copied, not added).
+
+    Outputs of a reducer that failed are this peer's own inputs (not zeros) and are counted in
+    ``tensor_part_container.failed_size``; the caller must treat a nonzero value as a failed round.
+    ``bytes_sent`` / ``bytes_received`` count serialized messages of this run.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        container = self.tensor_part_container
+        container.return_deltas = False  # only read by register_failed_reducer: fall back to our input
+        own_parts = container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
+        self._part_infos = tuple(info for _, info in own_parts)
+        self._encoded: dict[int, asyncio.Future] = {}  # part index -> encoded average (a sliding window of two)
+        self._oldest_kept_part = 0
+        self.bytes_sent = self.bytes_received = 0
+
+    async def _encode_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
+        """Encode the average of one of our parts exactly once; every caller gets the same message."""
+        if part_index not in self._encoded:
+            if part_index < self._oldest_kept_part:
+                raise AllreduceException(f"result of part {part_index} was requested after it was dropped")
+            # a peer asking for part k has fetched part k-1 (each sender's stream is sequential), so older
+            # results can go: this keeps at most two encoded parts in memory
+            self._oldest_kept_part = max(self._oldest_kept_part, part_index - 1)
+            for old in [index for index in self._encoded if index < self._oldest_kept_part]:
+                del self._encoded[old]
+            compress = self.tensor_part_container.compression.compress
+            self._encoded[part_index] = asyncio.get_running_loop().run_in_executor(
+                None, compress, averaged_part, self._part_infos[part_index], False
+            )
+        return await self._encoded[part_index]
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        # our own part: use the decoded bytes the others receive, not the exact average
+        peer_index = self.ordered_peer_ids.index(self.peer_id)
+        sender_index = self.sender_peer_ids.index(self.peer_id)
+        loop = asyncio.get_running_loop()
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged_part = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            encoded = await self._encode_average(part_index, averaged_part)
+            decoded = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Reducer side: add a sender's parts to the running averages, reply with the encoded averages."""
+        part_index = 0
+        try:
+            async for tensor_part, weight in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
+                self._count_received(stream),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    logger.debug(f"sender {sender_index} is already banned")
+                    break
+                encoded = await self._encode_average(part_index - 1, averaged_part)
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+                self.bytes_sent += reply.ByteSize()
+                yield reply
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    def _get_peer_stub(self, peer: PeerID) -> _CountingStub:
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    async def _count_received(self, stream: AsyncIterator) -> AsyncIterator:
+        async for msg in stream:
+            self.bytes_received += msg.ByteSize()
+            yield msg
+
+    async def _count_sent(self, stream: AsyncIterator) -> AsyncIterator:
+        async for msg in stream:
+            self.bytes_sent += msg.ByteSize()
+            yield msg
+
+
+class _CountingStub:
+    """Wraps a groupmate's stub so that the sender side of ``rpc_aggregate_part`` is counted in both directions."""
+
+    def __init__(self, stub, runner: ExactAllReduceRunner):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator) -> AsyncIterator:
+        replies = await self._stub.rpc_aggregate_part(self._runner._count_sent(requests))
+        return self._runner._count_received(replies)
+
+
+class ExactAverager(hivemind.DecentralizedAverager):
+    """DecentralizedAverager whose rounds leave all groupmates with bit-identical tensors (``ExactAllReduceRunner``).
+
+    A round either overwrites all local tensors with the group average or, if any part could not be averaged,
+    leaves them untouched and fails (so ``step`` retries or raises instead of returning mixed results).
+    ``stats`` holds, in shared memory: bytes sent, bytes received, size of the last group that tried to average.
+    Peers only group with other ``ExactAverager`` peers: RPC names include the class name.
+    """
+
+    _rpc_handlers = None  # collect our own RPC handlers/stub (the cache is a class attribute in ServicerBase)
+    _stub_type = None
+
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: hivemind.DHT, **kwargs):
+        self.stats = mp.Array(ctypes.c_int64, 3)
+        super().__init__(averaged_tensors, dht, **kwargs)
+
+    @staticmethod
+    def _Popen(process_obj):
+        # hivemind assumes fork (the DHT is a ForkProcess too); keep it so if the trainer sets 'spawn' globally
+        return mp.context.ForkProcess._Popen(process_obj)
+
+    def run(self):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which then shuts us down
+        # deserialize_torch_tensor decodes through this registry; fix the 8-bit decoder in this process only
+        _BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8Bit()
+        warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
+        super().run()
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
+    ):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        self.stats[2] = len(group_info.peer_ids)
+        try:
+            # keep all results until the end: a failure must leave every tensor untouched (a retry re-sends them)
+            averaged = [tensor async for tensor in runner]
+            failed = runner.tensor_part_container.failed_size
+            if failed:
+                raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values not averaged")
+            for tensor, result in zip(tensors, averaged):
+                tensor.copy_(result)
+        finally:
+            self.stats[0] += runner.bytes_sent
+            self.stats[1] += runner.bytes_received
+
+
+# ------------------------------------------------------------------------------------------------- trainer interface
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """Outcome of one ``SwarmAverager.average`` call.
+
+    :param num_peers: peers (worker groups) in the averaging group, including this one; 1 = nobody else was ready
+        (tensors kept as they were). When ``ok`` is False: the size of the group that failed (0 if none formed).
+    :param seconds: wall time of matchmaking + all-reduce, in seconds.
+    :param bytes_sent: serialized bytes this peer sent in the round (tensor parts and averaged parts).
+    :param bytes_received: serialized bytes this peer received in the round.
+    :param ok: False when the round failed and the tensors were left untouched. Peers with ok=True of the same
+        group hold identical bytes; at least one peer of a group reports ok=False if any part went wrong.
+    """
+
+    num_peers: int
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    ok: bool
+
+
+class SwarmAverager:
+    """Averages a fixed list of CPU float32 tensors with every peer of the same ``prefix`` that is ready.
+
+    After a successful round all peers of the group hold bit-identical tensors, for every compression.
+    The averager runs in a background process (started here, ~1 s) that shares the caller's DHT daemon.
+
+    :param dht: a running DHT (see ``start_dht``); not owned, shut it down after ``shutdown()``.
+    :param prefix: swarm key; only averagers with the same prefix and tensor shapes average together,
+        e.g. ``f"{run_id}/rank{r}"``. Must not contain '.'.
+    :param tensors: templates (shapes, float32, CPU) of the tensors passed to ``average``; they are copied.
+    :param compression: wire format of tensor parts and averages: "none" (exact fp32), "fp16", or "int8"
+        (hivemind ``Uniform8BitQuantization``, per part of 512 KiB of int8 data).
+    :param matchmaking_time: seconds to wait for groupmates before averaging with whoever joined; with
+        nobody else the round returns after about this time plus ``grace``.
+    :param averaging_timeout: seconds allowed for the all-reduce once a group is formed; a failed all-reduce
+        is retried (with a new group) while the round is younger than ``matchmaking_time + averaging_timeout``.
+    :param target_group_size: start as soon as this many peers (including this one) joined; None waits the
+        whole ``matchmaking_time`` and takes everyone.
+    :param grace: extra seconds after ``matchmaking_time`` to wait for the group to be announced, in seconds.
+    :param startup_timeout: seconds to wait for the averager process to start.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        prefix: str,
+        tensors: Sequence[torch.Tensor],
+        compression: Compression = "none",
+        matchmaking_time: float,
+        averaging_timeout: float,
+        target_group_size: int | None = None,
+        grace: float = 3.0,
+        startup_timeout: float = 60.0,
+    ):
+        if "." in prefix or not prefix:
+            raise ValueError(f"averaging prefix must be non-empty and contain no '.': {prefix!r}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {compression!r}")
+        if matchmaking_time <= 0 or averaging_timeout <= 0:
+            raise ValueError("matchmaking_time and averaging_timeout must be positive (seconds)")
+        for tensor in tensors:
+            _check_cpu_float32(tensor)
+        self._shapes = [tuple(tensor.shape) for tensor in tensors]
+        self.matchmaking_time, self.averaging_timeout, self.grace = matchmaking_time, averaging_timeout, grace
+        self._averager = ExactAverager(
+            [tensor.detach().clone() for tensor in tensors],
+            dht,
+            start=False,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            min_group_size=2,  # a lone peer is handled here (by cancelling), never as a group of one
+            min_matchmaking_time=matchmaking_time,
+            request_timeout=min(3.0, matchmaking_time / 2),  # hivemind: must be < min_matchmaking_time
+            compression=COMPRESSIONS[compression](),
+            allreduce_timeout=averaging_timeout,
+            next_chunk_timeout=averaging_timeout / 4,  # drop a silent groupmate before the whole round times out
+            allow_state_sharing=False,
+        )
+        self._averager.start()
+        try:
+            self._averager.wait_until_ready(timeout=startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def average(self, tensors: Sequence[torch.Tensor]) -> RoundReport:
+        """Average ``tensors`` in place with the peers that are ready; never raises on network failures.
+
+        :param tensors: CPU float32 tensors with the shapes given at construction.
+        :returns: the report; on ``ok=False`` or ``num_peers == 1`` the tensors were not modified.
+        """
+        if [tuple(tensor.shape) for tensor in tensors] != self._shapes:
+            raise ValueError(f"expected tensors of shapes {self._shapes}")
+        for tensor in tensors:
+            _check_cpu_float32(tensor)
+        started = time.monotonic()
+        with self._averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, tensors):
+                buffer.copy_(tensor)
+        stats = self._averager.stats
+        stats[:] = [0, 0, 0]
+        control = self._averager.step(
+            timeout=self.matchmaking_time + self.averaging_timeout,
+            allow_retries=True,
+            require_trigger=True,  # we trigger only after seeing the group, so giving up cannot race with it
+            wait=False,
+        )
+        ok, num_peers = self._finish_round(control, tensors)
+        return RoundReport(num_peers, time.monotonic() - started, stats[0], stats[1], ok)
+
+    def _finish_round(self, control: StepControl, tensors: Sequence[torch.Tensor]) -> tuple[bool, int]:
+        """Trigger the all-reduce once a group is formed, or give up when nobody came. Returns (ok, num_peers)."""
+        if not self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace):
+            return True, 1
+        try:
+            gathered = control.result(timeout=self.matchmaking_time + 2 * self.averaging_timeout + self.grace)
+        except BaseException as e:  # TimeoutError, AllreduceException, MatchmakingException, CancelledError, ...
+            _cancel(control)
+            logger.warning(f"averaging round failed, tensors left unchanged: {type(e).__name__}: {e}")
+            return False, int(self._averager.stats[2])
+        with self._averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, tensors):
+                tensor.copy_(buffer)
+        return True, len(gathered)
+
+    @staticmethod
+    def _trigger_when_grouped(control: StepControl, give_up_at: float) -> bool:
+        """Poll the step's stage; allow the all-reduce when grouped. False (step cancelled) if no group by then."""
+        while time.monotonic() < give_up_at:
+            if control.done():
+                return True  # failed early: result() reports it
+            if control.stage == AveragingStage.AWAITING_TRIGGER:
+                control.allow_allreduce()
+                return True
+            time.sleep(0.02)
+        _cancel(control)
+        # let the averager process leave matchmaking before the next round starts
+        deadline = time.monotonic() + 5.0
+        while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return False
+
+    def shutdown(self) -> None:
+        """Stop the averager process (idempotent). The DHT stays up."""
+        if self._averager.is_alive():
+            self._averager.shutdown()
+
+    def __enter__(self) -> SwarmAverager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _cancel(control: StepControl) -> None:
+    """Cancel a step that may have finished meanwhile (cancelling twice raises in hivemind)."""
+    if not control.done():
+        try:
+            control.cancel()
+        except InvalidStateError:
+            pass
+
+
+def _check_cpu_float32(tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+        raise ValueError(f"SwarmAverager averages CPU float32 tensors, got {tensor.dtype} on {tensor.device}")

@@ -1,0 +1,82 @@
+"""Shared fixtures: run the real entry points as subprocesses, one torch thread per rank, and clean up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = ROOT / "tests" / "models" / "llama-2m-fresh"
+CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+# Small, fast defaults every trainer test starts from (flags win when repeated later on the line).
+FAST = [
+    "--path-model", str(TINY_MODEL), "--seq-length", "32", "--per-device-train-batch-size", "2",
+    "--lr", "1e-2", "--warmup-steps", "2", "--no-torch-compile", "--precision", "32-true",
+]  # fmt: skip
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline")
+    env.pop("RANK", None)
+    return env
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_cmd(cmd: list[str], timeout: float = 180, cwd: Path = ROOT) -> Result:
+    """Run in a new process group; on timeout kill the whole group (torchrun and its ranks)."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n{out}\n{err}") from None
+    return Result(proc.returncode, out, err)
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 180, extra: list[str] | None = None) -> Result:
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", *(extra or []), "-m", "diloco.train", *args]
+    return run_cmd(cmd, timeout)
+
+
+def python_train(args: list[str], timeout: float = 120) -> Result:
+    return run_cmd([sys.executable, "-m", "diloco.train", *args], timeout)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_ok(result: Result) -> None:
+    assert result.returncode == 0, result.output[-4000:]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

@@ -1,0 +1,96 @@
+"""Configuration and command-line parsing, in process (no torch.distributed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diloco.cli import _one_line, build_app, run_app
+from diloco.config import Config, UsageError
+
+from .conftest import TINY_MODEL
+
+
+def parse(argv: list[str]) -> Config:
+    """What the train command would receive."""
+    seen: list[Config] = []
+    app = build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0)
+    assert run_app(app, argv) == 0
+    return seen[0]
+
+
+def test_seed_flag_names_parse() -> None:
+    config = parse(
+        "--path-model m --fake-data --seq-length 64 --per-device-train-batch-size 4 --total-batch-size 16 --lr 1e-2 "
+        "--warmup-steps 3 --total-steps 7 --precision fp16-mixed --sharding-strategy SHARD_GRAD_OP "
+        "--gradient-checkpointing --no-torch-compile --metric-logger-type wandb --project p --seed 3 "
+        "--eval-interval 5 --eval-steps 2 --run-dir r --ckpt.interval 4 --ckpt.path c --ckpt.resume latest "
+        "--hv.initial-peers /ip4/127.0.0.1/tcp/1/p2p/12D3KooWSShrJm4CSvrqkmVgos7VPu8p47kbbw2i8PgUB4EuDHv6 "
+        "/dns/example.org/tcp/2 --hv.galaxy-size 3 --hv.world-rank 2 --hv.local-steps 25 --hv.outer-lr 1.0 "
+        "--hv.outer-momentum 0.0 --hv.matchmaking-time 2 --hv.averaging-timeout 30 --hv.skip-load-from-peers "
+        "--hv.compression fp16 --hv.run-id exp1".split()
+    )
+    assert config.max_steps == 7 and config.precision == "fp16-mixed" and not config.torch_compile
+    assert config.sharding_strategy == "SHARD_GRAD_OP" and config.gradient_checkpointing
+    assert config.ckpt.interval == 4 and config.ckpt.path == Path("c") and config.ckpt.resume == "latest"
+    assert len(config.hv.initial_peers) == 2 and config.hv.galaxy_size == 3 and config.hv.world_rank == 2
+    assert config.hv.compression == "fp16" and config.hv.skip_load_from_peers and config.hv.run_id == "exp1"
+
+
+def test_max_steps_alias() -> None:
+    assert parse(["--path-model", "m", "--fake-data", "--max-steps", "9"]).max_steps == 9
+    assert parse(["--path-model", "m", "--fake-data", "--total-steps", "9"]).max_steps == 9
+
+
+def test_repeated_flag_last_wins_like_argparse() -> None:
+    config = parse("--path-model m --fake-data --lr 1 --lr 2 --hv.initial-peers /ip4/1.2.3.4/tcp/1".split())
+    assert config.lr == 2 and config.hv.initial_peers == ["/ip4/1.2.3.4/tcp/1"]
+
+
+def test_toml_config_and_command_line_wins(tmp_path: Path) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text('path-model = "from-file"\nfake-data = true\nmax-steps = 11\nlr = 0.5\n[ckpt]\ninterval = 3\n')
+    config = parse(["--config", str(file), "--max-steps", "4"])
+    assert config.path_model == Path("from-file") and config.fake_data
+    assert config.max_steps == 4 and config.lr == 0.5 and config.ckpt.interval == 3
+
+
+def test_unknown_key_in_toml_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text('path-model = "m"\nfake-data = true\nbogus = 1\n')
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["--config", str(file)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("world_size", "per_device", "total", "accum"), [(1, 4, 16, 4), (2, 4, 16, 2), (4, 4, 16, 1), (2, 3, 6, 1)]
+)
+def test_grad_accumulation(world_size: int, per_device: int, total: int, accum: int) -> None:
+    config = Config(path_model=TINY_MODEL, fake_data=True, per_device_train_batch_size=per_device, total_batch_size=total)
+    assert config.grad_accumulation(world_size) == accum
+
+
+def test_indivisible_batch_names_the_flags() -> None:
+    config = Config(path_model=TINY_MODEL, fake_data=True, per_device_train_batch_size=4, total_batch_size=16)
+    with pytest.raises(UsageError, match="--total-batch-size 16 .* 4 × 3 ranks"):
+        config.grad_accumulation(3)
+
+
+def test_validation_error_becomes_one_line_naming_the_flag() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as info:
+        Config(path_model=TINY_MODEL, fake_data=True, hv={"initial_peers": ["/ip4/1.2.3/tcp/x"]})
+    line = _one_line(info.value)
+    assert line.startswith("--hv.initial-peers:") and "\n" not in line
+
+
+def test_world_rank_must_be_below_galaxy_size() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="--hv.world-rank 2 must be smaller than --hv.galaxy-size 2"):
+        Config(path_model=TINY_MODEL, fake_data=True, hv={"galaxy_size": 2, "world_rank": 2})

@@ -1,0 +1,165 @@
+"""The trainer end to end: real torchrun processes on CPU with gloo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from diloco.model import params_sha256
+
+from .conftest import (
+    CORPUS,
+    FAST,
+    ROOT,
+    TORCHRUN,
+    assert_ok,
+    child_env,
+    metrics,
+    python_train,
+    run_cmd,
+    summary,
+    torchrun,
+)
+
+pytestmark = pytest.mark.slow
+
+FAKE = [*FAST, "--fake-data", "--total-batch-size", "8"]
+
+
+def test_two_ranks_train_and_write_every_output(run_dir: Path) -> None:
+    result = torchrun([*FAKE, "--max-steps", "4", "--eval-interval", "2", "--eval-steps", "2", "--run-dir", str(run_dir)])
+    assert_ok(result)
+    assert "step 4 | loss" in result.stdout  # rank 0's progress line
+    rows = metrics(run_dir)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_mb"] > 0 for r in train_rows)
+    assert [r["lr"] for r in train_rows][:3] == pytest.approx([0.0, 5e-3, 1e-2])  # linear warm-up over 2 steps
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]  # every interval, and at the last step
+    done = summary(run_dir)
+    assert done["status"] == "ok" and done["steps"] == 4 and done["wall_s"] > 0
+    assert done["final_loss"] == train_rows[-1]["loss"] and done["final_eval_loss"] == rows[-1]["eval_loss"]
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert params_sha256(list(exported.named_parameters())) == done["params_sha256"]
+
+
+def sha_of_run(run_dir: Path, *flags: str, nproc: int = 2) -> str:
+    assert_ok(torchrun([*FAKE, "--max-steps", "3", "--run-dir", str(run_dir), *flags], nproc=nproc))
+    return summary(run_dir)["params_sha256"]
+
+
+def test_sharding_strategies_and_checkpointing_compute_the_same_model(tmp_path: Path) -> None:
+    """NO_SHARD (DDP), SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3), HYBRID_SHARD and activation
+    recomputation only change where memory lives, never the arithmetic: in float32 the models are identical."""
+    reference = sha_of_run(tmp_path / "full", "--sharding-strategy", "FULL_SHARD")
+    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
+        assert sha_of_run(tmp_path / strategy, "--sharding-strategy", strategy) == reference, strategy
+    assert sha_of_run(tmp_path / "gc", "--gradient-checkpointing") == reference
+    assert sha_of_run(tmp_path / "seed", "--seed", "7") != reference
+
+
+def test_mixed_precision_trains(tmp_path: Path) -> None:
+    reference = sha_of_run(tmp_path / "fp32")
+    for precision in ("bf16-mixed", "fp16-mixed"):
+        assert sha_of_run(tmp_path / precision, "--precision", precision) != reference
+        done = summary(tmp_path / precision)
+        assert done["status"] == "ok" and done["final_loss"] < 8
+
+
+def test_torch_compile_single_process(run_dir: Path) -> None:
+    result = python_train([*FAKE, "--torch-compile", "--max-steps", "2", "--run-dir", str(run_dir)], timeout=300)
+    assert_ok(result)
+    assert summary(run_dir)["status"] == "ok"
+
+
+def test_resume_is_bit_exact(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = [*FAKE, "--max-steps", "10", "--lr", "3e-3"]
+    assert_ok(torchrun([*common, "--run-dir", str(straight), "--ckpt.interval", "5"]))
+    assert (straight / "checkpoints" / "step-10").is_dir()
+    # continue the same 10-step schedule from step 5 into a fresh folder, and from 'latest' in place
+    step5 = straight / "checkpoints" / "step-5"
+    assert_ok(torchrun([*common, "--run-dir", str(resumed), "--ckpt.resume", str(step5)]))
+    assert [r["step"] for r in metrics(resumed) if "loss" in r] == [6, 7, 8, 9, 10]
+    assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
+    latest = tmp_path / "latest"
+    result = torchrun([*common, "--max-steps", "12", "--run-dir", str(latest), "--ckpt.path", str(straight / "checkpoints"), "--ckpt.resume", "latest"])
+    assert_ok(result)
+    assert summary(latest)["steps"] == 12 and "at step 10" in result.output
+
+
+def test_real_text_loss_falls_and_is_evaluated(run_dir: Path) -> None:
+    args = [*FAST, "--dataset", str(CORPUS), "--seq-length", "64", "--per-device-train-batch-size", "8",
+            "--total-batch-size", "16", "--lr", "3e-3", "--max-steps", "30", "--eval-interval", "15",
+            "--eval-steps", "4", "--run-dir", str(run_dir)]  # fmt: skip
+    assert_ok(torchrun(args))
+    rows = metrics(run_dir)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert losses[-1] < losses[0] - 1.5  # byte-level text is learnable fast; random init sits near ln(1024)
+    assert [r["step"] for r in evals] == [15, 30] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    assert evals[1]["eval_perplexity"] == pytest.approx(2.718281828 ** evals[1]["eval_loss"], rel=1e-6)
+
+
+def test_wandb_offline(run_dir: Path) -> None:
+    assert_ok(python_train([*FAKE, "--max-steps", "2", "--metric-logger-type", "wandb", "--project", "t",
+                            "--run-dir", str(run_dir)]))  # fmt: skip
+    offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hybrid_shard_across_two_nodes(tmp_path: Path) -> None:
+    """Two torchrun 'nodes' on loopback, one rank each: HYBRID_SHARD replicates across them."""
+    port = free_port()
+    run_dir = tmp_path / "hybrid"
+    procs = []
+    for node in range(2):
+        cmd = [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hybrid", "-m", "diloco.train", *FAKE,
+               "--max-steps", "3", "--sharding-strategy", "HYBRID_SHARD", "--run-dir", str(run_dir)]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert summary(run_dir)["params_sha256"] == sha_of_run(tmp_path / "one-node", "--sharding-strategy", "FULL_SHARD")
+
+
+def test_sigterm_stops_with_checkpoint_and_summary(run_dir: Path) -> None:
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *FAKE, "--max-steps", "100000",
+           "--run-dir", str(run_dir), "--ckpt.path", str(run_dir / "ckpt")]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or len(metrics(run_dir)) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # to torchrun only; it forwards to its ranks
+        stopped = time.monotonic()
+        proc.communicate(timeout=30)
+        assert time.monotonic() - stopped < 15
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    done = summary(run_dir)
+    assert done["status"] == "interrupted" and 3 <= done["steps"] < 100000
+    assert (run_dir / "ckpt" / f"step-{done['steps']}" / "meta.json").is_file()
+    assert run_cmd(["pgrep", "-s", str(proc.pid)]).stdout == ""  # nothing of its session is left
