@@ -157,6 +157,18 @@ def log_eval(run: Run) -> None:
 def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path, stop: StopRequest) -> Run:
     grad_accum = config.grad_accumulation(env.world_size)
     model = load_model(config.path_model, config.seed)
+    data = build_data(
+        dataset=config.dataset,
+        tokenizer_spec=config.tokenizer,
+        vocab_size=model.config.vocab_size,
+        seq_length=config.seq_length,
+        batch_size=config.per_device_train_batch_size,
+        eval_steps=config.eval_steps,
+        seed=config.seed,
+        shard=Shard.of(config.hv.world_rank, config.hv.galaxy_size, env.rank, env.world_size),
+        eval_shard=Shard(env.rank, env.world_size),
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data or a bad model folder write nothing
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(model)
@@ -170,17 +182,6 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         model.parameters(), lr=config.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY, foreach=True
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(config.max_steps, 1))
-    data = build_data(
-        dataset=config.dataset,
-        tokenizer_spec=config.tokenizer,
-        vocab_size=model.config.vocab_size,
-        seq_length=config.seq_length,
-        batch_size=config.per_device_train_batch_size,
-        eval_steps=config.eval_steps,
-        seed=config.seed,
-        shard=Shard.of(config.hv.world_rank, config.hv.galaxy_size, env.rank, env.world_size),
-        eval_shard=Shard(env.rank, env.world_size),
-    )
     metrics = Metrics.build(
         enabled=env.is_main,
         run_dir=run_dir,
@@ -319,7 +320,6 @@ def main(config: Config, env: DistEnv) -> int:
     status = "failed"
     try:
         run_dir = resolve_run_dir(config)
-        run_dir.mkdir(parents=True, exist_ok=True)
         run = build_run(config, env, device, run_dir, stop)
         if resume_path is not None:
             resume(run, resume_path)

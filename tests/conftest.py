@@ -61,8 +61,8 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 180, extra: list[
     return run_cmd(cmd, timeout)
 
 
-def python_train(args: list[str], timeout: float = 120) -> Result:
-    return run_cmd([sys.executable, "-m", "diloco.train", *args], timeout)
+def python_train(args: list[str], timeout: float = 120, cwd: Path = ROOT) -> Result:
+    return run_cmd([sys.executable, "-m", "diloco.train", *args], timeout, cwd)
 
 
 def summary(run_dir: Path) -> dict:
