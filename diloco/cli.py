@@ -49,6 +49,24 @@ def dht(
     return swarm.serve_dht(identity, host_maddrs, announce_maddrs)
 
 
+def launch(
+    *train_args: Annotated[str, Parameter(help="Flags for every worker group's `diloco.train`, after `--`.")],
+    workers: Annotated[int, Parameter(help="Worker groups to start (the galaxy size).")] = 2,
+    nproc_per_worker: Annotated[int, Parameter(help="Ranks (torchrun processes) per worker group.")] = 1,
+) -> int:
+    """Start a DHT and WORKERS worker groups on this machine: `diloco launch --workers 2 -- <train flags>`."""
+    from diloco import launch as launcher
+
+    if workers < 1 or nproc_per_worker < 1:
+        raise UsageError("--workers and --nproc-per-worker must be at least 1")
+    seen: list[Config] = []
+    run_app(build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0), list(train_args))
+    seen[0].check_files()  # fail here, before a DHT or any worker starts
+    seen[0].grad_accumulation(nproc_per_worker)
+    _setup_logging(0)
+    return launcher.launch(seen[0], list(train_args), workers, nproc_per_worker)
+
+
 def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = train) -> App:
     """`diloco` with its subcommands, or (train_only) the flags of `python -m diloco.train`."""
 
@@ -67,6 +85,7 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
     app = App(name="diloco", help="Decentralized DiLoCo training: FSDP worker groups averaging through hivemind.", **common)
     app.command(train_command, name="train")
     app.command(dht)
+    app.command(launch)
     return app
 
 

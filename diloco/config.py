@@ -50,7 +50,9 @@ class HvConfig(_Strict):
     averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
     skip_load_from_peers: bool = Field(False, description="Do not download the outer state from peers on join.")
     compression: Compression = Field("none", description="Pseudo-gradient compression on the wire.")
-    run_id: str = Field("diloco", min_length=1, description="Swarm name: keeps separate runs apart on one DHT.")
+    run_id: str = Field(
+        "diloco", pattern=r"^[A-Za-z0-9_-]+$", description="Swarm name: keeps separate runs apart on one DHT."
+    )
     host_maddrs: Maddrs = Field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="Multiaddrs this peer listens on."
     )

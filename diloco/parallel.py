@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from diloco.config import Precision, ShardingStrategy, UsageError
@@ -112,11 +113,21 @@ def shard_model(
     fully_shard(model, **kwargs)
 
 
-def all_reduce_mean(value: float, device: torch.device) -> float:
-    """Average a Python scalar over the ranks of this group."""
+def all_reduce_sum(value: float, device: torch.device) -> float:
+    """Sum a Python scalar over the ranks of this group."""
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
-    return tensor.item() / dist.get_world_size()
+    return tensor.item()
+
+
+def all_reduce_mean(value: float, device: torch.device) -> float:
+    """Average a Python scalar over the ranks of this group."""
+    return all_reduce_sum(value, device) / dist.get_world_size()
+
+
+def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's part of every parameter (a view: writing to it writes the parameter)."""
+    return [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

@@ -1,0 +1,120 @@
+"""Start a DHT and G worker groups (each a torchrun job) on this machine; prefix and collect their logs;
+stop every process it started on SIGINT/SIGTERM or when the workers end."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from diloco.config import Config
+
+log = logging.getLogger("diloco")
+
+STOP_GRACE_S = 15.0  # how long workers get to checkpoint and write their summary after a stop signal
+
+
+def worker_args(config: Config, train_args: Sequence[str], world_rank: int, workers: int, peers: list[str]) -> list[str]:
+    """The user's train flags plus this group's place in the galaxy (a repeated flag's last value wins)."""
+    args = [*train_args, "--hv.galaxy-size", str(workers), "--hv.world-rank", str(world_rank)]
+    args += ["--hv.initial-peers", *peers]
+    if config.run_dir is not None:
+        args += ["--run-dir", str(config.run_dir / f"worker-{world_rank}")]
+    return args
+
+
+def worker_command(nproc: int, args: list[str]) -> list[str]:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    return [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", "-m", "diloco.train", *args]
+
+
+class Workers:
+    """The worker-group processes, each in its own process group so that stopping one stops its ranks."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str, command: list[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        thread = threading.Thread(target=_relay, args=(proc.stdout, f"[{name}] ", sys.stdout), daemon=True)
+        thread.start()
+        self.procs.append(proc)
+        self.threads.append(thread)
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def signal_all(self, sig: int) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL whatever is left after `grace_s` seconds."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.signal_all(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+    def exit_code(self) -> int:
+        codes = [p.returncode for p in self.procs]
+        return next((c for c in codes if c), 0)
+
+
+def _relay(stream: TextIO, prefix: str, out: TextIO) -> None:
+    for line in stream:
+        out.write(prefix + line)
+        out.flush()
+
+
+def launch(config: Config, train_args: Sequence[str], workers: int, nproc_per_worker: int) -> int:
+    """Run `workers` groups of `nproc_per_worker` ranks against a DHT started here. Returns the exit code."""
+    from diloco import swarm
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: _second_signal_kills(stop)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    dht = swarm.start_dht(initial_peers=config.hv.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])
+    group = Workers()
+    try:
+        peers = swarm.visible_maddrs(dht)
+        log.info("DHT up: --hv.initial-peers %s", " ".join(peers))
+        if config.run_dir is None and config.run_name is None:
+            train_args = [*train_args, "--run-name", time.strftime("%Y%m%d-%H%M%S")]
+        for rank in range(workers):
+            group.start(f"worker-{rank}", worker_command(nproc_per_worker, worker_args(config, train_args, rank, workers, peers)))
+        while group.running() and not stop.is_set():
+            time.sleep(0.2)
+        if stop.is_set():
+            log.info("stopping %d worker groups", workers)
+        group.stop(STOP_GRACE_S)
+        return 130 if stop.is_set() else group.exit_code()
+    finally:
+        group.stop(0)
+        dht.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _second_signal_kills(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise KeyboardInterrupt  # second Ctrl+C: the finally block kills everything at once
+    stop.set()
