@@ -55,21 +55,20 @@ class Workers:
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs)
 
-    def signal_all(self, sig: int) -> None:
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM to each torchrun (it forwards it to its ranks once), then SIGKILL to each whole process group
+        (ranks, their DHT and averager children, p2pd) after `grace_s` seconds."""
         for proc in self.procs:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
-
-    def stop(self, grace_s: float) -> None:
-        """SIGTERM, then SIGKILL whatever is left after `grace_s` seconds."""
-        self.signal_all(signal.SIGTERM)
+                proc.terminate()
         deadline = time.monotonic() + grace_s
         while self.running() and time.monotonic() < deadline:
             time.sleep(0.1)
-        self.signal_all(signal.SIGKILL)
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for proc in self.procs:
             proc.wait()
         for thread in self.threads:
@@ -106,10 +105,12 @@ def launch(config: Config, train_args: Sequence[str], workers: int, nproc_per_wo
         if stop.is_set():
             log.info("stopping %d worker groups", workers)
         group.stop(STOP_GRACE_S)
+        log.info("worker groups ended with exit codes %s", [p.returncode for p in group.procs])
         return 130 if stop.is_set() else group.exit_code()
     finally:
         group.stop(0)
         dht.shutdown()
+        log.info("DHT stopped")
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -115,15 +115,19 @@ class DiLoCo:
             log.warning("outer step %d: averaging failed, applying this group's own pseudo-gradient", self.outer_step + 1)
         elif report.num_peers == 1:
             log.warning("outer step %d: no peer was ready, averaged alone", self.outer_step + 1)
+        num_peers = report.num_peers if report.ok else 1
+        ranks = self.group_sum(1.0)
+        if self.group_sum(float(num_peers)) != num_peers * ranks:  # each rank averages in its own round
+            log.warning("outer step %d: the ranks of this group averaged with different peers", self.outer_step + 1)
         self.apply(pseudo_gradient)
         self.last_sha = self.group_sha()
         return {
             "step": step,
             "outer_step": self.outer_step,
-            "num_peers": report.num_peers if report.ok else 1,
+            "num_peers": num_peers,
             "averaging_s": report.seconds,
-            "bytes_sent": report.bytes_sent,
-            "bytes_received": report.bytes_received,
+            "bytes_sent": int(self.group_sum(float(report.bytes_sent))),  # all ranks of the group
+            "bytes_received": int(self.group_sum(float(report.bytes_received))),
             "pseudo_grad_norm": math.sqrt(self.group_sum(float(pseudo_gradient.square().sum()))),
             "params_sha256": self.last_sha,
         }

@@ -7,8 +7,9 @@ hivemind is pinned to 1.1.12, so this module subclasses a few of its internals. 
   (``return_deltas``, ``failed_size``, ``compression``, ``_input_parts_by_peer``), ``tensor_part_reducer``,
   ``parts_for_local_averaging``, ``sender_peer_ids``, ``ordered_peer_ids``, ``weight``.
 * ``DecentralizedAverager``: ``_run_allreduce_inplace_`` (called once per all-reduce attempt while the averager
-  holds its tensor lock), ``_running_groups``, ``_p2p``, ``run`` and the ``_rpc_handlers`` / ``_stub_type``
-  class caches of ``hivemind.p2p.ServicerBase``.
+  holds its tensor lock), ``_running_groups``, ``_p2p``, ``_parent_pid``, ``run`` and the ``_rpc_handlers`` /
+  ``_stub_type`` class caches of ``hivemind.p2p.ServicerBase``.
+* ``DHT``: ``run``, ``_parent_pid`` and ``_inner_pipe`` (its request pipe, read by ``DHT.run``).
 * ``StepControl.stage`` / ``allow_allreduce`` / ``cancel`` from ``step(require_trigger=True, wait=False)``.
 * ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES``: the decoder registry, patched inside the averager
   process only (``ExactAverager.run``) because the stock 8-bit decoder fails on numpy >= 2.4.
@@ -30,6 +31,7 @@ import time
 import warnings
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import AsyncIterator, Callable, Literal, Sequence
 
@@ -56,11 +58,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 logger = logging.getLogger(__name__)
 
 
-
 class Uniform8Bit(Uniform8BitQuantization):
     """hivemind's ``Uniform8BitQuantization`` (per part: 256 levels over mean +- 3 sigma, codebook = bucket means)
-    with a decoder that works on numpy >= 2.4: hivemind 1.1.12 calls ``int()`` on a 1-element array, which numpy
-    2.4 rejects, so every stock 8-bit all-reduce fails there. Same wire format as stock."""
+    with a decoder that works on numpy 2.4 (installed here): hivemind 1.1.12 calls ``int()`` on a 1-element array,
+    which numpy 2.4 rejects, so stock 8-bit all-reduce loses every remote part (peers silently keep their own
+    values there). Same wire format as stock."""
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer = serialized_tensor.buffer
@@ -97,7 +99,9 @@ def ensure_identity(path: Path) -> Path:
     identity_peer_id(path)
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
-        warnings.warn(f"identity file {path} is accessible to group/others (mode {mode:o}); run: chmod 600 {path}")
+        warnings.warn(
+            f"identity file {path} is accessible to group/others (mode {mode:o}); run: chmod 600 {path}", stacklevel=2
+        )
     return path
 
 
@@ -165,7 +169,7 @@ def start_dht(
     kwargs = {}
     if identity_path is not None:
         kwargs["identity_path"] = str(ensure_identity(identity_path))
-    dht = hivemind.DHT(
+    dht = _DHT(
         initial_peers=list(initial_peers) or None,
         host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) or None,
@@ -180,6 +184,66 @@ def start_dht(
         dht.shutdown()
         raise
     return dht
+
+
+class _DHT(hivemind.DHT):
+    """hivemind.DHT whose process (and so its p2pd) ends with the process that started it, and which survives
+    requests from averager processes that exited before the DHT read them."""
+
+    def run(self) -> None:
+        _detach_from_parent(self._parent_pid)
+        self._inner_pipe = _RequestPipe(self._inner_pipe)
+        super().run()
+
+    async def _drop_request(self, reason: str) -> None:
+        logger.warning(f"DHT dropped a request from a process that exited: {reason}")
+
+
+class _RequestPipe:
+    """The DHT process' end of its request pipe.
+
+    A request carries an MPFuture whose reply pipe is unpickled through the requester's resource-sharer thread; if
+    the requester (e.g. an averager that was just shut down) is gone, unpickling fails. hivemind's DHT loop does not
+    catch EOFError, so the whole DHT process died (and other errors stalled it for 3 s). A request that cannot be
+    unpickled becomes a call to ``_DHT._drop_request`` instead.
+    """
+
+    def __init__(self, connection):
+        self._connection = connection
+
+    def fileno(self) -> int:
+        return self._connection.fileno()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._connection.poll(timeout)
+
+    def recv(self) -> tuple[str, list, dict]:
+        message = self._connection.recv_bytes()  # errors of the pipe itself propagate as before
+        try:
+            return ForkingPickler.loads(message)  # what Connection.recv does
+        except Exception as e:  # EOFError, ConnectionResetError, FileNotFoundError, ...
+            return "_drop_request", [repr(e)], {}
+
+
+def _detach_from_parent(parent_pid: int) -> None:
+    """Called first thing in a forked background process: die with the parent, not with its signal handlers.
+
+    hivemind's DHT and averager processes hold both ends of their control pipes, so they never see the trainer
+    exit; after a SIGKILL (or a SIGTERM that skips atexit) they would live on with their p2pd daemon.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # handlers inherited from the trainer (e.g. serve_dht's) must go
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which then shuts us down
+    # A process group of our own (p2pd, started from here, joins it): torchrun stops a rank with killpg, and a
+    # terminal's Ctrl-C goes to the whole foreground group; either would kill the daemon under a round that the
+    # trainer is about to finish cleanly. The owner shuts us down, and we die with it otherwise.
+    os.setpgid(0, 0)
+
+    def exit_when_orphaned() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)  # p2pd exits when its parent does
+
+    threading.Thread(target=exit_when_orphaned, name="exit-with-parent", daemon=True).start()
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -355,16 +419,15 @@ class ExactAverager(hivemind.DecentralizedAverager):
     _stub_type = None
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: hivemind.DHT, **kwargs):
+        method = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
+        if method != "fork":
+            # hivemind pickles pipes between forked processes (MPFuture); under 'spawn' the averager never gets ready
+            raise RuntimeError(f"hivemind averagers need the 'fork' start method, this process uses {method!r}")
         self.stats = mp.Array(ctypes.c_int64, 3)
         super().__init__(averaged_tensors, dht, **kwargs)
 
-    @staticmethod
-    def _Popen(process_obj):
-        # hivemind assumes fork (the DHT is a ForkProcess too); keep it so if the trainer sets 'spawn' globally
-        return mp.context.ForkProcess._Popen(process_obj)
-
     def run(self):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which then shuts us down
+        _detach_from_parent(self._parent_pid)
         # deserialize_torch_tensor decodes through this registry; fix the 8-bit decoder in this process only
         _BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8Bit()
         warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
@@ -432,14 +495,16 @@ class SwarmAverager:
         e.g. ``f"{run_id}/rank{r}"``. Must not contain '.'.
     :param tensors: templates (shapes, float32, CPU) of the tensors passed to ``average``; they are copied.
     :param compression: wire format of tensor parts and averages: "none" (exact fp32), "fp16", or "int8"
-        (hivemind ``Uniform8BitQuantization``, per part of 512 KiB of int8 data).
+        (``Uniform8Bit``: hivemind's uniform 8-bit quantization with its own codebook per 512 KiB part).
     :param matchmaking_time: seconds to wait for groupmates before averaging with whoever joined; with
         nobody else the round returns after about this time plus ``grace``.
     :param averaging_timeout: seconds allowed for the all-reduce once a group is formed; a failed all-reduce
         is retried (with a new group) while the round is younger than ``matchmaking_time + averaging_timeout``.
     :param target_group_size: start as soon as this many peers (including this one) joined; None waits the
         whole ``matchmaking_time`` and takes everyone.
-    :param grace: extra seconds after ``matchmaking_time`` to wait for the group to be announced, in seconds.
+    :param grace: seconds after ``matchmaking_time`` to wait for the group to be announced; capped at half of
+        ``matchmaking_time`` so that giving up never coincides with the next matchmaking deadline (a peer that
+        found nobody re-declares itself for another ``matchmaking_time``, and a latecomer may join it).
     :param startup_timeout: seconds to wait for the averager process to start.
     """
 
@@ -465,7 +530,8 @@ class SwarmAverager:
         for tensor in tensors:
             _check_cpu_float32(tensor)
         self._shapes = [tuple(tensor.shape) for tensor in tensors]
-        self.matchmaking_time, self.averaging_timeout, self.grace = matchmaking_time, averaging_timeout, grace
+        self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
+        self.grace = min(grace, matchmaking_time / 2)
         self._averager = ExactAverager(
             [tensor.detach().clone() for tensor in tensors],
             dht,
@@ -518,7 +584,7 @@ class SwarmAverager:
             return True, 1
         try:
             gathered = control.result(timeout=self.matchmaking_time + 2 * self.averaging_timeout + self.grace)
-        except BaseException as e:  # TimeoutError, AllreduceException, MatchmakingException, CancelledError, ...
+        except Exception as e:  # TimeoutError, AllreduceException, MatchmakingException, CancelledError, ...
             _cancel(control)
             logger.warning(f"averaging round failed, tensors left unchanged: {type(e).__name__}: {e}")
             return False, int(self._averager.stats[2])

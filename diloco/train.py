@@ -24,7 +24,7 @@ from diloco.config import Config, UsageError
 from diloco.data import BatchSource, Data, Shard, build_data
 from diloco.metrics import Metrics, peak_memory_mb, write_json_atomic
 from diloco.model import decoder_layers, load_model, params_sha256, save_hf
-from diloco.outer import NoOuter, OuterLoop
+from diloco.outer import DiLoCo, NoOuter, OuterLoop
 from diloco.parallel import DistEnv
 
 log = logging.getLogger("diloco")
@@ -35,19 +35,26 @@ WEIGHT_DECAY = 0.1
 
 
 class StopRequest:
-    """Set by SIGINT/SIGTERM; the loop stops at the next step boundary. A second signal exits at once."""
+    """Set by SIGINT/SIGTERM; the loop stops at the next step boundary. A second signal exits at once, unless
+    it comes within `echo_s` of the first: torchrun forwards the signal a terminal already sent to every rank,
+    and that echo is the same request, not an impatient user."""
 
-    def __init__(self) -> None:
+    def __init__(self, echo_s: float = 1.0) -> None:
         self.requested = False
+        self.echo_s = echo_s
+        self.first_at = 0.0
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.requested:
-            raise KeyboardInterrupt  # second signal: leave now
-        self.requested = True
+        now = time.monotonic()
+        if not self.requested:
+            self.requested, self.first_at = True, now
+            log.warning("received %s: stopping after this step", signal.Signals(signum).name)
+        elif now - self.first_at > self.echo_s:
+            raise KeyboardInterrupt  # a second signal: leave now
 
 
 @dataclass
@@ -112,8 +119,6 @@ def train_loop(run: Run) -> str:
     tokens_per_step = run.data.tokens_per_batch * run.grad_accum * run.env.world_size
     tick = time.perf_counter()
     while run.step < cfg.max_steps:
-        if parallel.any_rank(run.stop.requested, run.device):
-            return "interrupted"
         lr = run.scheduler.get_last_lr()[0]  # the rate this step uses
         loss = inner_step(run)
         run.step += 1
@@ -131,6 +136,8 @@ def train_loop(run: Run) -> str:
                     "peak_memory_mb": peak_memory_mb(run.device),
                 }
             )
+        if parallel.any_rank(run.stop.requested, run.device):  # agreed, and before a possibly long outer round
+            return "interrupted"
         outer_row = run.outer.after_inner_step(run.step)
         if outer_row is not None:
             run.metrics.log(outer_row)
@@ -202,9 +209,76 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         data=data,
         grad_accum=grad_accum,
         metrics=metrics,
-        outer=NoOuter(),
+        outer=build_outer(config, env, model, device),
         stop=stop,
     )
+
+
+def build_outer(config: Config, env: DistEnv, model: torch.nn.Module, device: torch.device) -> OuterLoop:
+    """Galaxy size 1: nothing (no DHT, no p2pd). Otherwise join the swarm: each rank averages its own shard
+    with the same rank of the other groups, so nothing is gathered to one rank."""
+    if config.hv.galaxy_size == 1:
+        return NoOuter()
+    from diloco import swarm  # the only hivemind import, and only when there is a swarm
+
+    hv = config.hv
+    shards = parallel.local_shards(model)
+    dht = swarm.start_dht(
+        initial_peers=hv.initial_peers,
+        host_maddrs=[offset_port(m, env.local_rank) for m in hv.host_maddrs],
+        announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
+    )
+    try:
+        averager = swarm.SwarmAverager(
+            dht,
+            # rank r meets only rank r of groups with the same number of ranks: their shards line up
+            prefix=f"{hv.run_id}-rank{env.rank}of{env.world_size}",
+            tensors=[torch.zeros(sum(s.numel() for s in shards))],
+            compression=hv.compression,
+            matchmaking_time=hv.matchmaking_time,
+            averaging_timeout=hv.averaging_timeout,
+            target_group_size=hv.galaxy_size,
+        )
+    except BaseException:
+        dht.shutdown()
+        raise
+    return DiLoCo(
+        shards,
+        DHTOwningAverager(averager, dht),
+        local_steps=config.hv.local_steps,
+        outer_lr=config.hv.outer_lr,
+        outer_momentum=config.hv.outer_momentum,
+        group_sum=lambda value: parallel.all_reduce_sum(value, device),
+        group_sha=lambda: sha_of(model, full_state_dict(model)),
+    )
+
+
+class DHTOwningAverager:
+    """A swarm averager together with the DHT peer it runs on; shutting it down stops both (and p2pd)."""
+
+    def __init__(self, averager: Any, dht: Any) -> None:
+        self.averager, self.dht = averager, dht
+
+    def average(self, tensors: list[torch.Tensor]) -> Any:
+        return self.averager.average(tensors)
+
+    def shutdown(self) -> None:
+        try:
+            self.averager.shutdown()
+        finally:
+            self.dht.shutdown()
+
+
+def offset_port(maddr: str, offset: int) -> str:
+    """Give each local rank its own port when the user named a fixed one (port 0 stays 'any free port')."""
+    from multiaddr import Multiaddr
+
+    address = Multiaddr(maddr)
+    try:
+        port = int(address.value_for_protocol("tcp"))
+    except Exception:  # no tcp part: nothing to shift
+        return maddr
+    return maddr if port == 0 or offset == 0 else maddr.replace(f"/tcp/{port}", f"/tcp/{port + offset}", 1)
 
 
 def ckpt_folder(config: Config, run_dir: Path | None) -> Path:
@@ -254,6 +328,13 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def sha_of(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """params_sha256 of a full state dict (rank 0), None on the ranks that hold none."""
+    if not state:
+        return None
+    return params_sha256([(name, state[name]) for name, _ in model.named_parameters()])
+
+
 def finish(run: Run, status: str, started: float) -> dict[str, Any]:
     """Final eval (or checkpoint when interrupted), export and summary. Collective."""
     if status == "ok" and run.data.eval_batches:
@@ -261,6 +342,7 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
     if status == "interrupted" and (run.config.ckpt.path or run.config.ckpt.interval):
         save_checkpoint(run)
     state = full_state_dict(run.model)
+    sha = sha_of(run.model, state)
     summary: dict[str, Any] = {
         "status": status,
         "steps": run.step,
@@ -269,8 +351,7 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
         **run.outer.summary(),
     }
     if run.env.is_main:
-        names = [name for name, _ in run.model.named_parameters()]
-        summary["params_sha256"] = params_sha256([(name, state[name]) for name in names])
+        summary["params_sha256"] = sha
         save_hf(run.model, state, run.run_dir / "final")
     summary["wall_s"] = time.perf_counter() - started
     return summary

@@ -1,0 +1,200 @@
+"""Worker groups training together through a real DHT on loopback: `diloco dht`, torchrun groups, `diloco launch`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .conftest import CORPUS, FAST, ROOT, TORCHRUN, assert_ok, child_env, metrics, run_cmd, summary
+
+pytestmark = pytest.mark.slow
+
+DILOCO = Path(sys.executable).parent / "diloco"
+TEXT = [*FAST, "--dataset", str(CORPUS), "--seq-length", "64", "--per-device-train-batch-size", "4",
+        "--lr", "3e-3", "--hv.matchmaking-time", "3", "--hv.averaging-timeout", "30",
+        "--hv.outer-lr", "1.0", "--hv.outer-momentum", "0.0"]  # fmt: skip
+
+
+def spawn(cmd: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if match := re.search(pattern, line):
+            return match
+    raise AssertionError(f"no {pattern!r} in output:\n{''.join(seen)}")
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def left_running(children: list[psutil.Process], grace_s: float = 5.0) -> list[psutil.Process]:
+    """Children still alive after `grace_s` (torch's shm manager, for one, takes a moment to notice)."""
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    return [c for c in alive if c.status() != psutil.STATUS_ZOMBIE]
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture
+def dht_peer(tmp_path: Path):
+    """`diloco dht` on loopback; yields its --hv.initial-peers multiaddrs; stops it with SIGINT."""
+    proc = spawn([str(DILOCO), "dht", "--identity", str(tmp_path / "keys" / "id.pem"),
+                  "--host-maddrs", "/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+    try:
+        yield read_until(proc, r"--hv\.initial-peers (.+)").group(1).split()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        finally:
+            kill_group(proc)
+
+
+def test_dht_identity_is_stable_and_stop_is_clean(tmp_path: Path) -> None:
+    identity = tmp_path / "keys" / "id.pem"
+    peer_ids = []
+    for _ in range(2):
+        proc = spawn([str(DILOCO), "dht", "--identity", str(identity), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"])
+        try:
+            line = read_until(proc, r"--hv\.initial-peers (.+)").group(1)
+            peer_ids.append(re.search(r"/p2p/(\w+)", line).group(1))
+            children = descendants(proc.pid)
+            assert any(c.name() == "p2pd" for c in children)
+            proc.send_signal(signal.SIGINT)
+            started = time.monotonic()
+            assert proc.wait(timeout=10) == 0
+            assert time.monotonic() - started < 5
+            assert not left_running(children)
+        finally:
+            kill_group(proc)
+    assert peer_ids[0] == peer_ids[1]
+    assert stat.S_IMODE(identity.stat().st_mode) == 0o600
+
+
+def outer_rows(run_dir: Path) -> list[dict]:
+    return [row for row in metrics(run_dir) if "outer_step" in row]
+
+
+def assert_trained_together(run_dirs: list[Path], groups: int, outer_steps: int) -> None:
+    rows = [outer_rows(d) for d in run_dirs]
+    for per_group in rows:
+        assert [r["outer_step"] for r in per_group] == list(range(1, outer_steps + 1))
+        assert all(r["num_peers"] == groups for r in per_group), per_group
+        assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in per_group)
+    for step in range(outer_steps):  # bit-identical after every outer step
+        assert len({per_group[step]["params_sha256"] for per_group in rows}) == 1
+    finals = [summary(d) for d in run_dirs]
+    assert all(s["status"] == "ok" and s["outer_steps"] == outer_steps for s in finals)
+    assert len({s["params_sha256"] for s in finals}) == 1
+    for d in run_dirs:
+        losses = [r["loss"] for r in metrics(d) if "loss" in r]
+        assert losses[-1] < losses[0] - 0.5  # from ln(1024) ≈ 6.9 at the start
+
+
+def test_two_groups_sharded_over_two_ranks_stay_identical(tmp_path: Path, dht_peer: list[str]) -> None:
+    procs = []
+    run_dirs = [tmp_path / f"w{i}" for i in range(2)]
+    for world_rank, run_dir in enumerate(run_dirs):
+        args = [*TEXT, "--total-batch-size", "8", "--max-steps", "12", "--hv.local-steps", "4",
+                "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank), "--hv.initial-peers", *dht_peer,
+                "--run-dir", str(run_dir)]  # fmt: skip
+        procs.append(spawn([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *args]))
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    assert_trained_together(run_dirs, groups=2, outer_steps=3)
+
+
+def test_launch_three_groups(tmp_path: Path) -> None:
+    run_dir = tmp_path / "launched"
+    proc = spawn([str(DILOCO), "launch", "--workers", "3", "--nproc-per-worker", "1", "--", *TEXT,
+                  "--total-batch-size", "4", "--max-steps", "9", "--hv.local-steps", "3",
+                  "--run-dir", str(run_dir)])  # fmt: skip
+    try:
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, output[-4000:]
+    assert all(f"[worker-{i}] step 9 | loss" in output for i in range(3))
+    assert_trained_together([run_dir / f"worker-{i}" for i in range(3)], groups=3, outer_steps=3)
+
+
+def test_launch_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "stopped"
+    proc = spawn([str(DILOCO), "launch", "--workers", "2", "--", *TEXT, "--total-batch-size", "4",
+                  "--max-steps", "100000", "--hv.local-steps", "5", "--run-dir", str(run_dir)])  # fmt: skip
+    try:
+        read_until(proc, r"\[worker-1\] step 2 \| loss", timeout=120)
+        children = descendants(proc.pid)
+        assert sum(c.name() == "p2pd" for c in children) >= 3  # launch's DHT and one per worker rank
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        assert proc.wait(timeout=30) == 130
+        assert time.monotonic() - started < 15
+        assert not left_running(children)
+    finally:
+        kill_group(proc)
+    for i in range(2):
+        assert summary(run_dir / f"worker-{i}")["status"] == "interrupted"
+
+
+def test_bootstrap_from_stock_hivemind_dht(tmp_path: Path) -> None:
+    stock = spawn([str(Path(sys.executable).parent / "hivemind-dht"), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"])
+    procs = []
+    try:
+        maddr = read_until(stock, r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)").group(1)
+        run_dirs = [tmp_path / f"w{i}" for i in range(2)]
+        for world_rank, run_dir in enumerate(run_dirs):
+            args = [*TEXT, "--total-batch-size", "4", "--max-steps", "6", "--hv.local-steps", "3",
+                    "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank), "--hv.initial-peers", maddr,
+                    "--run-dir", str(run_dir)]  # fmt: skip
+            procs.append(spawn([sys.executable, "-m", "diloco.train", *args]))
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+        assert_trained_together(run_dirs, groups=2, outer_steps=2)
+    finally:
+        for p in [*procs, stock]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            kill_group(p)
+
+
+def test_galaxy_size_one_never_imports_hivemind(tmp_path: Path) -> None:
+    """No DHT, no p2pd: the swarm module (the only one importing hivemind) is not even loaded."""
+    result = run_cmd([sys.executable, "-X", "importtime", "-m", "diloco.train", *FAST, "--fake-data",
+                      "--total-batch-size", "2", "--max-steps", "1", "--run-dir", str(tmp_path / "solo")])  # fmt: skip
+    assert_ok(result)
+    assert "hivemind" not in result.stderr and "diloco.train" in result.stderr

@@ -1,0 +1,462 @@
+"""Tests of diloco.swarm with real DHTs, p2pd daemons and averagers on 127.0.0.1 (no mocks)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import queue
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import hivemind
+import psutil
+import pytest
+import torch
+from hivemind.averaging.control import AveragingStage
+from hivemind.utils import get_dht_time
+
+from diloco.swarm import (
+    ExactAverager,
+    RoundReport,
+    SwarmAverager,
+    ensure_identity,
+    identity_peer_id,
+    serve_dht,
+    start_dht,
+    visible_maddrs,
+)
+
+torch.set_num_threads(1)
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+NUM_VALUES = 1_000_000  # per peer, split over two tensors so that multi-tensor bookkeeping is exercised
+# max abs error of the average vs the exact mean: input and result are each rounded once
+MAX_ERROR = {"none": 1e-6, "fp16": 5e-3}
+MAX_RELATIVE_RMS_ERROR = {"none": 2e-7, "fp16": 5e-4, "int8": 0.05}  # measured: 4e-8, 2.7e-4, 0.02
+COMPRESSIONS = ("none", "fp16", "int8")
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+
+
+def p2pd_pids(root_pid: int) -> list[int]:
+    """p2pd daemons among the descendants of ``root_pid`` (a DHT process or a process that runs DHTs)."""
+    pids = []
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.name() == "p2pd":
+                pids.append(proc.pid)
+    return pids
+
+
+def leftover(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait for ``pids`` to exit; kill (by pid) and return those still running after ``timeout`` seconds."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    survivors = []
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                proc.kill()
+                survivors.append(proc.pid)
+    return survivors
+
+
+def shutdown_dht(dht: hivemind.DHT) -> list[int]:
+    """Shut ``dht`` down; return the pids of its p2pd daemons that did not exit (and were then killed)."""
+    pids = p2pd_pids(dht.pid) if dht.is_alive() else []
+    dht.shutdown()
+    return leftover(pids)
+
+
+def peer_tensors(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(999, 1000, generator=generator), torch.randn(NUM_VALUES - 999_000, generator=generator)]
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    return hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+def errors_vs_mean(tensors: list[torch.Tensor], seeds: list[int]) -> tuple[float, float]:
+    """(max abs error, relative RMS error) of ``tensors`` vs the float64 mean of the peers' inputs."""
+    inputs = [peer_tensors(seed) for seed in seeds]
+    flat = torch.cat([t.flatten() for t in tensors]).double()
+    mean = torch.stack([torch.cat([t.flatten() for t in peer]).double() for peer in inputs]).mean(0)
+    error = flat - mean
+    return error.abs().max().item(), (error.norm() / mean.norm()).item()
+
+
+def spawn_python(code: str, *args: str) -> subprocess.Popen:
+    """A fresh interpreter that can import this module (as torchrun starts trainers: no multiprocessing parent)."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); {code}"
+    command = [sys.executable, "-c", code, *args]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and whatever it started (by pid) if it is still running."""
+    if proc.poll() is None:
+        family = []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            family = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        proc.wait()
+        leftover([child.pid for child in family], timeout=0)
+
+
+class LineReader:
+    """Reads a subprocess' text output in a thread, so that waiting for a line can time out."""
+
+    def __init__(self, stream):
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def wait_for(self, pattern: str, timeout: float) -> str:
+        """First line matching ``pattern`` within ``timeout`` seconds (earlier lines are skipped)."""
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self._lines.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            if re.search(pattern, line):
+                return line
+        raise AssertionError(f"no output line matching {pattern!r} within {timeout} s")
+
+
+async def _routing_table_peers(_dht: hivemind.DHT, node) -> list[str]:
+    return [peer.to_base58() for peer in node.protocol.routing_table.peer_id_to_uid]
+
+
+@pytest.fixture
+def bootstrap():
+    """A DHT peer on 127.0.0.1 that starts a new swarm."""
+    dht = start_dht(initial_peers=[], host_maddrs=LOCAL, announce_maddrs=[])
+    try:
+        yield dht
+    finally:
+        assert shutdown_dht(dht) == []
+
+
+# ------------------------------------------------------------------------------------------------------ identity
+
+
+def test_identity_created_0600_and_reused(tmp_path: Path):
+    path = tmp_path / "keys" / "nested" / "peer.key"
+    assert ensure_identity(path) == path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    key = path.read_bytes()
+    assert ensure_identity(path) == path and path.read_bytes() == key  # reused, not regenerated
+
+    peer_ids = []
+    for _ in range(2):
+        dht = start_dht(initial_peers=[], host_maddrs=LOCAL, announce_maddrs=[], identity_path=path)
+        try:
+            peer_ids.append(dht.peer_id.to_base58())
+        finally:
+            assert shutdown_dht(dht) == []
+    assert peer_ids[0] == peer_ids[1] == identity_peer_id(path)
+
+
+def test_corrupt_or_unreadable_identity_raises(tmp_path: Path):
+    corrupt = tmp_path / "corrupt.key"
+    corrupt.write_bytes(b"\x08\x00\x12\x05hello")  # a protobuf PrivateKey whose RSA data is garbage
+    corrupt.chmod(0o600)
+    with pytest.raises(ValueError, match=re.escape(str(corrupt))) as info:
+        ensure_identity(corrupt)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="not a valid"):
+        start_dht(initial_peers=[], host_maddrs=LOCAL, announce_maddrs=[], identity_path=corrupt)
+
+    folder = tmp_path / "folder.key"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="cannot read identity file"):
+        ensure_identity(folder)
+
+
+def test_loose_identity_permissions_warn(tmp_path: Path):
+    path = ensure_identity(tmp_path / "peer.key")
+    path.chmod(0o644)
+    with pytest.warns(UserWarning, match="chmod 600"):
+        ensure_identity(path)
+
+
+# ---------------------------------------------------------------------------------------------------------- DHT
+
+
+SERVE_SCRIPT = """
+import sys
+from pathlib import Path
+from diloco.swarm import serve_dht
+sys.exit(serve_dht(Path(sys.argv[1]), ["/ip4/127.0.0.1/tcp/0"], [], print_fn=lambda line: print(line, flush=True)))
+"""
+
+
+@pytest.mark.slow
+def test_serve_dht_until_sigterm_and_stock_clients_join(tmp_path: Path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_SCRIPT, str(tmp_path / "dht.key")], stdout=subprocess.PIPE, text=True
+    )
+    clients = []
+    try:
+        line = LineReader(proc.stdout).wait_for(r"^--hv\.initial-peers ", timeout=60)
+        maddrs = line.split()[1:]
+        assert maddrs and all(re.fullmatch(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", m) for m in maddrs)
+        p2pds = p2pd_pids(proc.pid)
+        assert len(p2pds) == 1
+
+        # a stock client stores a key and leaves; a second one can only get it through the served peer
+        clients.append(hivemind.DHT(initial_peers=maddrs, host_maddrs=LOCAL, start=True))
+        assert clients[0].store("greeting", "hello", get_dht_time() + 60)
+        assert shutdown_dht(clients.pop()) == []
+        clients.append(hivemind.DHT(initial_peers=maddrs, host_maddrs=LOCAL, start=True))
+        found = clients[0].get("greeting", latest=True)
+        assert found is not None and found.value == "hello"
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert leftover(p2pds) == []
+    finally:
+        for client in clients:
+            shutdown_dht(client)
+        kill_tree(proc)
+
+
+def test_serve_dht_stops_on_event_in_a_thread(tmp_path: Path):
+    lines: list[str] = []
+    stop = threading.Event()
+    results: list[int] = []
+    before = set(p2pd_pids(os.getpid()))
+    thread = threading.Thread(
+        target=lambda: results.append(serve_dht(tmp_path / "k", LOCAL, [], stop_event=stop, print_fn=lines.append))
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not lines and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lines) == 1 and lines[0].startswith("--hv.initial-peers /ip4/127.0.0.1/tcp/")
+        p2pds = sorted(set(p2pd_pids(os.getpid())) - before)
+        assert len(p2pds) == 1
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert results == [0]
+    assert leftover(p2pds) == []
+
+
+@pytest.mark.slow
+def test_start_dht_bootstraps_from_stock_hivemind_dht():
+    command = [str(Path(sys.executable).parent / "hivemind-dht"), "--host_maddrs", *LOCAL, "--refresh_period", "600"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    dht = None
+    try:
+        line = LineReader(proc.stdout).wait_for(r"--initial_peers /ip4/", timeout=60)
+        maddrs = re.findall(r"/ip4/[^\s\x1b]+", line)
+        stock_peer_id = maddrs[0].rsplit("/", 1)[-1]
+        p2pds = p2pd_pids(proc.pid)
+
+        dht = start_dht(initial_peers=maddrs, host_maddrs=LOCAL, announce_maddrs=[])
+        assert stock_peer_id in dht.run_coroutine(_routing_table_peers)
+        assert dht.store("answer", 42, get_dht_time() + 60)
+        assert dht.get("answer", latest=True).value == 42
+        assert all(maddr.endswith(dht.peer_id.to_base58()) for maddr in visible_maddrs(dht))
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert leftover(p2pds) == []
+    finally:
+        if dht is not None:
+            assert shutdown_dht(dht) == []
+        kill_tree(proc)  # stock hivemind-dht leaves its DHT process and p2pd behind when SIGKILLed
+
+
+# ---------------------------------------------------------------------------------------------------- averaging
+
+
+def peer_main(index: int, num_peers: int, initial_peers: list[str]) -> None:
+    """A worker group in its own interpreter (like torchrun's): one round per compression, results on stdout."""
+    torch.set_num_threads(1)
+    dht = start_dht(initial_peers=initial_peers, host_maddrs=LOCAL, announce_maddrs=[])
+    try:
+        for compression in COMPRESSIONS:
+            tensors = peer_tensors(index)
+            with SwarmAverager(
+                dht,
+                prefix=f"test{num_peers}/rank0-{compression}",
+                tensors=tensors,
+                compression=compression,
+                matchmaking_time=3.0,
+                averaging_timeout=60.0,  # a sender is dropped after 15 s of silence: generous for a busy CI box
+                # 2 peers wait the whole matchmaking_time; 3 peers start as soon as everyone joined
+                target_group_size=None if num_peers == 2 else num_peers,
+            ) as averager:
+                print("READY", flush=True)
+                sys.stdin.readline()  # the test releases all peers at once
+                report = averager.average(tensors)
+            max_error, relative_rms = errors_vs_mean(tensors, seeds=list(range(num_peers)))
+            result = dict(
+                report=dataclasses.asdict(report),
+                digest=digest(tensors),
+                max_error=max_error,
+                relative_rms=relative_rms,
+                shapes=[list(t.shape) for t in tensors],
+            )
+            print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        print("LEFTOVER " + json.dumps(shutdown_dht(dht)), flush=True)
+
+
+def run_peers(num_peers: int, initial_peers: list[str]) -> tuple[dict[str, list[dict]], list[list[int]]]:
+    """Run ``peer_main`` in ``num_peers`` processes; returns ({compression: [result of each peer]}, leftovers)."""
+    code = "import json, test_swarm; test_swarm.peer_main(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))"
+    procs = [spawn_python(code, str(i), str(num_peers), json.dumps(initial_peers)) for i in range(num_peers)]
+    readers = [LineReader(proc.stdout) for proc in procs]
+    try:
+        results = {}
+        for compression in COMPRESSIONS:
+            for reader in readers:
+                reader.wait_for("^READY", timeout=90)
+            for proc in procs:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            lines = [reader.wait_for("^RESULT ", timeout=150) for reader in readers]
+            results[compression] = [json.loads(line.split(" ", 1)[1]) for line in lines]
+        leftovers = [json.loads(reader.wait_for("^LEFTOVER ", timeout=30).split(" ", 1)[1]) for reader in readers]
+        assert [proc.wait(timeout=30) for proc in procs] == [0] * num_peers
+        return results, leftovers
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_peers", [2, 3])
+def test_peers_end_bit_identical(bootstrap, num_peers: int):
+    results, leftovers = run_peers(num_peers, visible_maddrs(bootstrap))
+    for compression, rows in results.items():
+        reports = [RoundReport(**row["report"]) for row in rows]
+        assert all(r.ok and r.num_peers == num_peers for r in reports), reports
+        assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in reports), reports
+        assert len({row["digest"] for row in rows}) == 1, f"{compression}: peers hold different bytes"
+        assert rows[0]["max_error"] <= MAX_ERROR.get(compression, float("inf")), (compression, rows[0])
+        assert rows[0]["relative_rms"] <= MAX_RELATIVE_RMS_ERROR[compression], (compression, rows[0])
+        assert rows[0]["shapes"] == [[999, 1000], [NUM_VALUES - 999_000]]
+    # int8 puts about a quarter of the bytes of "none" on the wire (per peer it varies with the parts it reduces)
+    sent = {compression: sum(row["report"]["bytes_sent"] for row in rows) for compression, rows in results.items()}
+    assert sent["int8"] < 0.3 * sent["none"] and sent["fp16"] < 0.55 * sent["none"], sent
+    assert leftovers == [[]] * num_peers
+
+
+@pytest.mark.slow
+def test_killed_trainer_leaves_no_processes():
+    """SIGKILLed trainers skip every cleanup; their DHT, averager and p2pd processes must still go away."""
+    code = (
+        "import time, torch; from diloco.swarm import start_dht, SwarmAverager; "
+        "dht = start_dht(initial_peers=[], host_maddrs=['/ip4/127.0.0.1/tcp/0'], announce_maddrs=[]); "
+        "averager = SwarmAverager(dht, prefix='doomed', tensors=[torch.zeros(8)], matchmaking_time=1, "
+        "averaging_timeout=5); print('READY', flush=True); time.sleep(60)"
+    )
+    proc = spawn_python(code)
+    family: list[psutil.Process] = []
+    try:
+        LineReader(proc.stdout).wait_for("^READY", timeout=60)
+        family = psutil.Process(proc.pid).children(recursive=True)  # DHT, averager, p2pd (+ torch_shm_manager)
+        assert "p2pd" in {p.name() for p in family} and len(family) >= 3
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(family, timeout=15)
+        assert [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        kill_tree(proc)
+        for child in family:
+            if child.is_running():
+                child.kill()
+
+
+def test_lone_averager_keeps_tensors(bootstrap):
+    tensors = peer_tensors(7)
+    original = [t.clone() for t in tensors]
+    with SwarmAverager(
+        bootstrap, prefix="lonely/rank0", tensors=tensors, compression="int8", matchmaking_time=2.0,
+        averaging_timeout=10.0, grace=1.0,
+    ) as averager:
+        for _ in range(2):  # a second round right after the cancelled one must work too
+            started = time.monotonic()
+            report = averager.average(tensors)
+            assert time.monotonic() - started < 2.0 + 1.0 + 3.0
+            assert report.ok and report.num_peers == 1 and report.bytes_sent == 0
+            assert all(torch.equal(t, o) for t, o in zip(tensors, original))
+    assert bootstrap.is_alive()
+
+
+@pytest.mark.slow
+def test_dht_survives_averagers_shut_down_mid_matchmaking(bootstrap):
+    """An averager that exits with a DHT request in flight must not take the (stock: crashing) DHT process down."""
+    started = time.monotonic()
+    for i in range(8):
+        averager = ExactAverager([torch.zeros(8)], bootstrap, start=False, prefix=f"brief/{i}",
+                                 min_matchmaking_time=0.3, request_timeout=0.1, allow_state_sharing=False)
+        averager.start()
+        averager.wait_until_ready(timeout=30)
+        averager.step(wait=False, timeout=5)
+        time.sleep(0.02 * i)  # stop at different points of matchmaking, which stores and gets DHT keys
+        averager.shutdown()
+    assert time.monotonic() - started < 8  # an unreadable request no longer stalls the DHT for 3 s either
+    assert bootstrap.store("still", "here", get_dht_time() + 60)
+    assert bootstrap.get("still", latest=True).value == "here"
+    assert bootstrap.is_alive()
+
+
+@pytest.mark.slow
+def test_groupmate_dying_mid_round_reports_failure(bootstrap):
+    """A groupmate whose averager dies after the group formed: the round fails and the tensors stay as they were."""
+    initial_peers = visible_maddrs(bootstrap)
+    dht_b = start_dht(initial_peers=initial_peers, host_maddrs=LOCAL, announce_maddrs=[])
+    tensors = peer_tensors(1)
+    original = [t.clone() for t in tensors]
+    victim = ExactAverager([t.clone() for t in peer_tensors(2)], dht_b, start=False, prefix="dying/rank0",
+                           min_matchmaking_time=2.0, request_timeout=1.0)
+    reports: list[RoundReport] = []
+    try:
+        victim.start()
+        victim.wait_until_ready(timeout=30)
+        with SwarmAverager(
+            bootstrap, prefix="dying/rank0", tensors=tensors, matchmaking_time=2.0, averaging_timeout=4.0
+        ) as survivor:
+            thread = threading.Thread(target=lambda: reports.append(survivor.average(tensors)))
+            thread.start()
+            control = victim.step(timeout=30, require_trigger=True, wait=False)
+            while control.stage != AveragingStage.AWAITING_TRIGGER:
+                assert thread.is_alive() and not control.done()
+                time.sleep(0.02)
+            os.kill(victim.pid, signal.SIGKILL)  # grouped, but will never send its part nor reduce ours
+            victim.join()
+            control.cancel()
+            thread.join(timeout=30)
+        assert len(reports) == 1
+        assert not reports[0].ok and reports[0].num_peers == 2
+        assert all(torch.equal(t, o) for t, o in zip(tensors, original))
+    finally:
+        if victim.is_alive():
+            victim.shutdown()
+        assert shutdown_dht(dht_b) == []
