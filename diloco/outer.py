@@ -60,7 +60,9 @@ class RoundResult(Protocol):
 class Averager(Protocol):
     """Averages tensors in place with the same-indexed rank of whichever worker groups are ready."""
 
-    def average(self, tensors: Sequence[torch.Tensor]) -> RoundResult: ...
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int) -> RoundResult:
+        """Only groups averaging the same `round_index` (the outer step) meet."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -110,7 +112,7 @@ class DiLoCo:
         if step % self.local_steps:
             return None
         pseudo_gradient = self.outer - self._flat_shards()
-        report = self.averager.average([pseudo_gradient])
+        report = self.averager.average([pseudo_gradient], round_index=self.outer_step + 1)
         if not report.ok:
             log.warning("outer step %d: averaging failed, applying this group's own pseudo-gradient", self.outer_step + 1)
         elif report.num_peers == 1:

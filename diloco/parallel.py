@@ -67,6 +67,10 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float = 60
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def barrier() -> None:
+    dist.barrier()
+
+
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

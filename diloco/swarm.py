@@ -54,6 +54,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, crypto_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
 
 logger = logging.getLogger(__name__)
 
@@ -484,6 +485,26 @@ class RoundReport:
     ok: bool
 
 
+ROUND_BITS = 20  # round indices are told apart modulo 2**20
+
+
+def rendezvous(dht: hivemind.DHT, key: str, member: str, expected: int, timeout: float) -> int:
+    """Announce `member` under `key` and wait until `expected` distinct members are there, or `timeout` seconds.
+
+    Worker groups start seconds apart (imports, data loading); meeting here first lets their first outer
+    round find each other. Returns how many members were seen.
+    """
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while True:
+        dht.store(key, subkey=member, value=True, expiration_time=get_dht_time() + timeout + 60)
+        found = dht.get(key, latest=True)
+        seen = len(found.value) if found is not None and isinstance(found.value, dict) else 0
+        if seen >= expected or time.monotonic() >= deadline:
+            return seen
+        time.sleep(0.5)
+
+
 class SwarmAverager:
     """Averages a fixed list of CPU float32 tensors with every peer of the same ``prefix`` that is ready.
 
@@ -553,12 +574,16 @@ class SwarmAverager:
             self.shutdown()
             raise
 
-    def average(self, tensors: Sequence[torch.Tensor]) -> RoundReport:
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int | None = None) -> RoundReport:
         """Average ``tensors`` in place with the peers that are ready; never raises on network failures.
 
         :param tensors: CPU float32 tensors with the shapes given at construction.
+        :param round_index: when given, only peers averaging the same round index meet (e.g. the outer step, so
+            that a group that fell behind never mixes its pseudo-gradient into another step's average).
         :returns: the report; on ``ok=False`` or ``num_peers == 1`` the tensors were not modified.
         """
+        if round_index is not None:  # the matchmaking key becomes <prefix>.0b<round bits>
+            self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
         if [tuple(tensor.shape) for tensor in tensors] != self._shapes:
             raise ValueError(f"expected tensors of shapes {self._shapes}")
         for tensor in tensors:

@@ -228,20 +228,23 @@ def build_outer(config: Config, env: DistEnv, model: torch.nn.Module, device: to
         host_maddrs=[offset_port(m, env.local_rank) for m in hv.host_maddrs],
         announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
     )
+    # rank r meets only rank r of groups with the same number of ranks: their shards line up
+    prefix = f"{hv.run_id}-rank{env.rank}of{env.world_size}"
     try:
         averager = swarm.SwarmAverager(
             dht,
-            # rank r meets only rank r of groups with the same number of ranks: their shards line up
-            prefix=f"{hv.run_id}-rank{env.rank}of{env.world_size}",
+            prefix=prefix,
             tensors=[torch.zeros(sum(s.numel() for s in shards))],
             compression=hv.compression,
             matchmaking_time=hv.matchmaking_time,
             averaging_timeout=hv.averaging_timeout,
             target_group_size=hv.galaxy_size,
         )
+        seen = swarm.rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout)
     except BaseException:
         dht.shutdown()
         raise
+    log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
     return DiLoCo(
         shards,
         DHTOwningAverager(averager, dht),
@@ -259,8 +262,8 @@ class DHTOwningAverager:
     def __init__(self, averager: Any, dht: Any) -> None:
         self.averager, self.dht = averager, dht
 
-    def average(self, tensors: list[torch.Tensor]) -> Any:
-        return self.averager.average(tensors)
+    def average(self, tensors: list[torch.Tensor], round_index: int) -> Any:
+        return self.averager.average(tensors, round_index=round_index)
 
     def shutdown(self) -> None:
         try:
@@ -354,6 +357,9 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
         summary["params_sha256"] = sha
         save_hf(run.model, state, run.run_dir / "final")
     summary["wall_s"] = time.perf_counter() - started
+    # every rank tears gloo down together: a rank that destroyed its group while rank 0 was still exporting
+    # was seen aborting ("terminate called without an active exception")
+    parallel.barrier()
     return summary
 
 

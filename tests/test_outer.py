@@ -40,7 +40,7 @@ class _Member:
     def __init__(self, hub: MeanOfGroups, index: int) -> None:
         self.hub, self.index = hub, index
 
-    def average(self, tensors: Sequence[torch.Tensor]) -> Report:
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int) -> Report:
         self.hub.inbox[self.index] = [t.clone() for t in tensors]
         self.hub.barrier.wait()
         for i, tensor in enumerate(tensors):
@@ -53,7 +53,7 @@ class _Member:
 
 
 class Alone:
-    def average(self, tensors: Sequence[torch.Tensor]) -> Report:
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int) -> Report:
         return Report(num_peers=1)
 
     def shutdown(self) -> None:
