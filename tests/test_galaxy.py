@@ -198,3 +198,18 @@ def test_galaxy_size_one_never_imports_hivemind(tmp_path: Path) -> None:
                       "--total-batch-size", "2", "--max-steps", "1", "--run-dir", str(tmp_path / "solo")])  # fmt: skip
     assert_ok(result)
     assert "hivemind" not in result.stderr and "diloco.train" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("make_args", "expected"),
+    [
+        (lambda t: ["--identity", str(t / "bad.pem")], "--identity: identity file"),
+        (lambda t: ["--host-maddrs", "/ip4/127.0.0.1/tcp/x"], "--host-maddrs"),
+    ],
+)
+def test_dht_bad_input_is_one_line(tmp_path: Path, make_args, expected: str) -> None:
+    (tmp_path / "bad.pem").write_bytes(b"not a key")
+    (tmp_path / "bad.pem").chmod(0o600)
+    result = run_cmd([str(DILOCO), "dht", *make_args(tmp_path)], timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), result.output
