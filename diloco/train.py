@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from diloco import checkpoint, parallel
 from diloco.config import Config, UsageError
-from diloco.data import BatchSource, Data, Shard, build_data
+from diloco.data import Data, Shard, build_data
 from diloco.metrics import Metrics, peak_memory_mb, write_json_atomic
 from diloco.model import decoder_layers, load_model, params_sha256, save_hf
 from diloco.outer import DiLoCo, NoOuter, OuterLoop
