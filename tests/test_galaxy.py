@@ -117,13 +117,13 @@ def assert_trained_together(run_dirs: list[Path], groups: int, outer_steps: int)
         assert losses[-1] < losses[0] - 0.5  # from ln(1024) ≈ 6.9 at the start
 
 
-def test_two_groups_sharded_over_two_ranks_stay_identical(tmp_path: Path, dht_peer: list[str]) -> None:
+def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Path, dht_peer: list[str]) -> None:
     procs = []
     run_dirs = [tmp_path / f"w{i}" for i in range(2)]
     for world_rank, run_dir in enumerate(run_dirs):
         args = [*TEXT, "--total-batch-size", "8", "--max-steps", "12", "--hv.local-steps", "4",
                 "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank), "--hv.initial-peers", *dht_peer,
-                "--run-dir", str(run_dir)]  # fmt: skip
+                "--hv.compression", "int8", "--run-dir", str(run_dir)]  # fmt: skip
         procs.append(spawn([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *args]))
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
@@ -134,10 +134,10 @@ def test_two_groups_sharded_over_two_ranks_stay_identical(tmp_path: Path, dht_pe
     assert_trained_together(run_dirs, groups=2, outer_steps=3)
 
 
-def test_launch_three_groups(tmp_path: Path) -> None:
+def test_launch_three_groups_with_fp16(tmp_path: Path) -> None:
     run_dir = tmp_path / "launched"
     proc = spawn([str(DILOCO), "launch", "--workers", "3", "--nproc-per-worker", "1", "--", *TEXT,
-                  "--total-batch-size", "4", "--max-steps", "9", "--hv.local-steps", "3",
+                  "--total-batch-size", "4", "--max-steps", "9", "--hv.local-steps", "3", "--hv.compression", "fp16",
                   "--run-dir", str(run_dir)])  # fmt: skip
     try:
         output = proc.communicate(timeout=300)[0]

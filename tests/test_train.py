@@ -163,3 +163,10 @@ def test_sigterm_stops_with_checkpoint_and_summary(run_dir: Path) -> None:
     assert done["status"] == "interrupted" and 3 <= done["steps"] < 100000
     assert (run_dir / "ckpt" / f"step-{done['steps']}" / "meta.json").is_file()
     assert run_cmd(["pgrep", "-s", str(proc.pid)]).stdout == ""  # nothing of its session is left
+
+
+def test_diverging_loss_stops_with_a_failed_summary(run_dir: Path) -> None:
+    result = python_train([*FAKE, "--max-steps", "50", "--lr", "1e30", "--warmup-steps", "0", "--run-dir", str(run_dir)])
+    assert result.returncode != 0 and "loss is" in result.stderr
+    done = summary(run_dir)
+    assert done["status"] == "failed" and 0 < done["steps"] < 50
