@@ -10,7 +10,7 @@ import logging
 import math
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,6 @@ class Run:
     step: int = 0
     last_loss: float | None = None
     last_eval_loss: float | None = None
-    extra_summary: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- the hot loop
