@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from diloco.config import UsageError
+from diloco.config import UsageError, first_line
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -93,7 +93,7 @@ def check(path: Path, world_size: int) -> int:
         for r in range(world_size):
             torch.load(path / f"rank-{r}.pt", weights_only=False)
     except Exception as e:
-        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({_first_line(e)})") from None
+        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({first_line(e)})") from None
     return step
 
 
@@ -103,8 +103,4 @@ def load(path: Path, sharded: ModelAndOptimizer, rank: int) -> dict[str, Any]:
         dcp.load({"app": sharded}, checkpoint_id=str(path))
         return torch.load(path / f"rank-{rank}.pt", weights_only=False)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({_first_line(e)})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({first_line(e)})") from None

@@ -17,6 +17,12 @@ class UsageError(ValueError):
     """Bad user input: reported as one line naming the flag or file, exit code 2, no traceback."""
 
 
+def first_line(error: BaseException) -> str:
+    """The gist of a library's error, to quote inside a one-line UsageError."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 Precision = Literal["fp16-mixed", "bf16-mixed", "32-true"]
 ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]
 Compression = Literal["none", "fp16", "int8"]

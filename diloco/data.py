@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from diloco.config import UsageError
+from diloco.config import UsageError, first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 EVAL_FRACTION = 0.1  # share of packed blocks held out for evaluation
@@ -48,7 +48,7 @@ class HFTokenizer:
         try:
             self.inner = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise UsageError(f"--tokenizer {path}: not a loadable tokenizer folder ({str(e).splitlines()[0]})") from None
+            raise UsageError(f"--tokenizer {path}: not a loadable tokenizer folder ({first_line(e)})") from None
         if self.inner.eos_token_id is None:
             raise UsageError(f"--tokenizer {path}: it defines no EOS token, needed to separate documents")
         self.vocab_size = len(self.inner)
@@ -126,7 +126,7 @@ def tokenize_corpus(path: Path, tokenizer: Tokenizer) -> np.ndarray:
             for text in read_documents(file):
                 pieces += [tokenizer.encode(text), eos]
     except (OSError, json.JSONDecodeError, UnicodeError) as e:
-        raise UsageError(f"--dataset {path}: could not read it ({str(e).splitlines()[0]})") from None
+        raise UsageError(f"--dataset {path}: could not read it ({first_line(e)})") from None
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
     if len(tokens) <= len(pieces) // 2:  # nothing but separators
         raise UsageError(f"--dataset {path}: the dataset is empty")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import resource
 import sys
@@ -11,8 +10,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-
-log = logging.getLogger("diloco")
 
 
 class Sink(Protocol):

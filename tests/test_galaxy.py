@@ -55,6 +55,16 @@ def left_running(children: list[psutil.Process], grace_s: float = 5.0) -> list[p
     return [c for c in alive if c.status() != psutil.STATUS_ZOMBIE]
 
 
+def interrupt(proc: subprocess.Popen[str], children: list[psutil.Process], within_s: float) -> int:
+    """Ctrl-C `proc`: it must exit within `within_s` seconds and leave none of `children` running."""
+    proc.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    code = proc.wait(timeout=within_s + 15)
+    assert time.monotonic() - started < within_s
+    assert not left_running(children)
+    return code
+
+
 def kill_group(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -86,11 +96,7 @@ def test_dht_identity_is_stable_and_stop_is_clean(tmp_path: Path) -> None:
             peer_ids.append(re.search(r"/p2p/(\w+)", line).group(1))
             children = descendants(proc.pid)
             assert any(c.name() == "p2pd" for c in children)
-            proc.send_signal(signal.SIGINT)
-            started = time.monotonic()
-            assert proc.wait(timeout=10) == 0
-            assert time.monotonic() - started < 5
-            assert not left_running(children)
+            assert interrupt(proc, children, within_s=5) == 0
         finally:
             kill_group(proc)
     assert peer_ids[0] == peer_ids[1]
@@ -157,11 +163,7 @@ def test_launch_ctrl_c_stops_everything(tmp_path: Path) -> None:
         read_until(proc, r"\[worker-1\] step 2 \| loss", timeout=120)
         children = descendants(proc.pid)
         assert sum(c.name() == "p2pd" for c in children) >= 3  # launch's DHT and one per worker rank
-        proc.send_signal(signal.SIGINT)
-        started = time.monotonic()
-        assert proc.wait(timeout=30) == 130
-        assert time.monotonic() - started < 15
-        assert not left_running(children)
+        assert interrupt(proc, children, within_s=15) == 130
     finally:
         kill_group(proc)
     for i in range(2):
