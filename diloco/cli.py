@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -13,7 +14,7 @@ import cyclopts
 import pydantic
 from cyclopts import App, Parameter
 
-from diloco.config import Config, UsageError
+from diloco.config import Config, RankUsageError, UsageError
 from diloco.parallel import DistEnv
 
 USAGE_EXIT = 2
@@ -45,11 +46,9 @@ def dht(
     from diloco.config import HvConfig
 
     _setup_logging(0)
+    warnings.showwarning = _log_warning  # e.g. a readable identity file: one line, not Python's two
     HvConfig(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs)  # the same multiaddr checks as training
-    try:
-        return swarm.serve_dht(identity, host_maddrs, announce_maddrs)
-    except ValueError as e:  # an unreadable or invalid identity file; the message names it
-        raise UsageError(f"--identity: {e}") from None
+    return swarm.serve_dht(identity, host_maddrs, announce_maddrs)  # its UsageErrors name the flags of `dht`
 
 
 def launch(
@@ -142,9 +141,13 @@ def _pop_config_flag(tokens: list[str]) -> tuple[list[str], Path | None]:
 
 
 def _usage_exit(error: BaseException) -> NoReturn:
-    """One line, on rank 0 only (every rank of a torchrun group sees the same bad input)."""
-    if os.environ.get("RANK", "0") == "0":
+    """One line, on rank 0 only (every rank of a torchrun group sees the same bad input), unless only this rank
+    met it."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
         print(f"error: {_one_line(error)}", file=sys.stderr)
+    elif isinstance(error, RankUsageError):
+        print(f"error: rank {rank}: {_one_line(error)}", file=sys.stderr)
     sys.exit(USAGE_EXIT)
 
 
@@ -159,6 +162,11 @@ def _one_line(error: BaseException) -> str:
             return message
         return f"{flag}: {message} (got {first['input']!r})"
     return " ".join(str(error).split())
+
+
+def _log_warning(message: Warning | str, category: type[Warning], *_location: Any, **_kwargs: Any) -> None:
+    """``warnings.showwarning`` as one log line (no file name and source line: the message says what to do)."""
+    logging.getLogger("diloco").warning("%s", message)
 
 
 def _setup_logging(rank: int) -> None:

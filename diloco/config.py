@@ -6,6 +6,7 @@ field descriptions are the CLI help. Derived values are properties or methods, n
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -14,7 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class UsageError(ValueError):
-    """Bad user input: reported as one line naming the flag or file, exit code 2, no traceback."""
+    """Bad user input: reported as one line naming the flag or file, exit code 2, no traceback. Under torchrun
+    only rank 0 reports it: every rank sees the same input."""
+
+
+class RankUsageError(UsageError):
+    """Bad input that only this rank meets (e.g. its own port, the given one + local rank): every rank that
+    meets it reports it, naming itself."""
 
 
 def first_line(error: BaseException) -> str:
@@ -46,7 +53,11 @@ class CkptConfig(_Strict):
 class HvConfig(_Strict):
     """The decentralized (hivemind) outer loop. With galaxy size 1 none of it starts."""
 
-    initial_peers: Maddrs = Field(default_factory=list, description="Multiaddrs of DHT peers to bootstrap from.")
+    initial_peers: Maddrs = Field(
+        default_factory=list,
+        description="Multiaddrs of DHT peers to bootstrap from, each ending in /p2p/ and the peer id, as "
+        "`diloco dht` prints them. Start-up fails when none answers (p2pd gives up after about 5 s).",
+    )
     galaxy_size: int = Field(1, ge=1, description="Number of worker groups expected in the swarm.")
     world_rank: int = Field(0, ge=0, description="Index of this worker group, 0 <= world rank < galaxy size.")
     local_steps: int = Field(500, gt=0, description="H: inner steps between two outer steps.")
@@ -60,9 +71,15 @@ class HvConfig(_Strict):
         "diloco", pattern=r"^[A-Za-z0-9_-]+$", description="Swarm name: keeps separate runs apart on one DHT."
     )
     host_maddrs: Maddrs = Field(
-        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="Multiaddrs this peer listens on."
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+        description="Multiaddrs this peer listens on; port 0 = any free port, a fixed port P is P + local rank "
+        "for each rank under torchrun.",
     )
-    announce_maddrs: Maddrs = Field(default_factory=list, description="Multiaddrs announced to other peers.")
+    announce_maddrs: Maddrs = Field(
+        default_factory=list,
+        description="Multiaddrs announced to other peers, with explicit ports (shifted by the local rank like "
+        "--hv.host-maddrs).",
+    )
 
     @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
     @classmethod
@@ -74,6 +91,15 @@ class HvConfig(_Strict):
                 Multiaddr(value)
             except Exception as e:  # the package raises several types; all mean "not a multiaddr"
                 raise ValueError(f"{value!r} is not a valid multiaddr ({e})") from None
+        return values
+
+    @field_validator("announce_maddrs")
+    @classmethod
+    def _explicit_ports(cls, values: list[str]) -> list[str]:
+        for value in values:
+            parts = value.split("/")
+            if any(proto in ("tcp", "udp") and port == "0" for proto, port in pairwise(parts)):
+                raise ValueError(f"{value!r}: announce an explicit port, not port 0")
         return values
 
     @model_validator(mode="after")

@@ -27,6 +27,8 @@ def worker_args(config: Config, train_args: Sequence[str], world_rank: int, work
     args += ["--hv.initial-peers", *peers]
     if config.run_dir is not None:
         args += ["--run-dir", str(config.run_dir / f"worker-{world_rank}")]
+    if config.ckpt.path is not None:  # each group checkpoints its own ranks' state
+        args += ["--ckpt.path", str(config.ckpt.path / f"worker-{world_rank}")]
     return args
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,6 +17,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from diloco.config import Precision, ShardingStrategy, UsageError
+
+PR_SET_PDEATHSIG = 1  # prctl(2) option
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,19 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def stop_with_launcher(env: DistEnv) -> None:
+    """Ask the kernel for SIGTERM when the launcher dies (Linux). torchrun starts each rank in a session of its
+    own, so `kill -9 <torchrun>` would otherwise leave the ranks training, orphaned; with this they stop as if
+    stopped with SIGTERM (checkpoint, summary), and their hivemind processes with them."""
+    if not env.under_launcher or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the launcher died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def pick_device(env: DistEnv) -> torch.device:
@@ -146,3 +164,10 @@ def broadcast_object(obj: object) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's value, in rank order, on every rank."""
+    box: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj)
+    return box

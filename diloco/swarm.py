@@ -5,10 +5,13 @@ hivemind is pinned to 1.1.12, so this module subclasses a few of its internals. 
 * ``AllReduceRunner``: ``_communicate_with_peer`` (its own-part branch), ``_accumulate_parts_streaming``
   (the reducer's reply stream), ``_get_peer_stub``, and the attributes ``tensor_part_container``
   (``return_deltas``, ``failed_size``, ``compression``, ``_input_parts_by_peer``), ``tensor_part_reducer``,
-  ``parts_for_local_averaging``, ``sender_peer_ids``, ``ordered_peer_ids``, ``weight``.
+  ``parts_for_local_averaging``, ``sender_peer_ids``, ``ordered_peer_ids``, ``weight``, ``_ban_sender`` and
+  ``banned_senders``; ``TensorPartReducer.sender_failed_after``, ``finished`` and ``num_parts``.
 * ``DecentralizedAverager``: ``_run_allreduce_inplace_`` (called once per all-reduce attempt while the averager
   holds its tensor lock), ``_running_groups``, ``_p2p``, ``_parent_pid``, ``run`` and the ``_rpc_handlers`` /
-  ``_stub_type`` class caches of ``hivemind.p2p.ServicerBase``.
+  ``_stub_type`` class caches of ``hivemind.p2p.ServicerBase``; for state sharing ``get_current_state`` (served
+  by hivemind's ``rpc_download_state``), ``allow_state_sharing``, ``_outer_pipe`` (commands to the averager
+  process), ``serializer`` and ``get_stub``.
 * ``DHT``: ``run``, ``_parent_pid`` and ``_inner_pipe`` (its request pipe, read by ``DHT.run``).
 * ``StepControl.stage`` / ``allow_allreduce`` / ``cancel`` from ``step(require_trigger=True, wait=False)``.
 * ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES``: the decoder registry, patched inside the averager
@@ -20,10 +23,12 @@ hivemind is pinned to 1.1.12, so this module subclasses a few of its internals. 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import stat
 import threading
@@ -31,6 +36,7 @@ import time
 import warnings
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import AsyncIterator, Callable, Literal, Sequence
@@ -52,9 +58,14 @@ from hivemind.compression import (
 from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, crypto_pb2, runtime_pb2
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
+from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
+
+from diloco.catchup import Progress
+from diloco.config import RankUsageError, UsageError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +103,8 @@ def ensure_identity(path: Path) -> Path:
     :param path: key file; parent folders are created, a new file gets mode 0600. Reusing it keeps the peer id
         stable across restarts.
     :returns: ``path``
-    :raises ValueError: the file exists but cannot be read or is not a key hivemind can use.
+    :raises ValueError: the file cannot be created, cannot be read or is not a key hivemind can use (one line
+        naming the file). A file that group or others can read only warns (``UserWarning``).
     """
     path = Path(path)
     if not path.exists():
@@ -120,16 +132,27 @@ def identity_peer_id(path: Path) -> str:
 
 
 def _write_new_identity(path: Path) -> None:
-    """Write a new RSA key in hivemind's format, atomically, never replacing a key another process just wrote."""
+    """Write a new RSA key in hivemind's format, atomically, never replacing a key another process just wrote;
+    ``ValueError`` naming the file when it cannot be written."""
     # hivemind 1.1.12 reads identity files only as RSA (PeerID.from_identity uses load_der_private_key), so an
     # Ed25519 key would make P2P.create fail whenever initial_peers are given. Same bytes as P2P.generate_identity.
     key = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, key.SerializeToString())
+    except OSError as e:
+        blocker = next((parent for parent in path.parents if parent.exists()), None)
+        reason = f"{blocker} is a file, not a folder" if blocker and not blocker.is_dir() else e.strerror or e
+        raise ValueError(f"cannot create identity file {path}: {reason}") from None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file at ``path`` with mode 0600; if ``path`` appeared meanwhile, keep that one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)  # independent of umask
-        os.write(fd, key.SerializeToString())
+        os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -144,6 +167,20 @@ def _write_new_identity(path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------- DHT
 
 
+@dataclass(frozen=True)
+class Flags:
+    """How the calling command line spells the options that ``start_dht`` reports bad input against."""
+
+    initial_peers: str = "--hv.initial-peers"
+    host_maddrs: str = "--hv.host-maddrs"
+    announce_maddrs: str = "--hv.announce-maddrs"
+    identity: str = "--identity"
+
+
+TRAIN_FLAGS = Flags()
+DHT_FLAGS = Flags(initial_peers="--initial-peers", host_maddrs="--host-maddrs", announce_maddrs="--announce-maddrs")
+
+
 def start_dht(
     *,
     initial_peers: Sequence[str],
@@ -152,11 +189,12 @@ def start_dht(
     identity_path: Path | None = None,
     client_mode: bool = False,
     startup_timeout: float = 30,
+    flags: Flags = TRAIN_FLAGS,
 ) -> hivemind.DHT:
     """Start a hivemind DHT peer in a background process (which owns one p2pd daemon).
 
     :param initial_peers: multiaddrs of running peers to bootstrap from (``/ip4/1.2.3.4/tcp/31337/p2p/Qm...``);
-        empty to start a new swarm.
+        empty to start a new swarm. If none of them answers, start-up fails: it never goes on alone.
     :param host_maddrs: multiaddrs to listen on, e.g. ``/ip4/0.0.0.0/tcp/31337`` (port 0 = any free port).
     :param announce_maddrs: public multiaddrs to advertise instead of the listening ones (explicit ports);
         empty to advertise what libp2p sees.
@@ -164,12 +202,20 @@ def start_dht(
         stable; None for a random peer id.
     :param client_mode: if True, this peer does not serve DHT requests or accept incoming averaging requests
         (for peers behind NAT); it can still average with non-client peers.
-    :param startup_timeout: seconds to wait for the daemon to start and the bootstrap to finish.
+    :param startup_timeout: seconds to wait for the daemon to start and the bootstrap to finish. Only a safety
+        net: p2pd gives up on initial peers that do not answer by itself, after about 5 s (at once on a closed
+        port), and a peer that is not a DHT fails its ping after 3 s.
+    :param flags: the caller's names for these options, quoted in ``UsageError`` messages.
     :returns: the running DHT; call ``.shutdown()`` when done.
+    :raises UsageError: bad input, as one line naming the flag: no initial peer answered, a host port in use,
+        an unusable identity file. No process is left behind.
     """
     kwargs = {}
     if identity_path is not None:
-        kwargs["identity_path"] = str(ensure_identity(identity_path))
+        try:
+            kwargs["identity_path"] = str(ensure_identity(identity_path))
+        except ValueError as e:
+            raise UsageError(f"{flags.identity}: {e}") from None
     dht = _DHT(
         initial_peers=list(initial_peers) or None,
         host_maddrs=list(host_maddrs),
@@ -179,12 +225,62 @@ def start_dht(
         start=False,
         **kwargs,
     )
+    started = time.monotonic()
     try:
         dht.run_in_background(await_ready=True, timeout=startup_timeout)
-    except BaseException:
-        dht.shutdown()
-        raise
+    except BaseException as e:
+        waited_s = time.monotonic() - started
+        _stop_failed_start(dht)
+        usage_error = _startup_usage_error(e, flags, initial_peers, waited_s)
+        if usage_error is None:
+            raise
+        raise usage_error from None
     return dht
+
+
+def _startup_usage_error(
+    error: BaseException, flags: Flags, initial_peers: Sequence[str], waited_s: float
+) -> UsageError | None:
+    """The bad input behind a failed DHT start as one line naming the flag; None for failures that are not.
+
+    :param waited_s: seconds from the start until the failure, quoted for an unreachable initial peer.
+    """
+    # p2pd's reasons come as "Daemon failed to start: <date> <time> <reason>"
+    reason = re.sub(r"^Daemon failed to start: \d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", first_line(error))
+    peers = " ".join(initial_peers)
+    timed_out = isinstance(error, TimeoutError) or "Daemon failed to start in" in reason
+    # p2pd could not dial any of them / they did not answer a DHT ping / nothing at all within startup_timeout
+    if "bootstrap peers" in reason or "initial_peers responded" in reason or (initial_peers and timed_out):
+        return UsageError(
+            f"{flags.initial_peers}: no DHT peer answered at {peers} (gave up after {waited_s:.1f} s); is it "
+            "running and reachable from here, and is the /p2p/ peer id the one it printed?"
+        )
+    if "invalid p2p multiaddr" in reason:
+        return UsageError(f"{flags.initial_peers} {peers}: each address needs its /p2p/<peer id> part")
+    if "failed to listen" in reason:  # the port differs per rank (+ local rank), so every rank reports its own
+        listen = re.search(r"listen \w+ (\S+):(\d+): (?:bind: )?([^\]]+)", reason)
+        if listen is None:
+            return RankUsageError(f"{flags.host_maddrs}: {reason}")
+        host, port, why = listen.groups()
+        return RankUsageError(f"{flags.host_maddrs}: cannot listen on {host} port {port}: {why}")
+    if "explicit port in announce_maddrs" in reason:
+        return UsageError(f"{flags.announce_maddrs}: announce an explicit port, not port 0")
+    return None
+
+
+def _stop_failed_start(dht: hivemind.DHT) -> None:
+    """End a DHT process whose start failed or timed out, and its p2pd: hivemind's ``shutdown`` would wait for a
+    node that never came up (and log a warning)."""
+    if dht.pid is None:  # never forked
+        return
+    dht.join(timeout=1.0)  # after a start-up error the process exits by itself, and p2pd with it
+    if dht.is_alive():  # still starting (a timeout): stop its process group, p2pd included
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(dht.pid, signal.SIGTERM)
+        dht.join(timeout=3.0)
+    if dht.is_alive():
+        dht.kill()
+        dht.join()
 
 
 class _DHT(hivemind.DHT):
@@ -269,12 +365,17 @@ def serve_dht(
     :param stop_event: optional event that stops the peer when set (for tests and embedding).
     :param print_fn: where the ready line goes.
     :returns: process exit code (0).
+    :raises UsageError: bad input (identity file, a port in use), one line naming ``diloco dht``'s flag.
     """
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
     try:
         dht = start_dht(
-            initial_peers=[], host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity_path=identity
+            initial_peers=[],
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs,
+            identity_path=identity,
+            flags=DHT_FLAGS,
         )
         try:
             print_fn("--hv.initial-peers " + " ".join(visible_maddrs(dht)))
@@ -300,6 +401,14 @@ def _install_stop_handlers(stop: threading.Event) -> dict[int, object]:
 
 # ------------------------------------------------------------------------------------------------ exact all-reduce
 
+# A contribution to a part is rejected when its L2 norm exceeds this many times the lower median of the group's
+# norms for that part. Peers' pseudo-gradients come from the same parameters after the same number of inner
+# steps, so honest ones are within a small factor of each other; a diverged peer (loss spike, overflow, corrupt
+# data) is off by orders of magnitude, and at 100x it would outweigh ~100 honest peers in the mean. 100 leaves
+# over an order of magnitude of headroom for honest spread (few-step warm-up, uneven data) before a peer is cut.
+# With two peers the median is the smaller norm: the larger contribution is the one dropped.
+MAX_NORM_RATIO = 100.0
+
 
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce after which every peer of the group holds the very same bytes.
@@ -312,6 +421,17 @@ class ExactAllReduceRunner(AllReduceRunner):
     Outputs of a reducer that failed are this peer's own inputs (not zeros) and are counted in
     ``tensor_part_container.failed_size``; the caller must treat a nonzero value as a failed round.
     ``bytes_sent`` / ``bytes_received`` count serialized messages of this run.
+
+    Screening (reducer side): before a contribution (a sender's part, our own included) is added to the average
+    of one of our parts, it is rejected if it holds NaN/Inf, its weight is not a finite number >= 0, or its L2
+    norm exceeds ``MAX_NORM_RATIO`` times the reference norm of that part: the lower median of the norms of the
+    finite contributions of all senders to the same part (a part is judged once every sender delivered it or was
+    banned; the whole part cannot be averaged before that anyway). A rejected sender is banned for the rest of
+    the run (hivemind's ban path: the remaining senders are averaged, the banned one gets a truncated reply and
+    fails its round). Rejecting our own contribution is what keeps a bad peer from poisoning the part it
+    reduces: it still averages the others' parts, then fails its own round. Parts of a sender accepted before
+    its bad part was seen stay in their averages, which every groupmate receives alike, so the groupmates that
+    complete still hold identical bytes. ``rejected`` counts the senders rejected here.
     """
 
     def __init__(self, **kwargs):
@@ -323,6 +443,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._encoded: dict[int, asyncio.Future] = {}  # part index -> encoded average (a sliding window of two)
         self._oldest_kept_part = 0
         self.bytes_sent = self.bytes_received = 0
+        self.rejected = 0
+        # part index -> {sender index: L2 norm of its contribution (nan/inf: non-finite values)}
+        self._norms: list[dict[int, float]] = [{} for _ in range(self.tensor_part_reducer.num_parts)]
+        self._reference_norms: dict[int, float] = {}  # part index -> lower median of the finite norms
+        self._progress = asyncio.Event()  # set (and replaced) whenever a norm is recorded or a sender is banned
 
     async def _encode_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
         """Encode the average of one of our parts exactly once; every caller gets the same message."""
@@ -348,6 +473,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(self.peer_id)
         loop = asyncio.get_running_loop()
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            reason = await self._screen(sender_index, part_index, self._part_norm(tensor_part), self.weight)
+            if reason is not None:
+                await self._reject(sender_index, part_index, reason)
+                # keep reducing the others' parts (their rpc streams need the reducer), then fail our round
+                await self._wait_until(self._all_senders_banned)
+                self.tensor_part_container.register_failed_reducer(peer_index)
+                return
             averaged_part = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, tensor_part, weight=self.weight
             )
@@ -360,12 +492,19 @@ class ExactAllReduceRunner(AllReduceRunner):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Reducer side: add a sender's parts to the running averages, reply with the encoded averages."""
         part_index = 0
+
+        def decode(msg: averaging_pb2.AveragingData) -> tuple[torch.Tensor, float, float]:
+            tensor_part = deserialize_torch_tensor(msg.tensor_part)
+            return tensor_part, msg.weight, self._part_norm(tensor_part)
+
         try:
-            async for tensor_part, weight in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
-                self._count_received(stream),
-                max_prefetch=self.tensor_part_container.prefetch,
+            async for tensor_part, weight, norm in amap_in_executor(
+                decode, self._count_received(stream), max_prefetch=self.tensor_part_container.prefetch
             ):
+                reason = await self._screen(sender_index, part_index, norm, weight)
+                if reason is not None:
+                    await self._reject(sender_index, part_index, reason)
+                    break  # the sender's reply stream ends short: its round fails
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -381,6 +520,68 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    @staticmethod
+    def _part_norm(part: torch.Tensor) -> float:
+        """L2 norm accumulated in float64 (finite for any finite float32 part); nan or inf iff a value is."""
+        return float(torch.linalg.vector_norm(part, dtype=torch.float64))
+
+    async def _screen(self, sender_index: int, part_index: int, norm: float, weight: float) -> str | None:
+        """Record a sender's contribution to one of our parts; once all senders' are known, say why to reject it."""
+        reducer = self.tensor_part_reducer
+        if reducer.sender_failed_after[sender_index] != float("inf"):
+            return None  # banned meanwhile: accumulate_part raises BannedException
+        norms = self._norms[part_index]
+        norms[sender_index] = norm
+        self._notify()
+        # every sender has delivered this part or was banned (then it never will): the set of norms is final
+        await self._wait_until(
+            lambda: all(
+                index in norms or after != float("inf") for index, after in enumerate(reducer.sender_failed_after)
+            )
+        )
+        if not np.isfinite(norm):
+            return "non-finite values"
+        if not np.isfinite(weight) or weight < 0:
+            return f"invalid weight {weight}"
+        if part_index not in self._reference_norms:
+            finite = sorted(value for value in norms.values() if np.isfinite(value))
+            self._reference_norms[part_index] = finite[(len(finite) - 1) // 2]  # ours at least: norm is finite
+        reference = self._reference_norms[part_index]
+        if reference > 0 and norm > MAX_NORM_RATIO * reference:
+            return f"L2 norm {norm:.3g} is {norm / reference:.3g} times the group's median {reference:.3g}"
+        return None
+
+    async def _reject(self, sender_index: int, part_index: int, reason: str) -> None:
+        peer_id = self.sender_peer_ids[sender_index]
+        if peer_id in self.banned_senders:
+            return
+        self.rejected += 1
+        who = "our own contribution" if peer_id == self.peer_id else f"the contribution of peer {peer_id}"
+        logger.warning(f"averaging: rejected {who} from part {part_index} on ({reason}); averaging without it")
+        await self._ban_sender(peer_id)
+
+    async def _ban_sender(self, peer_id: PeerID):
+        await super()._ban_sender(peer_id)
+        self._notify()
+
+    def _all_senders_banned(self) -> bool:
+        return all(after != float("inf") for after in self.tensor_part_reducer.sender_failed_after)
+
+    def _notify(self) -> None:
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    async def _wait_until(self, condition: Callable[[], bool]) -> None:
+        """Wait until ``condition()`` holds (checked after each recorded norm or ban) or the reducer is finished."""
+        finished = self.tensor_part_reducer.finished
+        while not condition() and not finished.is_set():
+            waiters = {asyncio.ensure_future(self._progress.wait()), asyncio.ensure_future(finished.wait())}
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
 
     def _get_peer_stub(self, peer: PeerID) -> _CountingStub:
         return _CountingStub(super()._get_peer_stub(peer), self)
@@ -412,7 +613,8 @@ class ExactAverager(hivemind.DecentralizedAverager):
 
     A round either overwrites all local tensors with the group average or, if any part could not be averaged,
     leaves them untouched and fails (so ``step`` retries or raises instead of returning mixed results).
-    ``stats`` holds, in shared memory: bytes sent, bytes received, size of the last group that tried to average.
+    ``stats`` holds, in shared memory: bytes sent, bytes received, size of the last group that tried to average,
+    contributions rejected.
     Peers only group with other ``ExactAverager`` peers: RPC names include the class name.
     """
 
@@ -424,7 +626,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
         if method != "fork":
             # hivemind pickles pipes between forked processes (MPFuture); under 'spawn' the averager never gets ready
             raise RuntimeError(f"hivemind averagers need the 'fork' start method, this process uses {method!r}")
-        self.stats = mp.Array(ctypes.c_int64, 3)
+        self.stats = mp.Array(ctypes.c_int64, 4)  # [3]: senders this peer rejected (ExactAllReduceRunner.rejected)
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def run(self):
@@ -433,6 +635,42 @@ class ExactAverager(hivemind.DecentralizedAverager):
         _BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8Bit()
         warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
         super().run()
+
+    # State sharing: hivemind serves ``get_current_state()`` (run in the host process by a background thread) to
+    # ``rpc_download_state``; its own downloader picks the peer by priority, ours asks the peer it is told to.
+    state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
+
+    def get_current_state(self) -> tuple[dict, list[torch.Tensor]]:
+        if self.state_provider is None:
+            raise RuntimeError("this peer serves no state yet")
+        return self.state_provider()
+
+    def download_state_from(self, peer: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """The state ``peer`` serves (its metadata and tensors), or None if it does not answer within ``timeout``
+        seconds per message or serves none."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, future=future)))
+        return future.result(timeout=4 * timeout + 10)  # the averager process sets a result in every case
+
+    async def _download_state_from(self, peer: str, timeout: float, future: MPFuture) -> None:
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
+            metadata, tensors, parts = None, [], []
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            future.set_result((metadata, tensors) if metadata is not None else None)
+        except Exception as e:
+            logger.warning(f"could not download the state of {peer}: {type(e).__name__}: {e}")
+            if not future.done():
+                future.set_result(None)
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
@@ -455,11 +693,15 @@ class ExactAverager(hivemind.DecentralizedAverager):
             failed = runner.tensor_part_container.failed_size
             if failed:
                 raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values not averaged")
+            # reducers screen what they average; this catches one that does not (another version, a bad actor)
+            if not all(bool(torch.isfinite(result).all()) for result in averaged):
+                raise AllreduceException("a groupmate returned non-finite averages")
             for tensor, result in zip(tensors, averaged):
                 tensor.copy_(result)
         finally:
             self.stats[0] += runner.bytes_sent
             self.stats[1] += runner.bytes_received
+            self.stats[3] += runner.rejected
 
 
 # ------------------------------------------------------------------------------------------------- trainer interface
@@ -476,6 +718,9 @@ class RoundReport:
     :param bytes_received: serialized bytes this peer received in the round.
     :param ok: False when the round failed and the tensors were left untouched. Peers with ok=True of the same
         group hold identical bytes; at least one peer of a group reports ok=False if any part went wrong.
+    :param rejected: groupmates' contributions (and this peer's own) that this peer, as a reducer, left out of the
+        average for holding NaN/Inf or a norm ``MAX_NORM_RATIO`` times the group's; a rejected peer's round fails,
+        the others complete without it (ok=True).
     """
 
     num_peers: int
@@ -483,13 +728,17 @@ class RoundReport:
     bytes_sent: int
     bytes_received: int
     ok: bool
+    rejected: int = 0
 
 
 ROUND_BITS = 20  # round indices are told apart modulo 2**20
 
 
-def rendezvous(dht: hivemind.DHT, key: str, member: str, expected: int, timeout: float) -> int:
-    """Announce `member` under `key` and wait until `expected` distinct members are there, or `timeout` seconds.
+def rendezvous(
+    dht: hivemind.DHT, key: str, member: str, expected: int, timeout: float, stop: Callable[[], bool] = lambda: False
+) -> int:
+    """Announce `member` under `key` and wait until `expected` distinct members are there, `timeout` seconds
+    passed, or `stop()` is true.
 
     Worker groups start seconds apart (imports, data loading); meeting here first lets their first outer
     round find each other. Returns how many members were seen.
@@ -500,7 +749,7 @@ def rendezvous(dht: hivemind.DHT, key: str, member: str, expected: int, timeout:
         dht.store(key, subkey=member, value=True, expiration_time=get_dht_time() + timeout + 60)
         found = dht.get(key, latest=True)
         seen = len(found.value) if found is not None and isinstance(found.value, dict) else 0
-        if seen >= expected or time.monotonic() >= deadline:
+        if seen >= expected or time.monotonic() >= deadline or stop():
             return seen
         time.sleep(0.5)
 
@@ -574,13 +823,22 @@ class SwarmAverager:
             self.shutdown()
             raise
 
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int | None = None) -> RoundReport:
+    def average(
+        self,
+        tensors: Sequence[torch.Tensor],
+        round_index: int | None = None,
+        weight: float = 1.0,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> RoundReport:
         """Average ``tensors`` in place with the peers that are ready; never raises on network failures.
 
         :param tensors: CPU float32 tensors with the shapes given at construction.
         :param round_index: when given, only peers averaging the same round index meet (e.g. the outer step, so
             that a group that fell behind never mixes its pseudo-gradient into another step's average).
-        :returns: the report; on ``ok=False`` or ``num_peers == 1`` the tensors were not modified.
+        :param weight: this peer's weight in the average; 0 takes the others' average and adds nothing.
+        :param stop: polled while waiting; once it returns True the round is given up (``ok=False``).
+        :returns: the report; on ``ok=False`` or ``num_peers == 1`` the tensors were not modified. The round
+            ends within about ``matchmaking_time + averaging_timeout + grace`` seconds whatever the peers do.
         """
         if round_index is not None:  # the matchmaking key becomes <prefix>.0b<round bits>
             self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
@@ -593,22 +851,34 @@ class SwarmAverager:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
         stats = self._averager.stats
-        stats[:] = [0, 0, 0]
+        stats[:] = [0] * len(stats)
         control = self._averager.step(
+            weight=weight,
             timeout=self.matchmaking_time + self.averaging_timeout,
             allow_retries=True,
             require_trigger=True,  # we trigger only after seeing the group, so giving up cannot race with it
             wait=False,
         )
-        ok, num_peers = self._finish_round(control, tensors)
-        return RoundReport(num_peers, time.monotonic() - started, stats[0], stats[1], ok)
+        ok, num_peers = self._finish_round(control, tensors, stop, started)
+        return RoundReport(num_peers, time.monotonic() - started, stats[0], stats[1], ok, rejected=stats[3])
 
-    def _finish_round(self, control: StepControl, tensors: Sequence[torch.Tensor]) -> tuple[bool, int]:
+    def _finish_round(
+        self, control: StepControl, tensors: Sequence[torch.Tensor], stop: Callable[[], bool], started: float
+    ) -> tuple[bool, int]:
         """Trigger the all-reduce once a group is formed, or give up when nobody came. Returns (ok, num_peers)."""
-        if not self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace):
+        grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
+        if grouped is None:
+            return False, 0  # stopped
+        if not grouped:
             return True, 1
+        deadline = started + self.matchmaking_time + self.averaging_timeout + self.grace
+        while not control.done() and not stop() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not control.done():
+            _cancel(control)
+            logger.warning("averaging round stopped" if stop() else "averaging round timed out")
         try:
-            gathered = control.result(timeout=self.matchmaking_time + 2 * self.averaging_timeout + self.grace)
+            gathered = control.result(timeout=5.0)
         except Exception as e:  # TimeoutError, AllreduceException, MatchmakingException, CancelledError, ...
             _cancel(control)
             logger.warning(f"averaging round failed, tensors left unchanged: {type(e).__name__}: {e}")
@@ -619,9 +889,10 @@ class SwarmAverager:
         return True, len(gathered)
 
     @staticmethod
-    def _trigger_when_grouped(control: StepControl, give_up_at: float) -> bool:
-        """Poll the step's stage; allow the all-reduce when grouped. False (step cancelled) if no group by then."""
-        while time.monotonic() < give_up_at:
+    def _trigger_when_grouped(control: StepControl, give_up_at: float, stop: Callable[[], bool]) -> bool | None:
+        """Poll the step's stage; allow the all-reduce when grouped. False (step cancelled) if no group by then,
+        None if ``stop()`` became true first."""
+        while time.monotonic() < give_up_at and not stop():
             if control.done():
                 return True  # failed early: result() reports it
             if control.stage == AveragingStage.AWAITING_TRIGGER:
@@ -633,7 +904,26 @@ class SwarmAverager:
         deadline = time.monotonic() + 5.0
         while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
             time.sleep(0.02)
-        return False
+        return None if stop() else False
+
+    @property
+    def peer_id(self) -> str:
+        """This averager's peer id (base58): the id of the DHT daemon it shares."""
+        return self._averager.dht.peer_id.to_base58()
+
+    def serve_state(self, provider: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:
+        """Answer other peers' state downloads with ``provider()`` (metadata dict, CPU tensors) from now on;
+        it is called in a background thread of this process."""
+        self._averager.state_provider = provider
+        self._averager.allow_state_sharing = True
+
+    def download_state(self, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """The state ``peer_id`` serves, or None (no answer within ``timeout`` seconds per message, or none)."""
+        try:
+            return self._averager.download_state_from(peer_id, timeout)
+        except Exception as e:  # a dead averager process, a timeout of the future
+            logger.warning(f"state download from {peer_id} failed: {type(e).__name__}: {e}")
+            return None
 
     def shutdown(self) -> None:
         """Stop the averager process (idempotent). The DHT stays up."""
@@ -659,3 +949,67 @@ def _cancel(control: StepControl) -> None:
 def _check_cpu_float32(tensor: torch.Tensor) -> None:
     if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
         raise ValueError(f"SwarmAverager averages CPU float32 tensors, got {tensor.dtype} on {tensor.device}")
+
+
+# ------------------------------------------------------------------------------------------------ one rank's swarm
+
+PROGRESS_TTL = 24 * 3600.0  # seconds a group's progress record lives without a refresh (it refreshes every round)
+
+
+class SwarmPeer:
+    """One trainer rank's place in the swarm: its DHT peer (with p2pd), its averager, and the worker groups'
+    progress records. Implements ``diloco.outer.Swarm``; ``shutdown`` stops the averager, then the DHT.
+
+    :param dht: this rank's running DHT peer (owned from now on).
+    :param averager: averages with the same rank of the other groups (owned from now on).
+    :param progress_key: DHT key of the groups' progress records (one subkey per world rank).
+    :param request_timeout: seconds to wait for a peer's answer (a ping, each message of a state download).
+    """
+
+    def __init__(self, dht: hivemind.DHT, averager: SwarmAverager, progress_key: str, request_timeout: float):
+        self.dht, self.averager = dht, averager
+        self.progress_key, self.request_timeout = progress_key, request_timeout
+        self.peer_id = averager.peer_id
+
+    def average(
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
+    ) -> RoundReport:
+        return self.averager.average(tensors, round_index=round_index, weight=weight, stop=stop)
+
+    def publish(self, record: Progress) -> None:
+        self.dht.store(
+            self.progress_key,
+            subkey=str(record.world_rank),
+            value=record.to_dict(),
+            expiration_time=get_dht_time() + PROGRESS_TTL,
+        )
+
+    def records(self) -> list[Progress]:
+        found = self.dht.get(self.progress_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        records = (Progress.from_dict(entry.value) for entry in found.value.values())
+        return [record for record in records if record is not None]
+
+    def alive(self, peer_id: str) -> bool:
+        try:
+            return bool(self.dht.run_coroutine(partial(_ping, peer_id)))
+        except Exception:  # a malformed peer id, a DHT that is shutting down
+            return False
+
+    def serve_state(self, provider: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:
+        self.averager.serve_state(provider)
+
+    def download_state(self, peer_id: str) -> tuple[dict, list[torch.Tensor]] | None:
+        return self.averager.download_state(peer_id, self.request_timeout)
+
+    def shutdown(self) -> None:
+        try:
+            self.averager.shutdown()
+        finally:
+            self.dht.shutdown()
+
+
+async def _ping(peer_id: str, dht: hivemind.DHT, node: hivemind.DHTNode) -> bool:
+    """Runs in the DHT process: whether the peer answers a DHT ping (within the protocol's wait timeout)."""
+    return await node.protocol.call_ping(PeerID.from_base58(peer_id)) is not None

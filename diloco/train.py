@@ -10,6 +10,7 @@ import logging
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from diloco.config import Config, UsageError
 from diloco.data import Data, Shard, build_data
 from diloco.metrics import Metrics, peak_memory_mb, write_json_atomic
 from diloco.model import decoder_layers, load_model, params_sha256, save_hf
-from diloco.outer import DiLoCo, NoOuter, OuterLoop
+from diloco.outer import DiLoCo, Group, NoOuter, OuterLoop
 from diloco.parallel import DistEnv
 
 log = logging.getLogger("diloco")
@@ -140,6 +141,8 @@ def train_loop(run: Run) -> str:
         outer_row = run.outer.after_inner_step(run.step)
         if outer_row is not None:
             run.metrics.log(outer_row)
+            if outer_row["step"] != run.step:  # this group was behind: it continues where the swarm is
+                jump_to(run, outer_row["step"])
         if cfg.eval_interval and run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps:
             log_eval(run)
         if cfg.ckpt.interval and run.step % cfg.ckpt.interval == 0:
@@ -147,6 +150,17 @@ def train_loop(run: Run) -> str:
         if outer_row is not None or (cfg.eval_interval and run.step % cfg.eval_interval == 0):
             tick = time.perf_counter()  # keep outer steps and evals out of the inner throughput
     return "ok"
+
+
+def jump_to(run: Run, step: int) -> None:
+    """Continue at inner step `step` (the swarm's, after loading its state): the LR schedule follows."""
+    if step == run.step:
+        return
+    run.step = step
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        run.scheduler.last_epoch = step - 1
+        run.scheduler.step()
 
 
 def log_eval(run: Run) -> None:
@@ -174,7 +188,6 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         shard=Shard.of(config.hv.world_rank, config.hv.galaxy_size, env.rank, env.world_size),
         eval_shard=Shard(env.rank, env.world_size),
     )
-    run_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data or a bad model folder write nothing
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(model)
@@ -188,6 +201,8 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         model.parameters(), lr=config.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY, foreach=True
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(config.max_steps, 1))
+    outer = build_outer(config, env, model, device, stop)  # joining the swarm can fail on bad input: write nothing before
+    run_dir.mkdir(parents=True, exist_ok=True)
     metrics = Metrics.build(
         enabled=env.is_main,
         run_dir=run_dir,
@@ -208,12 +223,14 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         data=data,
         grad_accum=grad_accum,
         metrics=metrics,
-        outer=build_outer(config, env, model, device),
+        outer=outer,
         stop=stop,
     )
 
 
-def build_outer(config: Config, env: DistEnv, model: torch.nn.Module, device: torch.device) -> OuterLoop:
+def build_outer(
+    config: Config, env: DistEnv, model: torch.nn.Module, device: torch.device, stop: StopRequest
+) -> OuterLoop:
     """Galaxy size 1: nothing (no DHT, no p2pd). Otherwise join the swarm: each rank averages its own shard
     with the same rank of the other groups, so nothing is gathered to one rank."""
     if config.hv.galaxy_size == 1:
@@ -239,36 +256,37 @@ def build_outer(config: Config, env: DistEnv, model: torch.nn.Module, device: to
             averaging_timeout=hv.averaging_timeout,
             target_group_size=hv.galaxy_size,
         )
-        seen = swarm.rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout)
     except BaseException:
         dht.shutdown()
         raise
-    log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
-    return DiLoCo(
-        shards,
-        DHTOwningAverager(averager, dht),
-        local_steps=config.hv.local_steps,
-        outer_lr=config.hv.outer_lr,
-        outer_momentum=config.hv.outer_momentum,
-        group_sum=lambda value: parallel.all_reduce_sum(value, device),
-        group_sha=lambda: sha_of(model, full_state_dict(model)),
-    )
-
-
-class DHTOwningAverager:
-    """A swarm averager together with the DHT peer it runs on; shutting it down stops both (and p2pd)."""
-
-    def __init__(self, averager: Any, dht: Any) -> None:
-        self.averager, self.dht = averager, dht
-
-    def average(self, tensors: list[torch.Tensor], round_index: int) -> Any:
-        return self.averager.average(tensors, round_index=round_index)
-
-    def shutdown(self) -> None:
-        try:
-            self.averager.shutdown()
-        finally:
-            self.dht.shutdown()
+    peer = swarm.SwarmPeer(dht, averager, f"{hv.run_id}-{env.world_size}ranks-progress", request_timeout=5.0)
+    try:
+        outer = DiLoCo(
+            shards,
+            peer,
+            Group(
+                rank=env.rank,
+                sum=lambda value: parallel.all_reduce_sum(value, device),
+                gather=parallel.all_gather_object,
+                broadcast=parallel.broadcast_object,
+                sha=lambda: sha_of(model, full_state_dict(model)),
+            ),
+            world_rank=hv.world_rank,
+            local_steps=hv.local_steps,
+            outer_lr=hv.outer_lr,
+            outer_momentum=hv.outer_momentum,
+            stop=lambda: stop.requested,
+            join_timeout=hv.averaging_timeout,
+        )
+        outer.claim_world_rank()
+        seen = swarm.rendezvous(
+            dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout, lambda: stop.requested
+        )
+        log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
+    except BaseException:
+        peer.shutdown()
+        raise
+    return outer
 
 
 def offset_port(maddr: str, offset: int) -> str:
@@ -400,6 +418,7 @@ def main(config: Config, env: DistEnv) -> int:
     resume_path = check_before_start(config, env)
     stop = StopRequest()
     stop.install()
+    parallel.stop_with_launcher(env)
     device = parallel.pick_device(env)
     parallel.init_process_group(env, device)
     run: Run | None = None
@@ -409,6 +428,7 @@ def main(config: Config, env: DistEnv) -> int:
         run = build_run(config, env, device, run_dir, stop)
         if resume_path is not None:
             resume(run, resume_path)
+        jump_to(run, run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers))
         status = train_loop(run)
         summary = finish(run, status, started)
     except KeyboardInterrupt:  # a second signal: no more collectives, just record what is known
@@ -416,6 +436,11 @@ def main(config: Config, env: DistEnv) -> int:
         summary = {"status": status, "steps": run.step if run else 0, "wall_s": time.perf_counter() - started}
     except UsageError:
         raise
+    except FloatingPointError as e:  # NaN/Inf: a clear line, not a traceback; the others go on without us
+        log.error("%s", e)
+        if run is not None and env.is_main:
+            write_json_atomic(run.run_dir / "summary.json", failed_summary(run, started) | {"error": str(e)})
+        return 1
     except BaseException:
         if run is not None and env.is_main:
             write_json_atomic(run.run_dir / "summary.json", failed_summary(run, started))

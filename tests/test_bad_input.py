@@ -1,18 +1,30 @@
-"""Bad input: one line naming the flag or file, exit code 2, no traceback, nothing written."""
+"""Bad input: one line naming the flag or file, exit code 2, no traceback, nothing written, no process left."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
-from .conftest import FAST, TINY_MODEL, python_train, torchrun
+from .conftest import FAST, TINY_MODEL, TORCHRUN, Result, child_env, python_train, run_cmd, torchrun
 
 pytestmark = pytest.mark.slow
 
 FAKE = [*FAST, "--fake-data", "--total-batch-size", "4", "--max-steps", "2"]
+DILOCO = Path(sys.executable).parent / "diloco"
+SWARM = ["--hv.galaxy-size", "2"]  # a DHT starts (before the run folder is made)
+PEER_ID = "12D3KooWSShrJm4CSvrqkmVgos7VPu8p47kbbw2i8PgUB4EuDHv6"  # a valid peer id that no peer here has
 
 
 def corrupt_checkpoint(tmp_path: Path) -> Path:
@@ -35,6 +47,49 @@ def occupied_run_dir(tmp_path: Path) -> Path:
     return tmp_path / "old"
 
 
+def closed_port() -> int:
+    """A loopback port that nobody listens on (we just let it go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port held by a listening socket for the whole test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def left_in(work: Path, grace_s: float = 5.0) -> list[str]:
+    """Processes still running with ``work`` as their folder after ``grace_s`` seconds: every process a command
+    starts (its DHT process, p2pd) inherits it. They are killed, and their command lines returned."""
+    procs = []
+    for proc in psutil.process_iter(["cwd", "status"]):
+        if proc.info["cwd"] == str(work.resolve()) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            procs.append(proc)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    left = []
+    for proc in alive:
+        try:
+            left.append(" ".join(proc.cmdline()))
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def assert_one_line_exit_2(result: Result, expected: str, work: Path) -> None:
+    assert result.returncode == 2, result.output[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
+    assert "Traceback" not in result.output
+    assert list(work.iterdir()) == []  # nothing written
+    assert left_in(work) == []
+
+
 CASES = {
     "indivisible batch": (lambda t: ["--total-batch-size", "5"], "--total-batch-size 5"),
     "missing model folder": (lambda t: ["--path-model", str(t / "nope")], "--path-model"),
@@ -53,6 +108,7 @@ CASES = {
     "unknown flag": (lambda t: ["--learning-rate", "1"], "--learning-rate"),
     "bad multiaddr": (lambda t: ["--hv.initial-peers", "/ip4/300.1.1.1/tcp/1"], "--hv.initial-peers"),
     "world rank >= galaxy": (lambda t: ["--hv.galaxy-size", "2", "--hv.world-rank", "2"], "--hv.world-rank"),
+    "announced port 0": (lambda t: [*SWARM, "--hv.announce-maddrs", "/ip4/1.2.3.4/tcp/0"], "--hv.announce-maddrs"),
     "missing config file": (lambda t: ["--config", str(t / "run.toml")], "--config"),
     "run dir in use": (lambda t: ["--run-dir", str(occupied_run_dir(t))], "already holds a run"),
 }
@@ -64,11 +120,7 @@ def test_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path) -> None:
     work = tmp_path / "cwd"
     work.mkdir()
     result = python_train([*FAKE, *make_args(tmp_path)], cwd=work)  # the default run folder would go here
-    assert result.returncode == 2, result.output[-3000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
-    assert "Traceback" not in result.output
-    assert list(work.iterdir()) == []  # nothing written
+    assert_one_line_exit_2(result, expected, work)
 
 
 def test_existing_run_dir_is_left_untouched(tmp_path: Path) -> None:
@@ -86,3 +138,165 @@ def test_under_torchrun_only_rank_zero_reports(tmp_path: Path) -> None:
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert ours == ["error: --total-batch-size 6 is not a multiple of --per-device-train-batch-size 2 × 2 ranks = 4"]
+
+
+# --------------------------------------------------------------------------------------- joining a swarm, `diloco dht`
+
+# (args given the test's tmp_path and a port in use, expected part of the line, where {port} is that port)
+SWARM_CASES = {
+    "unreachable initial peer": (
+        lambda t, port: [*SWARM, "--hv.initial-peers", f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{PEER_ID}"],
+        "--hv.initial-peers: no DHT peer answered at /ip4/127.0.0.1/tcp/",
+    ),
+    "initial peer without peer id": (
+        lambda t, port: [*SWARM, "--hv.initial-peers", f"/ip4/127.0.0.1/tcp/{closed_port()}"],
+        "needs its /p2p/<peer id> part",
+    ),
+    "host port in use": (
+        lambda t, port: [*SWARM, "--hv.host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"],
+        "--hv.host-maddrs: cannot listen on 127.0.0.1 port {port}: address already in use",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SWARM_CASES))
+def test_swarm_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path, busy_port: int) -> None:
+    """p2pd refuses to start (at once for a closed port, after about 5 s when nothing answers): never a lone peer."""
+    make_args, expected = SWARM_CASES[case]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    result = python_train([*FAKE, *make_args(tmp_path, busy_port)], timeout=90, cwd=work)
+    assert_one_line_exit_2(result, expected.format(port=busy_port), work)
+
+
+def a_file(tmp_path: Path) -> Path:
+    (tmp_path / "file").write_text("not a folder")
+    return tmp_path / "file"
+
+
+def garbage_key(tmp_path: Path) -> Path:
+    (tmp_path / "bad.pem").write_bytes(b"not a key")
+    (tmp_path / "bad.pem").chmod(0o600)
+    return tmp_path / "bad.pem"
+
+
+DHT_CASES = {
+    "identity under a file": (
+        lambda t, port: ["--identity", str(a_file(t) / "keys" / "id.pem")],
+        "--identity: cannot create identity file {tmp}/file/keys/id.pem: {tmp}/file is a file, not a folder",
+    ),
+    "identity is a folder": (lambda t, port: ["--identity", str(t)], "--identity: cannot read identity file {tmp}"),
+    "garbage identity": (
+        lambda t, port: ["--identity", str(garbage_key(t))],
+        "--identity: identity file {tmp}/bad.pem is not a valid libp2p RSA private key",
+    ),
+    "bad host multiaddr": (lambda t, port: ["--host-maddrs", "/ip4/127.0.0.1/tcp/x"], "--host-maddrs"),
+    "host port in use": (
+        lambda t, port: ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"],
+        "--host-maddrs: cannot listen on 127.0.0.1 port {port}: address already in use",
+    ),
+    "announced port 0": (lambda t, port: ["--announce-maddrs", "/ip4/1.2.3.4/tcp/0"], "--announce-maddrs"),
+}
+
+
+@pytest.mark.parametrize("case", list(DHT_CASES))
+def test_dht_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path, busy_port: int) -> None:
+    make_args, expected = DHT_CASES[case]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    identity = ["--identity", str(tmp_path / "keys" / "id.pem")]  # not in work: a case may override it
+    result = run_cmd([str(DILOCO), "dht", *identity, *make_args(tmp_path, busy_port)], timeout=60, cwd=work)
+    assert_one_line_exit_2(result, expected.format(port=busy_port, tmp=tmp_path), work)
+
+
+def test_dht_with_a_readable_identity_warns_in_one_line_and_starts(tmp_path: Path) -> None:
+    from diloco.swarm import ensure_identity
+
+    identity = ensure_identity(tmp_path / "id.pem")
+    identity.chmod(0o644)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    proc = subprocess.Popen([str(DILOCO), "dht", "--identity", str(identity), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+                            cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    guard = threading.Timer(60, lambda: os.killpg(proc.pid, signal.SIGKILL))  # a hang fails, not blocks, the test
+    guard.start()
+    try:
+        assert proc.stdout.readline().startswith("--hv.initial-peers /ip4/127.0.0.1/tcp/")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        guard.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and " WARN" in lines[0] and f"chmod 600 {identity}" in lines[0], err
+    assert left_in(work) == []
+
+
+def free_port_below_a_busy_one() -> tuple[int, socket.socket]:
+    """A free port P whose neighbour P + 1 is held by the returned listening socket."""
+    for _ in range(50):
+        busy = socket.socket()
+        busy.bind(("127.0.0.1", 0))
+        port = busy.getsockname()[1] - 1
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+        except OSError:
+            busy.close()
+            continue
+        busy.listen()
+        return port, busy
+    raise AssertionError("no free port below a busy one")
+
+
+def test_under_torchrun_the_rank_whose_port_is_taken_reports_it(tmp_path: Path) -> None:
+    """Local rank r listens on the given port + r: only rank 1 meets the taken port, and it says so itself."""
+    port, busy = free_port_below_a_busy_one()
+    work = tmp_path / "cwd"
+    work.mkdir()
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *FAKE, *SWARM,
+           "--hv.host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--hv.averaging-timeout", "30"]  # fmt: skip
+    with busy:
+        result = run_cmd(cmd, timeout=180, cwd=work)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert ours == [
+        f"error: rank 1: --hv.host-maddrs: cannot listen on 127.0.0.1 port {port + 1}: address already in use"
+    ], result.output[-3000:]
+    assert not (work / "runs").exists()
+    assert left_in(work) == []
+
+
+def test_start_dht_gives_up_on_a_silent_peer_and_leaves_no_process() -> None:
+    """A peer that takes no connections (its backlog is full, so SYNs are dropped, like behind a firewall): p2pd
+    keeps dialing; ``start_dht`` gives up after ``startup_timeout`` and stops its DHT process and p2pd."""
+    from diloco.config import UsageError
+    from diloco.swarm import start_dht
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        port = silent.getsockname()[1]
+        fillers = [socket.socket() for _ in range(3)]
+        for filler in fillers:
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        started = time.monotonic()
+        try:
+            with pytest.raises(UsageError, match=f"--hv.initial-peers: no DHT peer answered at .*/tcp/{port}/"):
+                start_dht(initial_peers=[f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}"],
+                          host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], startup_timeout=2)  # fmt: skip
+        finally:
+            for filler in fillers:
+                filler.close()
+    assert time.monotonic() - started < 10
+    dialers = [p for p in psutil.process_iter(["cmdline"]) if f"/tcp/{port}/p2p/" in " ".join(p.info["cmdline"] or [])]
+    started_here = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    started_here = [p for p in started_here if p.name() != "torch_shm_manager"]  # torch's, lives on with pytest
+    _, alive = psutil.wait_procs(dialers + started_here, timeout=5)
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []

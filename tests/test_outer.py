@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from diloco.outer import DiLoCo
+from diloco.catchup import Progress, sources
+from diloco.config import UsageError
+from diloco.outer import DiLoCo, solo_group
 
 
 def approx(value: float) -> object:
@@ -24,40 +26,62 @@ class Report:
     bytes_sent: int = 0
     bytes_received: int = 0
     ok: bool = True
+    rejected: int = 0
 
 
-class MeanOfGroups:
-    """k groups meet at a barrier; each gets the exact mean of everyone's tensors."""
+class Hub:
+    """An in-memory swarm: the groups taking part in a round meet at a barrier and get the exact weighted
+    mean; progress records and served states live in dicts."""
 
     def __init__(self, k: int) -> None:
-        self.k, self.barrier, self.inbox = k, threading.Barrier(k), {}
+        self.barrier, self.inbox = threading.Barrier(k), {}
+        self.records: dict[int, Progress] = {}
+        self.providers: dict[str, object] = {}
 
-    def for_group(self, index: int) -> _Member:
-        return _Member(self, index)
+    def member(self, name: str) -> Member:
+        return Member(self, name)
 
 
-class _Member:
-    def __init__(self, hub: MeanOfGroups, index: int) -> None:
-        self.hub, self.index = hub, index
+class Member:
+    def __init__(self, hub: Hub, name: str) -> None:
+        self.hub, self.peer_id = hub, name
 
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int) -> Report:
-        self.hub.inbox[self.index] = [t.clone() for t in tensors]
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
+        self.hub.inbox[self.peer_id] = ([t.clone() for t in tensors], weight)
         self.hub.barrier.wait()
+        inputs = list(self.hub.inbox.values())
+        total = sum(w for _, w in inputs)
         for i, tensor in enumerate(tensors):
-            tensor.copy_(torch.stack([self.hub.inbox[g][i] for g in range(self.hub.k)]).mean(0))
+            tensor.copy_(sum(ts[i] * w for ts, w in inputs) / total)
         self.hub.barrier.wait()
-        return Report(num_peers=self.hub.k)
+        return Report(num_peers=len(inputs))
+
+    def publish(self, record: Progress) -> None:
+        self.hub.records[record.world_rank] = record
+
+    def records(self) -> list[Progress]:
+        return list(self.hub.records.values())
+
+    def alive(self, peer_id: str) -> bool:
+        return peer_id in self.hub.providers
+
+    def serve_state(self, provider: object) -> None:
+        self.hub.providers[self.peer_id] = provider
+
+    def download_state(self, peer_id: str) -> object:
+        provider = self.hub.providers.get(peer_id)
+        return None if provider is None else provider()
 
     def shutdown(self) -> None:
-        pass
+        self.hub.providers.pop(self.peer_id, None)
 
 
-class Alone:
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int) -> Report:
+class Alone(Member):
+    def __init__(self) -> None:
+        super().__init__(Hub(1), "alone")
+
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
         return Report(num_peers=1)
-
-    def shutdown(self) -> None:
-        pass
 
 
 def model(seed: int = 0) -> torch.nn.Module:
@@ -70,10 +94,10 @@ def batches(step: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
 
-def diloco(net: torch.nn.Module, averager: object, lr: float, momentum: float, h: int = 1) -> DiLoCo:
+def diloco(net: torch.nn.Module, swarm: Member, lr: float, momentum: float, h: int = 1, world_rank: int = 0) -> DiLoCo:
     return DiLoCo(
-        [p.data for p in net.parameters()], averager, local_steps=h, outer_lr=lr, outer_momentum=momentum,
-        group_sum=lambda v: v, group_sha=lambda: None,
+        [p.data for p in net.parameters()], swarm, solo_group(), world_rank=world_rank, local_steps=h,
+        outer_lr=lr, outer_momentum=momentum,
     )  # fmt: skip
 
 
@@ -95,13 +119,13 @@ def test_h1_outer_lr1_no_momentum_equals_data_parallel_sgd() -> None:
             (torch.nn.functional.mse_loss(reference(x), y) / k).backward()
         ref_opt.step()
 
-    hub = MeanOfGroups(k)
+    hub = Hub(k)
     nets = [model() for _ in range(k)]
 
     def run_group(group: int) -> None:
         net = nets[group]
         opt = torch.optim.SGD(net.parameters(), lr=lr)
-        outer = diloco(net, hub.for_group(group), lr=1.0, momentum=0.0)
+        outer = diloco(net, hub.member(f"g{group}"), lr=1.0, momentum=0.0, world_rank=group)
         for step in range(steps):
             sgd_step(net, opt, batches(step, group))
             row = outer.after_inner_step(step + 1)
@@ -150,3 +174,134 @@ def test_state_round_trip_restores_momentum() -> None:
         outer_b.optimizer.state_dict()["state"][0]["momentum_buffer"],
         outer_a.optimizer.state_dict()["state"][0]["momentum_buffer"],
     )
+
+
+# ---------------------------------------------------------------- catching up with the swarm
+
+
+def train_phase(outers: dict[int, DiLoCo], nets: dict[int, torch.nn.Module], steps: range) -> dict[int, list]:
+    """Each group takes SGD steps on its own batches and calls the outer loop, in its own thread."""
+    rows: dict[int, list] = {g: [] for g in outers}
+
+    def run_group(group: int) -> None:
+        opt = torch.optim.SGD(nets[group].parameters(), lr=0.05)
+        for step in steps:
+            sgd_step(nets[group], opt, batches(step, group))
+            row = outers[group].after_inner_step(step + 1)
+            if row is not None:
+                rows[group].append(row)
+
+    with ThreadPoolExecutor(len(outers)) as pool:
+        list(pool.map(run_group, outers))
+    return rows
+
+
+def params(net: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def test_late_joiner_loads_the_outer_state_and_is_identical_after_the_next_round() -> None:
+    hub = Hub(2)
+    nets = {g: model(0) for g in (0, 1)}
+    outers = {g: diloco(nets[g], hub.member(f"g{g}"), lr=0.7, momentum=0.9, h=2, world_rank=g) for g in (0, 1)}
+    assert [outers[g].join(0) for g in (0, 1)] == [0, 0]  # the same initial state: nothing to load
+    train_phase(outers, nets, range(0, 6))  # three outer steps
+
+    nets[2] = model(7)  # another initialisation: it must not leak into the swarm
+    outers[2] = diloco(nets[2], hub.member("g2"), lr=0.7, momentum=0.9, h=2, world_rank=2)
+    assert outers[2].join(0) == 6  # the inner step count comes with the state: the LR schedule lines up
+    joined, source = outers[2], outers[0]
+    assert joined.loaded_from_peers and joined.outer_step == 3 and torch.equal(joined.outer, source.outer)
+    assert torch.equal(
+        joined.optimizer.state[joined.outer]["momentum_buffer"], source.optimizer.state[source.outer]["momentum_buffer"]
+    )
+    assert torch.equal(params(nets[2]), source.outer)  # the model starts from the swarm's outer parameters
+
+    hub.barrier = threading.Barrier(3)
+    rows = train_phase(outers, nets, range(6, 8))
+    assert all(r[-1]["num_peers"] == 3 and r[-1]["outer_step"] == 4 for r in rows.values())
+    assert torch.equal(params(nets[0]), params(nets[1])) and torch.equal(params(nets[0]), params(nets[2]))
+    assert outers[0].downloads == outers[1].downloads == 0  # the fresh group never overwrote the trained ones
+
+
+class FailsOnce(Member):
+    """A member whose first round fails on its side only (the others' round succeeds)."""
+
+    failed = False
+
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
+        inputs = [t.clone() for t in tensors]
+        report = super().average(tensors, round_index, weight, stop)
+        if not self.failed:
+            self.failed = True
+            for tensor, kept in zip(tensors, inputs):
+                tensor.copy_(kept)  # a failed round leaves the tensors as they were
+            return Report(num_peers=0, ok=False)
+        return report
+
+
+def test_group_whose_round_failed_reloads_the_swarm_state_at_the_next_round() -> None:
+    hub = Hub(2)
+    nets = {g: model(0) for g in (0, 1)}
+    members = {0: hub.member("g0"), 1: FailsOnce(hub, "g1")}
+    outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.9, h=1, world_rank=g) for g in (0, 1)}
+    for g in (0, 1):
+        outers[g].join(0)
+    rows = train_phase(outers, nets, range(0, 1))
+    assert (outers[0].outer_step, outers[1].outer_step) == (1, 0)  # the failed group applied nothing
+    assert rows[1][-1]["num_peers"] == 0 and not torch.equal(outers[0].outer, outers[1].outer)
+    rows = train_phase(outers, nets, range(1, 2))
+    assert rows[1][-1]["loaded_state_from"] == 0 and "loaded_state_from" not in rows[0][-1]
+    assert torch.equal(outers[0].outer, outers[1].outer) and torch.equal(params(nets[0]), params(nets[1]))
+
+
+class Unreachable(Member):
+    def download_state(self, peer_id: str) -> None:
+        return None
+
+
+def test_joiner_never_starts_alone_while_a_live_peer_holds_the_state() -> None:
+    hub = Hub(1)
+    first = diloco(model(0), hub.member("g0"), lr=0.7, momentum=0.9, world_rank=0)
+    first.join(0)
+    joiner = DiLoCo(
+        [p.data for p in model(3).parameters()], Unreachable(hub, "g1"), solo_group(), world_rank=1,
+        local_steps=1, outer_lr=0.7, outer_momentum=0.9, join_timeout=1.5,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="could not download the swarm's state"):
+        joiner.join(0)
+
+
+def test_a_second_group_with_a_taken_world_rank_leaves() -> None:
+    hub = Hub(1)
+    running = diloco(model(0), hub.member("g0"), lr=0.7, momentum=0.0, world_rank=4)
+    running.claim_world_rank()
+    running.join(0)
+    rival = diloco(model(0), hub.member("g0-again"), lr=0.7, momentum=0.0, world_rank=4)
+    with pytest.raises(UsageError, match="--hv.world-rank 4 is taken"):
+        rival.claim_world_rank()
+    running.close()  # once the first is gone, the world rank is free again (a restarted group)
+    rival.claim_world_rank()
+
+
+def record(world_rank: int, outer_step: int, digest: str, *, tainted: bool = False, settled: bool = True) -> Progress:
+    return Progress(world_rank, outer_step, outer_step * 10, digest, tainted, settled, f"t{world_rank}", (f"p{world_rank}",))
+
+
+@pytest.mark.parametrize(
+    ("others", "mine", "expected"),
+    [
+        ([record(1, 5, "a")], record(0, 4, "z"), [[1]]),  # behind: load the newer state
+        ([record(1, 5, "a")], record(0, 5, "a"), []),  # same state: nothing to do
+        ([record(1, 5, "a")], record(0, 5, "b", tainted=True), [[1]]),  # a full average beats a failed round
+        ([record(1, 5, "a", tainted=True)], record(0, 5, "b"), []),  # ... also the other way round
+        ([record(1, 5, "a"), record(2, 5, "a")], record(0, 5, "b"), [[1, 2]]),  # more holders
+        ([record(1, 5, "a")], record(2, 5, "b"), [[1]]),  # a tie goes to the lowest world rank
+        ([record(1, 5, "a")], record(0, 5, "b"), []),
+        ([record(1, 9, "a", settled=False)], record(0, 5, "b"), []),  # not joined yet: never a source
+        ([record(3, 9, "dead"), record(1, 7, "a")], record(0, 5, "b"), [[1]]),  # dead groups are skipped
+    ],
+)
+def test_sources_rank_states(others: list[Progress], mine: Progress, expected: list[list[int]]) -> None:
+    plan = sources(others, mine, alive=lambda r: r.digest != "dead")
+    assert [[r.world_rank for r in holders] for holders in plan] == expected

@@ -460,3 +460,83 @@ def test_groupmate_dying_mid_round_reports_failure(bootstrap):
         if victim.is_alive():
             victim.shutdown()
         assert shutdown_dht(dht_b) == []
+
+
+# --------------------------------------------------------------------------------------- rejecting bad contributions
+
+
+def average_in_process(bootstrap, inputs: list[list[torch.Tensor]], prefix: str) -> list[RoundReport]:
+    """One round of ``len(inputs)`` SwarmAveragers (one DHT each) in this process; ``inputs`` are averaged in place."""
+    dhts = [bootstrap] + [
+        start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in inputs[1:]
+    ]
+    averagers: list[SwarmAverager] = []
+    reports: list[RoundReport | None] = [None] * len(inputs)
+    try:
+        for dht, tensors in zip(dhts, inputs):
+            averagers.append(SwarmAverager(
+                dht, prefix=prefix, tensors=tensors, matchmaking_time=2.0, averaging_timeout=5.0,
+                target_group_size=len(inputs),
+            ))
+
+        def average(index: int) -> None:
+            reports[index] = averagers[index].average(inputs[index])
+
+        threads = [threading.Thread(target=average, args=(i,)) for i in range(len(inputs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert all(report is not None for report in reports), reports
+        return reports
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts[1:]:
+            assert shutdown_dht(dht) == []
+
+
+def honest_and_bad_inputs(bad: str) -> list[list[torch.Tensor]]:
+    inputs = [[t[:300].clone(), t[300:350].flatten().clone()] for t in (peer_tensors(seed)[0] for seed in range(3))]
+    if bad == "nan":
+        inputs[2] = [torch.full_like(t, float("nan")) for t in inputs[2]]
+    else:  # a diverged peer: finite, but 1e6 times larger than the others
+        inputs[2] = [t * 1e6 for t in inputs[2]]
+    return inputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", ["nan", "huge"])
+def test_bad_contribution_rejected_and_round_completes(bootstrap, bad: str):
+    """A groupmate passing NaNs (or 1e6x larger values): the others average without it and end bit-identical."""
+    inputs = honest_and_bad_inputs(bad)
+    expected = [(a + b) / 2 for a, b in zip(inputs[0], inputs[1])]  # exactly what the reducers compute (fp32)
+    reports = average_in_process(bootstrap, inputs, prefix=f"bad-{bad}/rank0")
+    honest, cheater = reports[:2], reports[2]
+    assert all(r.ok and r.num_peers == 3 for r in honest), reports
+    assert sum(r.rejected for r in honest) >= 1, reports
+    assert not cheater.ok, reports
+    for tensors in inputs[:2]:
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+    assert digest(inputs[0]) == digest(inputs[1])
+
+
+@pytest.mark.slow
+def test_inf_in_a_later_part_is_rejected_from_that_part_on(bootstrap):
+    """+Inf in one value of the second 512 KiB part: the first part keeps the bad peer's (finite) values, later
+    parts of that reducer's span do not, the rest of the vector is the mean of all three; no Inf anywhere."""
+    part = 131072  # float32 values per 512 KiB part (compression "none")
+    inputs = [[torch.randn(1_200_000, generator=torch.Generator().manual_seed(seed))] for seed in range(3)]
+    inputs[2][0][part + 5000] = float("inf")
+    originals = [t[0].clone() for t in inputs]
+    mean_of_3 = torch.stack([t.double() for t in originals]).mean(0)
+    mean_of_2 = (originals[0] + originals[1]) / 2
+    reports = average_in_process(bootstrap, inputs, prefix="bad-inf/rank0")
+    assert all(r.ok and r.num_peers == 3 for r in reports[:2]), reports
+    assert sum(r.rejected for r in reports[:2]) + reports[2].rejected >= 1, reports
+    assert not reports[2].ok, reports
+    result = inputs[0][0]
+    assert torch.equal(result, inputs[1][0]) and bool(torch.isfinite(result).all())
+    assert torch.equal(result[part : 2 * part], mean_of_2[part : 2 * part])  # the part holding the Inf
+    assert (result[:part].double() - mean_of_3[:part]).abs().max() <= MAX_ERROR["none"]  # accepted before it
+    assert (result[-part:].double() - mean_of_3[-part:]).abs().max() <= MAX_ERROR["none"]  # another reducer's span
