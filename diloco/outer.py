@@ -20,6 +20,10 @@ from diloco.config import UsageError
 log = logging.getLogger("diloco")
 
 
+class JoinError(RuntimeError):
+    """This group could not take its place in the swarm (e.g. no live group ahead of it sent its state)."""
+
+
 class OuterLoop(Protocol):
     """Called by the training loop after every inner step; owns whatever happens between worker groups."""
 
@@ -261,7 +265,7 @@ class DiLoCo:
             if loaded is not None:
                 return loaded
             if expired:
-                raise RuntimeError(
+                raise JoinError(
                     f"could not download the swarm's state from {sum(map(len, plan))} live worker group(s) within "
                     f"{self.join_timeout:.0f} s; not starting from this group's own state, which would overwrite "
                     "a trained swarm"
@@ -290,9 +294,11 @@ class DiLoCo:
                 self.step = step = loaded
                 if not self._in_round(step):
                     return self._row(step, source=source)
-        # a group that was behind brings nothing current: it takes the others' average and adds no weight
-        weight = 1.0 if self.outer_step == outer_before else 0.0
-        return self._average_and_apply(step, pseudo_gradient, weight, source)
+        if self.outer_step == outer_before:
+            return self._average_and_apply(step, pseudo_gradient, 1.0, source)
+        # a group that was behind brings nothing current: it takes the others' average and adds nothing (zeros,
+        # not its stale pseudo-gradient, which reducers could rightly reject as an outlier)
+        return self._average_and_apply(step, pseudo_gradient.zero_(), 0.0, source)
 
     def _average_and_apply(
         self, step: int, pseudo_gradient: torch.Tensor, weight: float, source: int | None

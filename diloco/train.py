@@ -25,7 +25,7 @@ from diloco.config import Config, UsageError
 from diloco.data import Data, Shard, build_data
 from diloco.metrics import Metrics, peak_memory_mb, write_json_atomic
 from diloco.model import decoder_layers, load_model, params_sha256, save_hf
-from diloco.outer import DiLoCo, Group, NoOuter, OuterLoop
+from diloco.outer import DiLoCo, Group, JoinError, NoOuter, OuterLoop
 from diloco.parallel import DistEnv
 
 log = logging.getLogger("diloco")
@@ -436,7 +436,7 @@ def main(config: Config, env: DistEnv) -> int:
         summary = {"status": status, "steps": run.step if run else 0, "wall_s": time.perf_counter() - started}
     except UsageError:
         raise
-    except FloatingPointError as e:  # NaN/Inf: a clear line, not a traceback; the others go on without us
+    except (FloatingPointError, JoinError) as e:  # NaN/Inf, no state to join with: a clear line, no traceback
         log.error("%s", e)
         if run is not None and env.is_main:
             write_json_atomic(run.run_dir / "summary.json", failed_summary(run, started) | {"error": str(e)})

@@ -12,7 +12,7 @@ import torch
 
 from diloco.catchup import Progress, sources
 from diloco.config import UsageError
-from diloco.outer import DiLoCo, solo_group
+from diloco.outer import DiLoCo, JoinError, solo_group
 
 
 def approx(value: float) -> object:
@@ -268,7 +268,7 @@ def test_joiner_never_starts_alone_while_a_live_peer_holds_the_state() -> None:
         [p.data for p in model(3).parameters()], Unreachable(hub, "g1"), solo_group(), world_rank=1,
         local_steps=1, outer_lr=0.7, outer_momentum=0.9, join_timeout=1.5,
     )  # fmt: skip
-    with pytest.raises(RuntimeError, match="could not download the swarm's state"):
+    with pytest.raises(JoinError, match="could not download the swarm's state"):
         joiner.join(0)
 
 
