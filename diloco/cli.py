@@ -69,6 +69,48 @@ def launch(
     return launcher.launch(seen[0], list(train_args), workers, nproc_per_worker)
 
 
+BENCH_OUT = Path("docs/bench")
+BENCH_DOC = Path("docs/benchmarks.md")
+
+
+def _bench(name: str, quick: bool, out: Path, doc: Path) -> int:
+    from diloco import bench
+
+    _setup_logging(0)
+    command = bench.command_line(name, quick, out, doc, (BENCH_OUT, BENCH_DOC))
+    try:
+        bench.run(name, quick, out, doc, command)
+    except bench.BenchError as e:
+        logging.getLogger("diloco").error("%s", e)
+        return 1
+    return 0
+
+
+_QUICK = Parameter(help="Tiny model and few steps: about a minute on 2 idle CPU cores.")
+_OUT = Parameter(help="Folder for the result JSON (strategies.json, overhead-quick.json, ...).")
+_DOC = Parameter(help="Markdown file the dated table is appended to.")
+
+
+def bench_strategies(
+    *,
+    quick: Annotated[bool, _QUICK] = False,
+    out: Annotated[Path, _OUT] = BENCH_OUT,
+    doc: Annotated[Path, _DOC] = BENCH_DOC,
+) -> int:
+    """NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, CPU offload, gradient checkpointing: tokens/s and peak memory, 2 ranks."""
+    return _bench("strategies", quick, out, doc)
+
+
+def bench_overhead(
+    *,
+    quick: Annotated[bool, _QUICK] = False,
+    out: Annotated[Path, _OUT] = BENCH_OUT,
+    doc: Annotated[Path, _DOC] = BENCH_DOC,
+) -> int:
+    """Inner-step tokens/s of a DiLoCo worker (DHT and averager running) against galaxy size 1, alternating."""
+    return _bench("overhead", quick, out, doc)
+
+
 def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = train) -> App:
     """`diloco` with its subcommands, or (train_only) the flags of `python -m diloco.train`."""
 
@@ -88,6 +130,10 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
     app.command(train_command, name="train")
     app.command(dht)
     app.command(launch)
+    bench = App(name="bench", help="Measure the trainer; write JSON and append a dated table to a document.")
+    bench.command(bench_strategies, name="strategies")
+    bench.command(bench_overhead, name="overhead")
+    app.command(bench)
     return app
 
 

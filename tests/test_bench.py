@@ -1,0 +1,86 @@
+"""`diloco bench`: the quick benches run real trainers and write a JSON result and a markdown table (to tmp)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_ok, run_cmd
+
+DILOCO = Path(sys.executable).parent / "diloco"
+
+
+def bench(name: str, tmp_path: Path) -> tuple[dict, str]:
+    doc = tmp_path / "benchmarks.md"
+    result = run_cmd([str(DILOCO), "bench", name, "--quick", "--out", str(tmp_path), "--doc", str(doc)], timeout=300)
+    assert_ok(result)
+    return json.loads((tmp_path / f"{name}-quick.json").read_text()), doc.read_text()
+
+
+def assert_measured(arm: dict) -> None:
+    for key in ("tokens_per_s", "peak_memory_mb", "tree_peak_rss_mb"):
+        assert arm[key] > 0, (arm["name"], key)
+
+
+def assert_table(doc: str, title: str, arms: list[str]) -> None:
+    assert f"## {title} (quick): " in doc
+    assert "- machine: " in doc and "torch " in doc
+    assert f"- command: `diloco bench {title} --quick --out " in doc
+    assert "| arm | tokens/s (median) |" in doc
+    for name in arms:
+        assert f"| {name} | " in doc
+
+
+@pytest.mark.slow
+def test_strategies_quick(tmp_path: Path) -> None:
+    data, doc = bench("strategies", tmp_path)
+    names = ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "FULL_SHARD+cpu-offload", "FULL_SHARD+grad-ckpt"]
+    assert [arm["name"] for arm in data["arms"]] == names
+    for arm in data["arms"]:
+        assert_measured(arm)
+        assert "--nproc_per_node=2" in arm["command"]
+    assert data["quick"] is True and data["machine"]["cores"] >= 1
+    assert_table(doc, "strategies", names)
+    if not data["machine"]["gpus"]:
+        assert "no-op on CPU" in doc  # the offload arm says it changes nothing here
+
+
+@pytest.mark.slow
+def test_overhead_quick(tmp_path: Path) -> None:
+    data, doc = bench("overhead", tmp_path)
+    assert [arm["name"] for arm in data["arms"]] == ["galaxy-1", "diloco-galaxy-2"]
+    for arm in data["arms"]:
+        assert_measured(arm)
+    assert [run["name"] for run in data["runs"]] == ["galaxy-1", "diloco-galaxy-2"] * data["repetitions"]
+    assert data["ratio"] == pytest.approx(data["arms"][1]["tokens_per_s"] / data["arms"][0]["tokens_per_s"])
+    assert "--hv.galaxy-size 2" in data["arms"][1]["command"]
+    assert_table(doc, "overhead", ["galaxy-1", "diloco-galaxy-2"])
+    assert "Ratio DiLoCo ÷ alone: **" in doc
+
+
+def test_bad_bench_is_one_line(tmp_path: Path) -> None:
+    for args in (["bench", "nope"], ["bench", "strategies", "--bogus"]):
+        result = run_cmd([str(DILOCO), *args], timeout=60)
+        assert result.returncode == 2, result.output
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+
+
+def test_table_and_quartiles() -> None:
+    from diloco import bench
+
+    assert bench.quartiles([4.0]) == (4.0, 4.0)
+    assert bench.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
+    arm = {"name": "A", "command": "python -m diloco.train", "tokens_per_s": 10.0, "tokens_per_s_iqr": (9.0, 11.0),
+           "peak_memory_mb": 100.0, "tree_peak_rss_mb": 200.0, "note": "n", "run_medians": [10.0]}  # fmt: skip
+    workload = bench.workload_dict(bench.strategies_workload(quick=True))
+    machine = {"cpu": "X", "cores": 2, "usable_cores": 2, "ram_gib": 1.0, "torch": "t", "python": "p", "gpus": [],
+               "load_avg_1m": 0.5}  # fmt: skip
+    result = {"bench": "overhead", "quick": False, "date": "D", "machine": machine, "load_avg_1m_end": 0.6,
+              "command": "diloco bench overhead", "workload": workload, "arms": [arm, arm | {"name": "B"}],
+              "repetitions": 1, "ratio": 1.0, "target": 0.98}  # fmt: skip
+    text = bench.markdown(result)
+    assert "## overhead: D" in text and "| A | 10 | 9–11 | 100 | 200 | n |" in text
+    assert "**1.000** (meets the 0.98 target)" in text and "GPU: none" in text
