@@ -578,7 +578,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         while not condition() and not finished.is_set():
             waiters = {asyncio.ensure_future(self._progress.wait()), asyncio.ensure_future(finished.wait())}
             try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                # re-check now and then too: hivemind can fail a sender without going through _ban_sender
+                await asyncio.wait(waiters, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for waiter in waiters:
                     waiter.cancel()
