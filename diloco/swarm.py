@@ -60,8 +60,8 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, crypto_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
-from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
 from diloco.catchup import Progress
