@@ -202,7 +202,6 @@ class DiLoCo:
         """Before the first inner step (collective): load the swarm's state when another group is ahead, then
         serve this group's state to others. Returns the inner step to continue from."""
         self.step = step
-        self._update_digest()  # a checkpoint may have been loaded since
         if load_from_peers:
             loaded = self._load_on_join()
             if loaded is not None:
@@ -311,7 +310,7 @@ class DiLoCo:
         if self.group.sum(1.0 if self.stop() else 0.0):
             log.warning("outer step %d: stopped during averaging; not applied", self.outer_step + 1)
             return None
-        ranks = self.group.sum(1.0)
+        ranks = len(self.peers)  # one peer id per rank of this group
         all_ok = self.group.sum(1.0 if report.ok else 0.0) == ranks
         num_peers = report.num_peers if all_ok else 0
         if all_ok and self.group.sum(float(num_peers)) != num_peers * ranks:
