@@ -90,7 +90,8 @@ def inner_step(run: Run) -> torch.Tensor:
     for micro in range(run.grad_accum):
         batch = batches.next_batch().to(run.device, non_blocking=True)
         model.set_requires_gradient_sync(micro == run.grad_accum - 1)  # reduce-scatter once per step
-        loss = model(input_ids=batch, labels=batch).loss / run.grad_accum
+        # use_cache=False: a KV cache is for generation; building one per forward costs memory and recompiles
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss / run.grad_accum
         run.scaler.scale(loss).backward()
         total += loss.detach()
     run.scaler.unscale_(run.optimizer)
@@ -108,7 +109,10 @@ def evaluate(run: Run) -> float | None:
         return None
     run.model.eval()
     with torch.no_grad():
-        losses = [run.model(input_ids=b.to(run.device), labels=b.to(run.device)).loss for b in run.data.eval_batches]
+        losses = [
+            run.model(input_ids=b.to(run.device), labels=b.to(run.device), use_cache=False).loss
+            for b in run.data.eval_batches
+        ]
     run.model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean().item(), run.device)
 
