@@ -30,6 +30,7 @@ class Progress:
         download from it.
     :param token: random per start of a group; two different tokens for one world rank are two groups.
     :param peers: peer id of each rank's averager, in rank order (rank r downloads from rank r).
+    :param done: it took its last inner step and waits for the others to hold the same final state.
     """
 
     world_rank: int
@@ -40,6 +41,7 @@ class Progress:
     settled: bool
     token: str
     peers: tuple[str, ...]
+    done: bool = False
 
     @property
     def state(self) -> tuple[int, str]:

@@ -27,14 +27,20 @@ class JoinError(RuntimeError):
 class OuterLoop(Protocol):
     """Called by the training loop after every inner step; owns whatever happens between worker groups."""
 
-    def join(self, step: int, load_from_peers: bool = True) -> int:
+    def join(self, step: int, load_from_peers: bool = True) -> tuple[int, dict[str, Any] | None]:
         """Before the first inner step: take this group's place among the others. Returns the inner step to
-        continue from (a group that joins a running swarm continues at the swarm's)."""
+        continue from (a group that joins a running swarm continues at the swarm's) and the metrics row of the
+        round it joined, if it joined one in progress."""
         ...
 
     def after_inner_step(self, step: int) -> dict[str, Any] | None:
         """Run the outer step when one is due; return its metrics row, or None. The row's "step" is the inner
         step to continue from: a group that was behind the swarm jumps to the swarm's."""
+        ...
+
+    def finish(self) -> dict[str, Any] | None:
+        """After the last inner step of a run that was not stopped: end with the swarm's final state; return a
+        metrics row when that changed the model, else None."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -49,10 +55,13 @@ class OuterLoop(Protocol):
 class NoOuter:
     """Galaxy size 1: plain torch.distributed training, no DHT, no averaging."""
 
-    def join(self, step: int, load_from_peers: bool = True) -> int:
-        return step
+    def join(self, step: int, load_from_peers: bool = True) -> tuple[int, dict[str, Any] | None]:
+        return step, None
 
     def after_inner_step(self, step: int) -> dict[str, Any] | None:
+        return None
+
+    def finish(self) -> dict[str, Any] | None:
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -140,7 +149,7 @@ class DiLoCo:
     """The DiLoCo outer step over this rank's shard of the model, in plain torch, and the group's place in
     the swarm.
 
-    Every `local_steps` inner steps: pseudo-gradient = outer parameters − current parameters (this rank's
+    Every `local_steps` inner steps, and after the run's last one: pseudo-gradient = outer parameters − current parameters (this rank's
     shard, flattened, float32 on CPU); averaged with the same rank of the other groups; an outer SGD step with
     Nesterov momentum on the outer parameters, which stay off the accelerator; the model's shard is reset to
     the new outer parameters. The inner optimizer and its state are not touched.
@@ -148,7 +157,8 @@ class DiLoCo:
     Before its first inner step and before each round, the group compares its progress with the other
     groups' (see `catchup`) and downloads the outer state (parameters, momentum, outer step, and on joining
     the inner step count) from a group that is ahead or holds the swarm's state, so late joiners, resumed
-    groups and groups whose round failed end bit-identical with the others.
+    groups and groups whose round failed end bit-identical with the others. After the last inner step every
+    group waits (at most `settle_timeout`) until the live groups hold one final state, so all export one model.
 
     :param shards: this rank's local parameter shards, in a fixed order (the same in every group).
     :param swarm: carries the bytes; never imported here, so this module knows nothing of hivemind.
@@ -160,6 +170,10 @@ class DiLoCo:
     :param stop: true once the run was asked to stop; an averaging round then gives up.
     :param join_timeout: seconds a joining group keeps trying to download the state from live peers before it
         gives up (it never starts from its own state while peers with a state are alive).
+    :param final_step: the run's last inner step (--max-steps); it ends with an outer step even when it is not
+        a multiple of `local_steps`, so no inner step is left out of the final model. None: no last step.
+    :param settle_timeout: seconds a finished group waits for live groups that do not hold its final state yet
+        (one still in its last round, or one whose last round failed and must download).
     """
 
     def __init__(
@@ -174,10 +188,13 @@ class DiLoCo:
         outer_momentum: float,
         stop: Callable[[], bool] = lambda: False,
         join_timeout: float = 60.0,
+        final_step: int | None = None,
+        settle_timeout: float = 30.0,
     ) -> None:
         self.shards = [s for s in shards if s.numel() > 0]  # FSDP can leave a rank an empty shard
         self.swarm, self.group, self.world_rank = swarm, group, world_rank
         self.local_steps, self.stop, self.join_timeout = local_steps, stop, join_timeout
+        self.final_step, self.settle_timeout = final_step, settle_timeout
         self.outer = self._flat_shards()
         self.optimizer = torch.optim.SGD(
             [self.outer], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
@@ -186,6 +203,7 @@ class DiLoCo:
         self.step = 0  # inner steps done, as last seen; served with the state
         self.tainted = False
         self.settled = False
+        self.done = False
         self.loaded_from_peers = False
         self.downloads = 0
         self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
@@ -198,26 +216,37 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ joining the swarm
 
-    def join(self, step: int, load_from_peers: bool = True) -> int:
+    def join(self, step: int, load_from_peers: bool = True) -> tuple[int, dict[str, Any] | None]:
         """Before the first inner step (collective): load the swarm's state when another group is ahead, then
-        serve this group's state to others. Returns the inner step to continue from."""
-        self.step = step
+        serve this group's state to others. Returns the inner step to continue from and the row of the round
+        in progress it took part in, if any."""
+        self.step, row = step, None
         if load_from_peers:
             loaded = self._load_on_join()
             if loaded is not None:
                 self.step = step = loaded
                 if self._in_round(step):  # the swarm is averaging right now: take part, adding no weight
-                    self._average_and_apply(step, torch.zeros_like(self.outer), weight=0.0, source=self.loaded_from)
+                    zeros = torch.zeros_like(self.outer)
+                    row = self._average_and_apply(step, zeros, weight=0.0, source=self.loaded_from)
         elif self.group.is_main:
             log.info("--hv.skip-load-from-peers: starting from this group's own state")
         self.settled = True
         self.swarm.serve_state(self._current_state)
         self._publish()
-        return step
+        return step, row
+
+    def _boundary(self, step: int) -> bool:
+        """Whether an outer step follows inner step `step`."""
+        return step % self.local_steps == 0 or step == self.final_step
+
+    def _round(self, step: int) -> int:
+        """Index of the round after inner step `step`: the same in every group (a last, shorter round after a
+        final step that is not a multiple of H gets the next index)."""
+        return -(-step // self.local_steps)
 
     def _in_round(self, step: int) -> bool:
         """Whether a group at inner step `step` with this outer step is in the round of that boundary."""
-        return step % self.local_steps == 0 and step // self.local_steps > self.outer_step
+        return self._boundary(step) and self._round(step) > self.outer_step
 
     def claim_world_rank(self) -> None:
         """Collective, before anything is written: two running groups with one world rank would train on one
@@ -278,7 +307,7 @@ class DiLoCo:
 
     def after_inner_step(self, step: int) -> dict[str, Any] | None:
         self.step = step
-        if step % self.local_steps:
+        if not self._boundary(step):
             return None
         pseudo_gradient = self.outer - self._flat_shards()
         if self.group.sum(0.0 if bool(torch.isfinite(pseudo_gradient).all()) else 1.0):
@@ -303,10 +332,8 @@ class DiLoCo:
         self, step: int, pseudo_gradient: torch.Tensor, weight: float, source: int | None
     ) -> dict[str, Any] | None:
         """Collective: the round of boundary `step`, then the outer step. None when stopped during the round."""
-        log.info("outer step %d: averaging (round %d)", self.outer_step + 1, step // self.local_steps)
-        report = self.swarm.average(
-            [pseudo_gradient], round_index=step // self.local_steps, weight=weight, stop=self.stop
-        )
+        log.info("outer step %d: averaging (round %d)", self.outer_step + 1, self._round(step))
+        report = self.swarm.average([pseudo_gradient], round_index=self._round(step), weight=weight, stop=self.stop)
         if self.group.sum(1.0 if self.stop() else 0.0):
             log.warning("outer step %d: stopped during averaging; not applied", self.outer_step + 1)
             return None
@@ -394,6 +421,7 @@ class DiLoCo:
             settled=self.settled,
             token=self.token,
             peers=self.peers,
+            done=self.done,
         )
 
     def _publish(self) -> None:
@@ -488,6 +516,45 @@ class DiLoCo:
                 self.optimizer.load_state_dict(state["optimizer"])
                 self.outer_step = state["outer_step"]
         self._update_digest()
+
+    def finish(self) -> dict[str, Any] | None:
+        """Collective, after the last inner step: announce it, then until every live group that is not done or
+        holds another state has caught up (at most `settle_timeout`), load the best state whenever another group
+        holds one (a torn last round: the groups whose round failed download the others' result). The model
+        then holds the outer parameters, so every group exports the same final model."""
+        self.done = True
+        self._publish()
+        deadline, source = time.monotonic() + self.settle_timeout, None
+        while True:
+            plan, waiting, expired = self.group.broadcast(
+                (self._plan(), self._unsettled(), time.monotonic() > deadline or self.stop()) if self.group.is_main else None
+            )
+            if plan and self._load_from(plan) is not None:
+                source = self.loaded_from
+                self._publish()
+            if not waiting or expired:
+                break
+            time.sleep(0.5)
+        if waiting and self.group.is_main:
+            log.warning("worker group(s) %s did not reach this final state within %.0f s", waiting, self.settle_timeout)
+        stale = self.group.sum(0.0 if torch.equal(self._flat_shards(), self.outer) else 1.0)
+        if stale:  # the last round applied nothing here: export the swarm's model, not this group's drift
+            if self.group.is_main:
+                log.warning("the last round applied nothing: the final model is the swarm's outer parameters")
+            with self._lock:
+                self._reset_shards()
+        if source is None and not stale:
+            return None
+        return self._row(self.step, source=source)
+
+    def _unsettled(self) -> list[int]:
+        """Rank 0: world ranks of the live groups that are not done or hold another state than this one."""
+        mine = self._record()
+        pending = [
+            r for r in self.swarm.records()
+            if r.world_rank != self.world_rank and r.settled and not (r.done and r.state == mine.state)
+        ]  # fmt: skip
+        return sorted(r.world_rank for r in pending if self.swarm.alive(r.peers[0]))
 
     def summary(self) -> dict[str, Any]:
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers}

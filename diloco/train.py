@@ -281,6 +281,8 @@ def build_outer(
             outer_momentum=hv.outer_momentum,
             stop=lambda: stop.requested,
             join_timeout=hv.averaging_timeout,
+            final_step=config.max_steps,
+            settle_timeout=hv.matchmaking_time + hv.averaging_timeout + 5,  # a group still in the last round
         )
         outer.claim_world_rank()
         seen = swarm.rendezvous(
@@ -360,7 +362,9 @@ def sha_of(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None
 
 
 def finish(run: Run, status: str, started: float) -> dict[str, Any]:
-    """Final eval (or checkpoint when interrupted), export and summary. Collective."""
+    """The swarm's final state, final eval (or checkpoint when interrupted), export and summary. Collective."""
+    if status == "ok" and (row := run.outer.finish()) is not None:
+        run.metrics.log(row)
     if status == "ok" and run.data.eval_batches:
         log_eval(run)
     if status == "interrupted" and (run.config.ckpt.path or run.config.ckpt.interval):
@@ -432,7 +436,10 @@ def main(config: Config, env: DistEnv) -> int:
         run = build_run(config, env, device, run_dir, stop)
         if resume_path is not None:
             resume(run, resume_path)
-        jump_to(run, run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers))
+        step, row = run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers)
+        jump_to(run, step)
+        if row is not None:
+            run.metrics.log(row)
         status = train_loop(run)
         summary = finish(run, status, started)
     except KeyboardInterrupt:  # a second signal: no more collectives, just record what is known

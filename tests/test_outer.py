@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -94,10 +96,12 @@ def batches(step: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
 
-def diloco(net: torch.nn.Module, swarm: Member, lr: float, momentum: float, h: int = 1, world_rank: int = 0) -> DiLoCo:
+def diloco(
+    net: torch.nn.Module, swarm: Member, lr: float, momentum: float, h: int = 1, world_rank: int = 0, **kw: Any
+) -> DiLoCo:
     return DiLoCo(
         [p.data for p in net.parameters()], swarm, solo_group(), world_rank=world_rank, local_steps=h,
-        outer_lr=lr, outer_momentum=momentum,
+        outer_lr=lr, outer_momentum=momentum, **kw,
     )  # fmt: skip
 
 
@@ -204,12 +208,12 @@ def test_late_joiner_loads_the_outer_state_and_is_identical_after_the_next_round
     hub = Hub(2)
     nets = {g: model(0) for g in (0, 1)}
     outers = {g: diloco(nets[g], hub.member(f"g{g}"), lr=0.7, momentum=0.9, h=2, world_rank=g) for g in (0, 1)}
-    assert [outers[g].join(0) for g in (0, 1)] == [0, 0]  # the same initial state: nothing to load
+    assert [outers[g].join(0) for g in (0, 1)] == [(0, None), (0, None)]  # the same initial state: nothing to load
     train_phase(outers, nets, range(0, 6))  # three outer steps
 
     nets[2] = model(7)  # another initialisation: it must not leak into the swarm
     outers[2] = diloco(nets[2], hub.member("g2"), lr=0.7, momentum=0.9, h=2, world_rank=2)
-    assert outers[2].join(0) == 6  # the inner step count comes with the state: the LR schedule lines up
+    assert outers[2].join(0) == (6, None)  # the inner step count comes with the state: the LR schedule lines up
     joined, source = outers[2], outers[0]
     assert joined.loaded_from_peers and joined.outer_step == 3 and torch.equal(joined.outer, source.outer)
     assert torch.equal(
@@ -225,14 +229,16 @@ def test_late_joiner_loads_the_outer_state_and_is_identical_after_the_next_round
 
 
 class FailsOnce(Member):
-    """A member whose first round fails on its side only (the others' round succeeds)."""
+    """A member whose round `fail_round` (default: its first) fails on its side only; the others' succeeds."""
 
-    failed = False
+    def __init__(self, hub: Hub, name: str, fail_round: int | None = None) -> None:
+        super().__init__(hub, name)
+        self.fail_round, self.failed = fail_round, False
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
         inputs = [t.clone() for t in tensors]
         report = super().average(tensors, round_index, weight, stop)
-        if not self.failed:
+        if not self.failed and self.fail_round in (None, round_index):
             self.failed = True
             for tensor, kept in zip(tensors, inputs):
                 tensor.copy_(kept)  # a failed round leaves the tensors as they were
@@ -253,6 +259,66 @@ def test_group_whose_round_failed_reloads_the_swarm_state_at_the_next_round() ->
     rows = train_phase(outers, nets, range(1, 2))
     assert rows[1][-1]["loaded_state_from"] == 0 and "loaded_state_from" not in rows[0][-1]
     assert torch.equal(outers[0].outer, outers[1].outer) and torch.equal(params(nets[0]), params(nets[1]))
+
+
+def finish_all(outers: dict[int, DiLoCo]) -> dict[int, dict | None]:
+    with ThreadPoolExecutor(len(outers)) as pool:
+        return dict(zip(outers, pool.map(lambda g: outers[g].finish(), outers)))
+
+
+def test_torn_last_round_the_failed_group_downloads_the_result_before_it_exports() -> None:
+    hub = Hub(2)
+    nets = {g: model(0) for g in (0, 1)}
+    members = {0: hub.member("g0"), 1: FailsOnce(hub, "g1", fail_round=3)}
+    outers = {g: diloco(nets[g], members[g], 0.7, 0.9, h=2, world_rank=g, final_step=6) for g in (0, 1)}
+    for g in (0, 1):
+        outers[g].join(0)
+    train_phase(outers, nets, range(0, 6))
+    assert (outers[0].outer_step, outers[1].outer_step) == (3, 2)  # the last round failed on group 1's side
+    rows = finish_all(outers)
+    assert rows[0] is None and rows[1]["loaded_state_from"] == 0 and rows[1]["outer_step"] == 3
+    assert torch.equal(params(nets[0]), params(nets[1])) and torch.equal(params(nets[1]), outers[0].outer)
+
+
+def test_a_last_step_off_the_h_grid_ends_with_a_shorter_round() -> None:
+    hub = Hub(2)
+    nets = {g: model(0) for g in (0, 1)}
+    outers = {g: diloco(nets[g], hub.member(f"g{g}"), 0.7, 0.9, h=3, world_rank=g, final_step=5) for g in (0, 1)}
+    rows = train_phase(outers, nets, range(0, 5))
+    assert [[r["step"] for r in rows[g]] for g in (0, 1)] == [[3, 5], [3, 5]]  # 5 % 3 != 0: a round all the same
+    assert all(r["num_peers"] == 2 for g in (0, 1) for r in rows[g])
+    assert finish_all(outers) == {0: None, 1: None}  # nothing left to settle
+    assert torch.equal(params(nets[0]), params(nets[1])) and torch.equal(params(nets[0]), outers[0].outer)
+
+
+class AlwaysFails(Member):
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
+        return Report(num_peers=0, ok=False)
+
+
+def test_when_the_last_round_failed_everywhere_every_group_exports_the_outer_parameters() -> None:
+    hub = Hub(2)
+    nets = {g: model(0) for g in (0, 1)}
+    outers = {g: diloco(nets[g], AlwaysFails(hub, f"g{g}"), 0.7, 0.9, h=2, world_rank=g, final_step=2) for g in (0, 1)}
+    for g in (0, 1):
+        outers[g].join(0)
+    train_phase(outers, nets, range(0, 2))
+    assert not torch.equal(params(nets[0]), params(nets[1]))  # each kept its own inner steps
+    rows = finish_all(outers)
+    assert rows[0]["outer_step"] == rows[1]["outer_step"] == 0
+    assert torch.equal(params(nets[0]), params(nets[1])) and torch.equal(params(nets[0]), outers[0].outer)
+
+
+def test_a_finished_group_waits_a_bounded_time_for_a_live_group_still_training() -> None:
+    hub = Hub(1)
+    nets = {g: model(0) for g in (0, 1)}
+    outers = {g: diloco(nets[g], hub.member(f"g{g}"), 0.7, 0.9, world_rank=g, settle_timeout=1.0) for g in (0, 1)}
+    for g in (0, 1):
+        outers[g].join(0)
+    started = time.monotonic()
+    assert outers[0].finish() is None  # group 1 never finishes: group 0 waits settle_timeout, then exports
+    assert 1.0 <= time.monotonic() - started < 3.0
+    assert hub.records[0].done and not hub.records[1].done
 
 
 class Unreachable(Member):
