@@ -111,6 +111,38 @@ def bench_overhead(
     return _bench("overhead", quick, out, doc)
 
 
+def bench_convergence(
+    *,
+    quick: Annotated[bool, _QUICK] = False,
+    out: Annotated[Path, _OUT] = BENCH_OUT,
+    doc: Annotated[Path, _DOC] = BENCH_DOC,
+) -> int:
+    """Held-out loss at equal tokens: one group, DDP, DiLoCo over H and outer lr/momentum, on real text."""
+    return _bench("convergence", quick, out, doc)
+
+
+def bench_wire(
+    *,
+    quick: Annotated[bool, _QUICK] = False,
+    out: Annotated[Path, _OUT] = BENCH_OUT,
+    doc: Annotated[Path, _DOC] = BENCH_DOC,
+) -> int:
+    """Bytes each worker sends and receives over a run (DiLoCo none/fp16/int8 vs DDP), counted by the kernel
+    on veth links between network namespaces and by the trainer; needs root."""
+    return _bench("wire", quick, out, doc)
+
+
+def bench_allreduce(
+    *,
+    quick: Annotated[bool, _QUICK] = False,
+    out: Annotated[Path, _OUT] = BENCH_OUT,
+    doc: Annotated[Path, _DOC] = BENCH_DOC,
+) -> int:
+    """Time of one averaging round (10M/50M/150M parameters, 2 and 4 peers) against a plain TCP socket on
+    loopback and against bytes ÷ bandwidth on a 1 Gbit/s shaped link; the shaped part needs root."""
+    return _bench("allreduce", quick, out, doc)
+
+
 def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = train) -> App:
     """`diloco` with its subcommands, or (train_only) the flags of `python -m diloco.train`."""
 
@@ -133,6 +165,9 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
     bench = App(name="bench", help="Measure the trainer; write JSON and append a dated table to a document.")
     bench.command(bench_strategies, name="strategies")
     bench.command(bench_overhead, name="overhead")
+    bench.command(bench_convergence, name="convergence")
+    bench.command(bench_wire, name="wire")
+    bench.command(bench_allreduce, name="allreduce")
     app.command(bench)
     return app
 

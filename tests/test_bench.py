@@ -69,18 +69,18 @@ def test_bad_bench_is_one_line(tmp_path: Path) -> None:
 
 
 def test_table_and_quartiles() -> None:
-    from diloco import bench
+    from diloco.bench import arms, strategies
 
-    assert bench.quartiles([4.0]) == (4.0, 4.0)
-    assert bench.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
+    assert arms.quartiles([4.0]) == (4.0, 4.0)
+    assert arms.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
     arm = {"name": "A", "command": "python -m diloco.train", "tokens_per_s": 10.0, "tokens_per_s_iqr": (9.0, 11.0),
            "peak_memory_mb": 100.0, "tree_peak_rss_mb": 200.0, "note": "n", "run_medians": [10.0]}  # fmt: skip
-    workload = bench.workload_dict(bench.strategies_workload(quick=True))
+    workload = arms.workload_dict(strategies.strategies_workload(quick=True))
     machine = {"cpu": "X", "cores": 2, "usable_cores": 2, "ram_gib": 1.0, "torch": "t", "python": "p", "gpus": [],
                "load_avg_1m": 0.5}  # fmt: skip
     result = {"bench": "overhead", "quick": False, "date": "D", "machine": machine, "load_avg_1m_end": 0.6,
               "command": "diloco bench overhead", "workload": workload, "arms": [arm, arm | {"name": "B"}],
               "repetitions": 1, "ratio": 1.0, "target": 0.98}  # fmt: skip
-    text = bench.markdown(result)
+    text = arms.markdown(result)
     assert "## overhead: D" in text and "| A | 10 | 9–11 | 100 | 200 | n |" in text
     assert "**1.000** (meets the 0.98 target)" in text and "GPU: none" in text

@@ -1,10 +1,6 @@
-"""Benchmarks that run the real trainer as subprocesses and record what they measured.
+"""Benchmark arms that run the real trainer as subprocesses (strategies, overhead) and the table they share.
 
-`diloco bench strategies` compares FSDP sharding strategies, CPU offload and gradient checkpointing (2 ranks
-under torchrun, one worker group); `diloco bench overhead` compares the inner-step throughput of a DiLoCo
-worker (galaxy size 2: DHT and averager running) with the same model alone (galaxy size 1). Each writes a
-JSON file and appends a dated markdown table to a document. Every figure comes from a run's metrics.jsonl,
-or from sampling the run's process tree: none is typed in.
+Every figure comes from a run's metrics.jsonl, or from sampling the run's process tree.
 """
 
 from __future__ import annotations
@@ -12,13 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import shlex
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,24 +20,12 @@ from typing import Any
 
 import psutil
 
+from diloco.bench import BenchError, machine_line
+
 log = logging.getLogger("diloco")
 
-MODELS = Path(__file__).resolve().parent.parent / "tests" / "models"  # the checkout's tiny model configs
 SAMPLE_S = 0.2  # how often the process tree's RSS is sampled
 ARM_TIMEOUT_S = 600.0
-OVERHEAD_TARGET = 0.98
-DOC_HEAD = """# Benchmarks
-
-Each section below was appended by one run of `diloco bench strategies` or `diloco bench overhead` (`--quick`:
-a smoke run): the date, the machine, the exact command, and the figures it measured; none is typed in by hand.
-The JSON of the latest run of each bench is in `docs/bench/`. tokens/s counts the tokens of all ranks of a
-group per second of inner steps; on a machine shared with other work it follows their load, so each section
-gives the load average and the quartiles of the per-step figures.
-"""
-
-
-class BenchError(RuntimeError):
-    """An arm failed or measured nothing: the bench stops with one line and exit code 1."""
 
 
 @dataclass(frozen=True)
@@ -198,121 +180,6 @@ def run_arm(arm: Arm, workload: Workload, work_dir: Path, timeout_s: float = ARM
     )
 
 
-# ---------------------------------------------------------------- the machine
-
-
-def machine() -> dict[str, Any]:
-    """CPU model, cores (present and usable by this process), RAM in GiB, torch version, GPU names if any, and
-    the 1-minute load average now (other work on the machine skews every figure)."""
-    import torch
-
-    gpus = (
-        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    )
-    return {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "gpus": gpus,
-        "load_avg_1m": os.getloadavg()[0],
-    }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_line(info: dict[str, Any]) -> str:
-    gpu = ", ".join(info["gpus"]) or "none"
-    return (
-        f"{info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable), {info['ram_gib']} GiB RAM, "
-        f"torch {info['torch']}, Python {info['python']}, GPU: {gpu}"
-    )
-
-
-# ---------------------------------------------------------------- strategies
-
-
-def strategies_workload(quick: bool) -> Workload:
-    if quick:
-        return Workload(MODELS / "llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=4, steps=5, skip=2)
-    return Workload(MODELS / "llama-14m-fresh", seq_length=128, per_device_batch=4, total_batch=8, steps=16, skip=4)
-
-
-def strategy_arms(gpu: bool) -> list[Arm]:
-    """The five arms, 2 ranks each; CPU offload says when it cannot change anything."""
-    offload_note = "" if gpu else "no-op on CPU: parameters and optimizer state already live in CPU memory"
-    return [
-        Arm("NO_SHARD", ("--sharding-strategy", "NO_SHARD"), 2, "replicated (DDP-like)"),
-        Arm("SHARD_GRAD_OP", ("--sharding-strategy", "SHARD_GRAD_OP"), 2, "ZeRO-2: params kept gathered fwd→bwd"),
-        Arm("FULL_SHARD", ("--sharding-strategy", "FULL_SHARD"), 2, "ZeRO-3: reshard after forward"),
-        Arm("FULL_SHARD+cpu-offload", ("--sharding-strategy", "FULL_SHARD", "--cpu-offload"), 2, offload_note),
-        Arm(
-            "FULL_SHARD+grad-ckpt",
-            ("--sharding-strategy", "FULL_SHARD", "--gradient-checkpointing"),
-            2,
-            "activations recomputed in backward",
-        ),
-    ]
-
-
-def bench_strategies(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
-    """Run every strategy arm once, one after the other. Returns the result document."""
-    workload = strategies_workload(quick)
-    arms = [run_arm(arm, workload, work_dir) for arm in strategy_arms(bool(info["gpus"]))]
-    return {"workload": workload_dict(workload), "arms": [asdict(m) for m in arms]}
-
-
-# ---------------------------------------------------------------- overhead
-
-
-def overhead_workload(quick: bool) -> tuple[Workload, int]:
-    """The workload and the repetitions of each arm."""
-    if quick:
-        return Workload(MODELS / "llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=2, steps=6, skip=2), 2
-    return Workload(MODELS / "llama-14m-fresh", seq_length=128, per_device_batch=4, total_batch=4, steps=16, skip=4), 3
-
-
-def overhead_arms(workload: Workload, run_id: str) -> list[Arm]:
-    """Galaxy size 1 (no DHT) against a lone DiLoCo worker of a galaxy of 2: its DHT and averager run, it waits
-    1 s at the rendezvous (before the first step), and H is past the last step, so no outer step is timed."""
-    diloco = (
-        "--hv.galaxy-size", "2", "--hv.local-steps", str(workload.steps + 1), "--hv.averaging-timeout", "1",
-        "--hv.matchmaking-time", "1", "--hv.run-id", run_id, "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0",
-    )  # fmt: skip
-    return [
-        Arm("galaxy-1", (), 1, "plain training, no hivemind"),
-        Arm("diloco-galaxy-2", diloco, 1, "DHT + averager running, no outer step inside the window"),
-    ]
-
-
-def bench_overhead(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
-    """Alternate the two arms (A B A B ...) `reps` times. Returns the result document, with per-arm medians
-    over all measured steps of all repetitions and their ratio (DiLoCo ÷ alone)."""
-    workload, reps = overhead_workload(quick)
-    arms = overhead_arms(workload, f"bench-{os.getpid()}")
-    runs = [run_arm(arm, workload, work_dir) for _ in range(reps) for arm in arms]
-    summary = [pooled(arm, [r for r in runs if r.name == arm.name]) for arm in arms]
-    ratio = summary[1]["tokens_per_s"] / summary[0]["tokens_per_s"]
-    return {
-        "workload": workload_dict(workload),
-        "repetitions": reps,
-        "arms": summary,
-        "ratio": ratio,
-        "target": OVERHEAD_TARGET,
-        "runs": [asdict(r) for r in runs],
-    }
-
-
 def pooled(arm: Arm, runs: list[Measured]) -> dict[str, Any]:
     """One arm over its repetitions: median tokens/s of all measured steps, the largest peaks."""
     steps = [v for r in runs for v in r.step_tokens_per_s]
@@ -381,44 +248,3 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def append_doc(doc: Path, section: str) -> None:
-    """Append a section to the benchmarks document, creating it with a title when missing."""
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    head = "" if doc.exists() else DOC_HEAD
-    with doc.open("a", encoding="utf-8") as f:
-        f.write(f"{head}\n{section}")
-
-
-def command_line(name: str, quick: bool, out: Path, doc: Path, defaults: tuple[Path, Path]) -> str:
-    """The `diloco bench` command that reproduces this result."""
-    parts = ["diloco", "bench", name, *(["--quick"] if quick else [])]
-    if out != defaults[0]:
-        parts += ["--out", str(out)]
-    if doc != defaults[1]:
-        parts += ["--doc", str(doc)]
-    return shlex.join(parts)
-
-
-BENCHES = {"strategies": bench_strategies, "overhead": bench_overhead}
-
-
-def run(name: str, quick: bool, out: Path, doc: Path, command: str) -> Path:
-    """Run bench `name`, write `<out>/<name>[-quick].json`, append its table to `doc`. Returns the JSON path."""
-    info = machine()
-    with tempfile.TemporaryDirectory(prefix=f"diloco-bench-{name}-") as tmp:
-        body = BENCHES[name](quick, Path(tmp), info)
-    result = {
-        "bench": name,
-        "quick": quick,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": info,
-        "load_avg_1m_end": os.getloadavg()[0],
-        "command": command,
-        **body,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}{'-quick' if quick else ''}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    append_doc(doc, markdown(result))
-    log.info("bench %s: results in %s, table appended to %s", name, path, doc)
-    return path

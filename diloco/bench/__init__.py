@@ -1,0 +1,123 @@
+"""`diloco bench <name>`: benchmarks that measure the trainer and record what they measured.
+
+Each bench is a module here with `measure(quick, work_dir, info) -> dict` (the figures, every one measured,
+none typed in) and `markdown(result) -> str` (a dated section for docs/benchmarks.md). `run` adds the date,
+the machine and the exact command, writes `<out>/<name>[-quick].json` and appends the section to the doc.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import platform
+import shlex
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+log = logging.getLogger("diloco")
+
+NAMES = ("strategies", "overhead", "convergence", "wire", "allreduce")
+MODELS = Path(__file__).resolve().parent.parent.parent / "tests" / "models"  # the checkout's tiny model configs
+DOC_HEAD = """# Benchmarks
+
+Each section below was appended by one run of `diloco bench <name>` (`--quick`: a smoke run): the date, the
+machine, the exact command, and the figures it measured; none is typed in by hand. The JSON of the latest run
+of each bench is in `docs/bench/`. On a machine shared with other work every timing follows its load, so each
+section gives the load average.
+"""
+
+
+class BenchError(RuntimeError):
+    """An arm failed or measured nothing: the bench stops with one line and exit code 1."""
+
+
+# ---------------------------------------------------------------- the machine
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores (present and usable by this process), RAM in GiB, torch version, GPU names if any, and
+    the 1-minute load average now (other work on the machine skews every figure)."""
+    import torch
+
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpus": gpus,
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    gpu = ", ".join(info["gpus"]) or "none"
+    return (
+        f"{info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable), {info['ram_gib']} GiB RAM, "
+        f"torch {info['torch']}, Python {info['python']}, GPU: {gpu}"
+    )
+
+
+# ---------------------------------------------------------------- running a bench
+
+
+def append_doc(doc: Path, section: str) -> None:
+    """Append a section to the benchmarks document, creating it with a title when missing."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    head = "" if doc.exists() else DOC_HEAD
+    with doc.open("a", encoding="utf-8") as f:
+        f.write(f"{head}\n{section}")
+
+
+def command_line(name: str, quick: bool, out: Path, doc: Path, defaults: tuple[Path, Path]) -> str:
+    """The `diloco bench` command that reproduces this result."""
+    parts = ["diloco", "bench", name, *(["--quick"] if quick else [])]
+    if out != defaults[0]:
+        parts += ["--out", str(out)]
+    if doc != defaults[1]:
+        parts += ["--doc", str(doc)]
+    return shlex.join(parts)
+
+
+
+def run(name: str, quick: bool, out: Path, doc: Path, command: str) -> Path:
+    """Run bench `name`, write `<out>/<name>[-quick].json`, append its table to `doc`. Returns the JSON path."""
+    module = importlib.import_module(f"diloco.bench.{name}")
+    info = machine()
+    with tempfile.TemporaryDirectory(prefix=f"diloco-bench-{name}-") as tmp:
+        body = module.measure(quick, Path(tmp), info)
+    result = {
+        "bench": name,
+        "quick": quick,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": info,
+        "load_avg_1m_end": os.getloadavg()[0],
+        "command": command,
+        **body,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}{'-quick' if quick else ''}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    append_doc(doc, module.markdown(result))
+    log.info("bench %s: results in %s, table appended to %s", name, path, doc)
+    return path
