@@ -20,11 +20,13 @@ from diloco.bench import BenchError
 
 @dataclass(frozen=True)
 class Host:
-    """One namespace: `name`, its address `ip`, and the host-side end of its veth (`veth`)."""
+    """One namespace: `name`, its address `ip`, the host-side end of its veth (`veth`) and the namespace's end of
+    it (`iface`, what GLOO_SOCKET_IFNAME names)."""
 
     name: str
     ip: str
     veth: str
+    iface: str
 
     def prefix(self) -> list[str]:
         """Prepend to a command to run it inside this namespace."""
@@ -79,10 +81,10 @@ def hosts(count: int, rate_mbit: float | None = None, net: int | None = None) ->
         _ip("addr", "add", f"10.{net}.0.254/24", "dev", bridge)
         _ip("link", "set", bridge, "up")
         for i in range(count):
-            host = Host(name=f"{tag}n{i}", ip=f"10.{net}.0.{i + 1}", veth=f"{tag}h{i}")
+            host = Host(name=f"{tag}n{i}", ip=f"10.{net}.0.{i + 1}", veth=f"{tag}h{i}", iface=f"{tag}p{i}")
             _ip("netns", "add", host.name)
             made.append(host)
-            inner = f"{tag}p{i}"
+            inner = host.iface
             _ip("link", "add", host.veth, "type", "veth", "peer", "name", inner, "netns", host.name)
             _ip("link", "set", host.veth, "master", bridge, "up")
             _ip("-n", host.name, "addr", "add", f"{host.ip}/24", "dev", inner)
@@ -94,5 +96,7 @@ def hosts(count: int, rate_mbit: float | None = None, net: int | None = None) ->
         yield made
     finally:
         for host in made:
-            subprocess.run(["ip", "netns", "delete", host.name], capture_output=True)  # takes its veth pair along
+            # the pair goes now (a namespace's own links only go when the kernel gets round to freeing it)
+            subprocess.run(["ip", "link", "delete", host.veth], capture_output=True)
+            subprocess.run(["ip", "netns", "delete", host.name], capture_output=True)
         subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
