@@ -61,6 +61,28 @@ def test_overhead_quick(tmp_path: Path) -> None:
     assert "Ratio DiLoCo ÷ alone: **" in doc
 
 
+@pytest.mark.slow
+def test_convergence_quick(tmp_path: Path) -> None:
+    data, doc = bench("convergence", tmp_path)
+    arms = {arm["name"]: arm for arm in data["arms"]}
+    assert {"single", "ddp", "m1-H5-0.7/0.9", "diloco-H5-1/0", "diloco-H10-0.7/0.9"} <= set(arms)
+    tokens = {arm["tokens"] for arm in data["arms"]}
+    assert len(tokens) == 1  # equal tokens in every arm
+    for arm in data["arms"]:
+        first, last = arm["curve"][0][1], arm["final_eval_loss"]
+        assert 0 < last < first, arm["name"]  # it learned something from real text
+        if arm["groups"] > 1:
+            assert arm["groups_identical"], arm["name"]  # DiLoCo groups end on one model
+    assert arms["ddp"]["gap_vs_ddp"] == 0
+    gap = arms["diloco-H5-1/0"]["final_eval_loss"] / arms["ddp"]["final_eval_loss"] - 1
+    assert arms["diloco-H5-1/0"]["gap_vs_ddp"] == pytest.approx(gap)
+    rec = data["recommendation"]
+    best = min((a for a in data["arms"] if a["groups"] > 1), key=lambda a: a["gap_vs_ddp"])
+    assert rec["mean_gap_vs_ddp"] >= best["gap_vs_ddp"] - 1e-12
+    assert (tmp_path / "convergence-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![eval loss against tokens](convergence-quick.png)" in doc and "Recommended outer setting" in doc
+
+
 def test_bad_bench_is_one_line(tmp_path: Path) -> None:
     for args in (["bench", "nope"], ["bench", "strategies", "--bogus"]):
         result = run_cmd([str(DILOCO), *args], timeout=60)

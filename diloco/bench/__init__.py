@@ -116,7 +116,11 @@ def run(name: str, quick: bool, out: Path, doc: Path, command: str) -> Path:
         **body,
     }
     out.mkdir(parents=True, exist_ok=True)
+    doc.parent.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}{'-quick' if quick else ''}.json"
+    if hasattr(module, "plot"):  # a PNG beside the JSON, linked from the doc
+        picture = module.plot(result, out)
+        result["plot"] = os.path.relpath(picture.resolve(), doc.resolve().parent)
     path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     append_doc(doc, module.markdown(result))
     log.info("bench %s: results in %s, table appended to %s", name, path, doc)
