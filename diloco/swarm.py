@@ -7,6 +7,9 @@ hivemind is pinned to 1.1.12, so this module subclasses a few of its internals. 
   (``return_deltas``, ``failed_size``, ``compression``, ``_input_parts_by_peer``), ``tensor_part_reducer``,
   ``parts_for_local_averaging``, ``sender_peer_ids``, ``ordered_peer_ids``, ``weight``, ``_ban_sender`` and
   ``banned_senders``; ``TensorPartReducer.sender_failed_after``, ``finished`` and ``num_parts``.
+* ``TensorPartContainer``: ``iterate_output_tensors`` is replaced (``_PartsContainer``) by a copy of its loop over
+  ``local_tensors``, ``num_parts_by_tensor``, ``num_parts_by_peer``, ``_output_parts_by_peer``,
+  ``_output_part_available``, ``_outputs_consumed`` and ``finished`` that yields each tensor's parts unjoined.
 * ``DecentralizedAverager``: ``_run_allreduce_inplace_`` (called once per all-reduce attempt while the averager
   holds its tensor lock), ``_running_groups``, ``_p2p``, ``_parent_pid``, ``run`` and the ``_rpc_handlers`` /
   ``_stub_type`` class caches of ``hivemind.p2p.ServicerBase``; for state sharing ``get_current_state`` (served
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
@@ -47,7 +51,7 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
 from hivemind.compression import (
     CompressionBase,
     Float16Compression,
@@ -419,7 +423,8 @@ class ExactAllReduceRunner(AllReduceRunner):
     part, and the outputs are the decoded averages themselves (to be copied, not added).
 
     Outputs of a reducer that failed are this peer's own inputs (not zeros) and are counted in
-    ``tensor_part_container.failed_size``; the caller must treat a nonzero value as a failed round.
+    ``tensor_part_container.failed_size``; the caller must treat a nonzero value as a failed round. The runner
+    yields, per tensor, the list of its averaged parts in order (``_PartsContainer``), not one joined tensor.
     ``bytes_sent`` / ``bytes_received`` count serialized messages of this run.
 
     Screening (reducer side): before a contribution (a sender's part, our own included) is added to the average
@@ -438,6 +443,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         super().__init__(**kwargs)
         container = self.tensor_part_container
         container.return_deltas = False  # only read by register_failed_reducer: fall back to our input
+        container.__class__ = _PartsContainer  # outputs as lists of parts: no full-size torch.cat per tensor
         own_parts = container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
         self._part_infos = tuple(info for _, info in own_parts)
         self._encoded: dict[int, asyncio.Future] = {}  # part index -> encoded average (a sliding window of two)
@@ -598,6 +604,42 @@ class ExactAllReduceRunner(AllReduceRunner):
             yield msg
 
 
+class _PartsContainer(TensorPartContainer):
+    """hivemind's TensorPartContainer whose output iterator yields each tensor's averaged parts as a list, in
+    order, instead of ``torch.cat`` of them: the averager copies them into its tensor at the end, which saves a
+    full-size allocation (and its page faults) and one pass over the data per round. Set on a container by
+    ``ExactAllReduceRunner`` (``__class__``); the loop is hivemind 1.1.12's ``iterate_output_tensors``."""
+
+    async def iterate_output_tensors(self) -> AsyncIterator[list[torch.Tensor]]:
+        assert not self._outputs_consumed, "output tensors are already iterated and no longer available."
+        self._outputs_consumed = True
+        peer_index = num_parts_processed = 0
+        for tensor_index in range(len(self.local_tensors)):
+            tensor_parts = []
+            while len(tensor_parts) < self.num_parts_by_tensor[tensor_index]:
+                if num_parts_processed >= self.num_parts_by_peer[peer_index]:
+                    num_parts_processed = 0
+                    peer_index += 1
+                    continue
+                if not self._output_parts_by_peer[peer_index]:
+                    self._output_part_available[peer_index].clear()
+                    await self._output_part_available[peer_index].wait()
+                    if self.finished.is_set():
+                        raise AllreduceException("All-reduce was terminated during iteration")
+                tensor_parts.append(self._output_parts_by_peer[peer_index].popleft())
+                num_parts_processed += 1
+            yield tensor_parts
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether no value is NaN or +-Inf. ``torch.aminmax`` propagates both and allocates nothing: one pass, about
+    30x faster than ``torch.isfinite(tensor).all()`` on 50M float32 values (16 ms against 0.5 s here)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
 class _CountingStub:
     """Wraps a groupmate's stub so that the sender side of ``rpc_aggregate_part`` is counted in both directions."""
 
@@ -690,15 +732,15 @@ class ExactAverager(hivemind.DecentralizedAverager):
         self.stats[2] = len(group_info.peer_ids)
         try:
             # keep all results until the end: a failure must leave every tensor untouched (a retry re-sends them)
-            averaged = [tensor async for tensor in runner]
+            averaged = [parts async for parts in runner]
             failed = runner.tensor_part_container.failed_size
             if failed:
                 raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values not averaged")
             # reducers screen what they average; this catches one that does not (another version, a bad actor)
-            if not all(bool(torch.isfinite(result).all()) for result in averaged):
+            if not all(_all_finite(part) for parts in averaged for part in parts):
                 raise AllreduceException("a groupmate returned non-finite averages")
-            for tensor, result in zip(tensors, averaged):
-                tensor.copy_(result)
+            for tensor, parts in zip(tensors, averaged):
+                torch.cat(parts, out=tensor.view(-1))  # straight into the tensor, no full-size temporary
         finally:
             self.stats[0] += runner.bytes_sent
             self.stats[1] += runner.bytes_received
