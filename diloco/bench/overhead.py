@@ -19,7 +19,8 @@ OVERHEAD_TARGET = 0.98
 def overhead_workload(quick: bool) -> tuple[Workload, int]:
     """The workload and the repetitions of each arm."""
     if quick:
-        return Workload(MODELS / "llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=2, steps=6, skip=2), 1  # one repetition: a smoke run
+        # one repetition: a smoke run
+        return Workload(MODELS / "llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=2, steps=6, skip=2), 1
     return Workload(MODELS / "llama-14m-fresh", seq_length=128, per_device_batch=4, total_batch=4, steps=16, skip=4), 3
 
 
