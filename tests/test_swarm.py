@@ -28,6 +28,7 @@ from diloco.swarm import (
     ExactAverager,
     RoundReport,
     SwarmAverager,
+    _all_finite,
     ensure_identity,
     identity_peer_id,
     serve_dht,
@@ -540,3 +541,15 @@ def test_inf_in_a_later_part_is_rejected_from_that_part_on(bootstrap):
     assert torch.equal(result[part : 2 * part], mean_of_2[part : 2 * part])  # the part holding the Inf
     assert (result[:part].double() - mean_of_3[:part]).abs().max() <= MAX_ERROR["none"]  # accepted before it
     assert (result[-part:].double() - mean_of_3[-part:]).abs().max() <= MAX_ERROR["none"]  # another reducer's span
+
+
+def test_all_finite_agrees_with_isfinite():
+    """The averager's check of the results it receives (torch.aminmax) against torch.isfinite, value by value."""
+    values = torch.randn(10_000)
+    assert _all_finite(values) and _all_finite(torch.empty(0))
+    assert _all_finite(torch.tensor([3.4e38, -3.4e38]))  # finite extremes: max and min stay finite
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in (0, 5000, 9999):
+            spoiled = values.clone()
+            spoiled[index] = bad
+            assert not _all_finite(spoiled) and not bool(torch.isfinite(spoiled).all()), (bad, index)
