@@ -469,8 +469,9 @@ class DiLoCo:
                         record.world_rank, meta["outer_step"], meta["step"],
                     )  # fmt: skip
                 # a group that was behind adopts the inner step count; one that diverged at the same outer step
-                # keeps its own (it did the same number of inner steps)
-                return meta["step"] if meta["outer_step"] > outer_before else self.step
+                # keeps its own (it did the same number of inner steps). Never backwards: a source that finished
+                # the round this group failed may not have reached this group's next boundary yet
+                return max(meta["step"], self.step) if meta["outer_step"] > outer_before else self.step
         return None
 
     def _valid(self, got: State | None) -> dict[str, Any] | None:
