@@ -103,12 +103,17 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
     by_step = [{r["step"]: r for r in per_group} for per_group in rows]
     common = sorted(set(by_step[0]) & set(by_step[1]))
     assert len(common) >= 12 and common[-1] == 80  # a survivor stuck in a failed round may jump ahead, rarely
-    for step in common:  # the survivors are bit-identical after every outer step, the failed one included
+    compared = 0
+    for step in common:  # bit-identical after every round they shared, and after rounds that failed for both
         a, b = by_step[0][step], by_step[1][step]
         if "loaded_state_from" in a or "loaded_state_from" in b:
             continue  # a jump: it loaded what the other held a moment before
+        if a.get("num_peers") != b.get("num_peers") or a.get("num_peers") == 1:
+            continue  # one was stuck in a failed round while the other averaged alone: the next boundary repairs it
         assert a["outer_digest"] == b["outer_digest"], (a, b)
         assert a["num_peers"] == 0 or a["params_sha256"] == b["params_sha256"]  # 0: the models carry on
+        compared += a["num_peers"] >= 2
+    assert compared >= 8, compared
     assert all(r["averaging_s"] < 3 + 15 + 5 for r in rows[0] + rows[1] if "averaging_s" in r)  # bounded
     dropped = [r.get("num_peers") for r in rows[0][killed_at : killed_at + 3]]
     assert 2 in dropped or 0 in dropped, dropped  # the drop shows (0: a failed round, nothing applied)
