@@ -527,8 +527,9 @@ class DiLoCo:
         self._publish()
         deadline, source = time.monotonic() + self.settle_timeout, None
         while True:
+            expired = time.monotonic() > deadline or self.stop()
             plan, waiting, expired = self.group.broadcast(
-                (self._plan(), self._unsettled(), time.monotonic() > deadline or self.stop()) if self.group.is_main else None
+                (self._plan(), self._unsettled(), expired) if self.group.is_main else None
             )
             if plan and self._load_from(plan) is not None:
                 source = self.loaded_from
