@@ -149,8 +149,8 @@ class DiLoCo:
     """The DiLoCo outer step over this rank's shard of the model, in plain torch, and the group's place in
     the swarm.
 
-    Every `local_steps` inner steps, and after the run's last one: pseudo-gradient = outer parameters − current parameters (this rank's
-    shard, flattened, float32 on CPU); averaged with the same rank of the other groups; an outer SGD step with
+    Every `local_steps` inner steps, and after the run's last one: pseudo-gradient = outer parameters − current
+    parameters (this rank's shard, flattened, float32 on CPU); averaged with the same rank of the other groups; an outer SGD step with
     Nesterov momentum on the outer parameters, which stay off the accelerator; the model's shard is reset to
     the new outer parameters. The inner optimizer and its state are not touched.
 
