@@ -91,56 +91,31 @@ _OUT = Parameter(help="Folder for the result JSON (strategies.json, overhead-qui
 _DOC = Parameter(help="Markdown file the dated table is appended to.")
 
 
-def bench_strategies(
-    *,
-    quick: Annotated[bool, _QUICK] = False,
-    out: Annotated[Path, _OUT] = BENCH_OUT,
-    doc: Annotated[Path, _DOC] = BENCH_DOC,
-) -> int:
-    """NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, CPU offload, gradient checkpointing: tokens/s and peak memory, 2 ranks."""
-    return _bench("strategies", quick, out, doc)
+BENCH_HELP = {
+    "strategies": "NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, CPU offload, gradient checkpointing: tokens/s and peak "
+    "memory, 2 ranks.",
+    "overhead": "Inner-step tokens/s of a DiLoCo worker (DHT and averager running) against galaxy size 1, "
+    "alternating.",
+    "convergence": "Held-out loss at equal tokens: one group, DDP, DiLoCo over H and outer lr/momentum, on real "
+    "text.",
+    "wire": "Bytes each worker sends and receives over a run (DiLoCo none/fp16/int8 vs DDP), counted by the kernel "
+    "on veth links between network namespaces and by the trainer; needs root.",
+}
 
 
-def bench_overhead(
-    *,
-    quick: Annotated[bool, _QUICK] = False,
-    out: Annotated[Path, _OUT] = BENCH_OUT,
-    doc: Annotated[Path, _DOC] = BENCH_DOC,
-) -> int:
-    """Inner-step tokens/s of a DiLoCo worker (DHT and averager running) against galaxy size 1, alternating."""
-    return _bench("overhead", quick, out, doc)
+def _bench_command(name: str) -> Callable[..., int]:
+    """`diloco bench <name>`: cyclopts reads the flags from the signature and the help from the docstring."""
 
+    def command(
+        *,
+        quick: Annotated[bool, _QUICK] = False,
+        out: Annotated[Path, _OUT] = BENCH_OUT,
+        doc: Annotated[Path, _DOC] = BENCH_DOC,
+    ) -> int:
+        return _bench(name, quick, out, doc)
 
-def bench_convergence(
-    *,
-    quick: Annotated[bool, _QUICK] = False,
-    out: Annotated[Path, _OUT] = BENCH_OUT,
-    doc: Annotated[Path, _DOC] = BENCH_DOC,
-) -> int:
-    """Held-out loss at equal tokens: one group, DDP, DiLoCo over H and outer lr/momentum, on real text."""
-    return _bench("convergence", quick, out, doc)
-
-
-def bench_wire(
-    *,
-    quick: Annotated[bool, _QUICK] = False,
-    out: Annotated[Path, _OUT] = BENCH_OUT,
-    doc: Annotated[Path, _DOC] = BENCH_DOC,
-) -> int:
-    """Bytes each worker sends and receives over a run (DiLoCo none/fp16/int8 vs DDP), counted by the kernel
-    on veth links between network namespaces and by the trainer; needs root."""
-    return _bench("wire", quick, out, doc)
-
-
-def bench_allreduce(
-    *,
-    quick: Annotated[bool, _QUICK] = False,
-    out: Annotated[Path, _OUT] = BENCH_OUT,
-    doc: Annotated[Path, _DOC] = BENCH_DOC,
-) -> int:
-    """Time of one averaging round (10M/50M/150M parameters, 2 and 4 peers) against a plain TCP socket on
-    loopback and against bytes ÷ bandwidth on a 1 Gbit/s shaped link; the shaped part needs root."""
-    return _bench("allreduce", quick, out, doc)
+    command.__doc__ = BENCH_HELP[name]
+    return command
 
 
 def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = train) -> App:
@@ -163,11 +138,8 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
     app.command(dht)
     app.command(launch)
     bench = App(name="bench", help="Measure the trainer; write JSON and append a dated table to a document.")
-    bench.command(bench_strategies, name="strategies")
-    bench.command(bench_overhead, name="overhead")
-    bench.command(bench_convergence, name="convergence")
-    bench.command(bench_wire, name="wire")
-    bench.command(bench_allreduce, name="allreduce")
+    for name in BENCH_HELP:
+        bench.command(_bench_command(name), name=name)
     app.command(bench)
     return app
 

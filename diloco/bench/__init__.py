@@ -22,7 +22,6 @@ import psutil
 
 log = logging.getLogger("diloco")
 
-NAMES = ("strategies", "overhead", "convergence", "wire", "allreduce")
 MODELS = Path(__file__).resolve().parent.parent.parent / "tests" / "models"  # the checkout's tiny model configs
 DOC_HEAD = """# Benchmarks
 
