@@ -115,8 +115,9 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
         compared += a["num_peers"] >= 2
     assert compared >= 8, compared
     assert all(r["averaging_s"] < 3 + 15 + 5 for r in rows[0] + rows[1] if "averaging_s" in r)  # bounded
-    dropped = [r.get("num_peers") for r in rows[0][killed_at : killed_at + 3]]
-    assert 2 in dropped or 0 in dropped, dropped  # the drop shows (0: a failed round, nothing applied)
+    dropped = [r.get("num_peers", 0) for r in rows[0][killed_at : killed_at + 3]]
+    # the drop shows: fewer than 3 peers (0: a failed round; 1: alone while the other survivor sat out a failed one)
+    assert min(dropped) < 3, dropped
 
     resumed = summary(dirs[2])
     assert resumed["status"] == "ok" and resumed["loaded_state_from_peers"] is True
