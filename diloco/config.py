@@ -33,6 +33,7 @@ def first_line(error: BaseException) -> str:
 Precision = Literal["fp16-mixed", "bf16-mixed", "32-true"]
 ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]
 Compression = Literal["none", "fp16", "int8"]
+Transport = Literal["tcp", "p2pd"]
 Maddrs = Annotated[list[str], Parameter(consume_multiple=True)]
 
 
@@ -71,6 +72,19 @@ class HvConfig(_Strict):
     averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
     skip_load_from_peers: bool = Field(False, description="Do not download the outer state from peers on join.")
     compression: Compression = Field("none", description="Pseudo-gradient compression on the wire.")
+    transport: Transport = Field(
+        "tcp",
+        description="What carries the averaging bytes once the DHT formed a group: tcp (direct sockets between "
+        "groups; they must reach each other's announced addresses) or p2pd (hivemind's libp2p: NAT traversal, "
+        "relays, encryption; several times slower).",
+    )
+    averaging_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="TCP port for the averaging bytes with --hv.transport tcp; 0 = any free port, a fixed port P "
+        "is P + local rank for each rank under torchrun.",
+    )
     run_id: str = Field(
         "diloco", pattern=r"^[A-Za-z0-9_-]+$", description="Swarm name: keeps separate runs apart on one DHT."
     )

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from diloco.butterfly import all_finite
 from diloco.catchup import Progress, sources
 from diloco.config import UsageError
 
@@ -310,7 +311,7 @@ class DiLoCo:
         if not self._boundary(step):
             return None
         pseudo_gradient = self.outer - self._flat_shards()
-        if self.group.sum(0.0 if bool(torch.isfinite(pseudo_gradient).all()) else 1.0):
+        if self.group.sum(0.0 if all_finite(pseudo_gradient) else 1.0):
             raise FloatingPointError(
                 f"the pseudo-gradient holds NaN/Inf at step {step}: stopping this group before it averages"
             )
@@ -383,6 +384,8 @@ class DiLoCo:
                 "rejected": int(self.group.sum(float(getattr(report, "rejected", 0)))),
                 "pseudo_grad_norm": math.sqrt(self.group.sum(float(pseudo_gradient.square().sum()))),
             }
+            if getattr(report, "transport", ""):
+                row["transport"] = report.transport  # what carried this rank's bytes: tcp or p2pd
         row["params_sha256"] = self.last_sha
         return row
 

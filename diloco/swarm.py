@@ -1,5 +1,8 @@
 """Swarm layer: DHT peers, peer identity and bit-identical averaging. The only module that imports hivemind.
 
+Averaging rounds are formed by hivemind's matchmaking; their bytes go over TCP (``diloco.butterfly``) or, for
+groups with a ``transport="p2pd"`` member, over hivemind's libp2p streams (``ExactAllReduceRunner``).
+
 hivemind is pinned to 1.1.12, so this module subclasses a few of its internals. It relies on:
 
 * ``AllReduceRunner``: ``_communicate_with_peer`` (its own-part branch), ``_accumulate_parts_streaming``
@@ -11,7 +14,10 @@ hivemind is pinned to 1.1.12, so this module subclasses a few of its internals. 
   ``local_tensors``, ``num_parts_by_tensor``, ``num_parts_by_peer``, ``_output_parts_by_peer``,
   ``_output_part_available``, ``_outputs_consumed`` and ``finished`` that yields each tensor's parts unjoined.
 * ``DecentralizedAverager``: ``_run_allreduce_inplace_`` (called once per all-reduce attempt while the averager
-  holds its tensor lock), ``_running_groups``, ``_p2p``, ``_parent_pid``, ``run`` and the ``_rpc_handlers`` /
+  holds its tensor lock, with ``weight``, ``sender_timeout`` and ``compression`` among its keyword arguments),
+  ``GroupInfo.gathered`` (per peer: ``serializer.dumps([bandwidth, mode, serializer.dumps(gather)])``, in
+  ``peer_ids`` order), ``allreduce_kwargs``, ``_running_groups`` (a future per group whose result must offer
+  ``finalize`` and ``rpc_aggregate_part``), ``_p2p``, ``_parent_pid``, ``run`` and the ``_rpc_handlers`` /
   ``_stub_type`` class caches of ``hivemind.p2p.ServicerBase``; for state sharing ``get_current_state`` (served
   by hivemind's ``rpc_download_state``), ``allow_state_sharing``, ``_outer_pipe`` (commands to the averager
   process), ``serializer`` and ``get_stub``.
@@ -34,6 +40,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import socket
 import stat
 import threading
 import time
@@ -54,6 +61,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
 from hivemind.compression import (
     CompressionBase,
+    CompressionInfo,
     Float16Compression,
     NoCompression,
     Uniform8BitQuantization,
@@ -68,6 +76,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
+from diloco import butterfly
+from diloco.butterfly import MAX_NORM_RATIO, all_finite
 from diloco.catchup import Progress
 from diloco.config import RankUsageError, UsageError, first_line
 
@@ -91,6 +101,7 @@ class Uniform8Bit(Uniform8BitQuantization):
 
 
 Compression = Literal["none", "fp16", "int8"]
+Transport = Literal["tcp", "p2pd"]
 COMPRESSIONS: dict[str, type[CompressionBase]] = {
     "none": NoCompression,
     "fp16": Float16Compression,
@@ -405,13 +416,7 @@ def _install_stop_handlers(stop: threading.Event) -> dict[int, object]:
 
 # ------------------------------------------------------------------------------------------------ exact all-reduce
 
-# A contribution to a part is rejected when its L2 norm exceeds this many times the lower median of the group's
-# norms for that part. Peers' pseudo-gradients come from the same parameters after the same number of inner
-# steps, so honest ones are within a small factor of each other; a diverged peer (loss spike, overflow, corrupt
-# data) is off by orders of magnitude, and at 100x it would outweigh ~100 honest peers in the mean. 100 leaves
-# over an order of magnitude of headroom for honest spread (few-step warm-up, uneven data) before a peer is cut.
-# With two peers the median is the smaller norm: the larger contribution is the one dropped.
-MAX_NORM_RATIO = 100.0
+# Screening: ``butterfly.MAX_NORM_RATIO`` (with why 100) and ``butterfly.screen`` say what a reducer rejects.
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -631,15 +636,6 @@ class _PartsContainer(TensorPartContainer):
             yield tensor_parts
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether no value is NaN or +-Inf. ``torch.aminmax`` propagates both and allocates nothing: one pass, about
-    30x faster than ``torch.isfinite(tensor).all()`` on 50M float32 values (16 ms against 0.5 s here)."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return math.isfinite(float(low)) and math.isfinite(float(high))
-
-
 class _CountingStub:
     """Wraps a groupmate's stub so that the sender side of ``rpc_aggregate_part`` is counted in both directions."""
 
@@ -652,24 +648,40 @@ class _CountingStub:
 
 
 class ExactAverager(hivemind.DecentralizedAverager):
-    """DecentralizedAverager whose rounds leave all groupmates with bit-identical tensors (``ExactAllReduceRunner``).
+    """DecentralizedAverager whose rounds leave all groupmates with bit-identical tensors.
 
     A round either overwrites all local tensors with the group average or, if any part could not be averaged,
     leaves them untouched and fails (so ``step`` retries or raises instead of returning mixed results).
     ``stats`` holds, in shared memory: bytes sent, bytes received, size of the last group that tried to average,
     contributions rejected.
     Peers only group with other ``ExactAverager`` peers: RPC names include the class name.
+
+    The bytes of a round travel over plain TCP (``diloco.butterfly``) when every groupmate gathered a TCP endpoint
+    (``step(gather=tcp_gather(...))``), otherwise over libp2p (``ExactAllReduceRunner``); both screen alike.
+
+    :param listen_socket: a listening socket for the TCP transport (``butterfly.listen_socket``), taken over by the
+        averager process; None: this averager only averages over libp2p.
     """
 
     _rpc_handlers = None  # collect our own RPC handlers/stub (the cache is a class attribute in ServicerBase)
     _stub_type = None
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: hivemind.DHT, **kwargs):
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht: hivemind.DHT,
+        listen_socket: socket.socket | None = None,
+        **kwargs,
+    ):
         method = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
         if method != "fork":
             # hivemind pickles pipes between forked processes (MPFuture); under 'spawn' the averager never gets ready
             raise RuntimeError(f"hivemind averagers need the 'fork' start method, this process uses {method!r}")
-        self.stats = mp.Array(ctypes.c_int64, 4)  # [3]: senders this peer rejected (ExactAllReduceRunner.rejected)
+        # [3]: senders this peer rejected; [4]: 1 if the last all-reduce went over TCP
+        self.stats = mp.Array(ctypes.c_int64, 5)
+        self._listen_socket = listen_socket  # inherited by the forked averager process
+        self._listener: butterfly.Listener | None = None
+        self._flat_out: torch.Tensor | None = None  # the TCP rounds' output, kept: fresh pages cost more than a copy
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def run(self):
@@ -677,6 +689,10 @@ class ExactAverager(hivemind.DecentralizedAverager):
         # deserialize_torch_tensor decodes through this registry; fix the 8-bit decoder in this process only
         _BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8Bit()
         warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
+        if self._listen_socket is not None:
+            timeout = self.allreduce_kwargs["sender_timeout"]
+            # a groupmate that learnt of the group first waits for us as long as the round may last
+            self._listener = butterfly.Listener(self._listen_socket, timeout, self._allreduce_timeout).start()
         super().run()
 
     # State sharing: hivemind serves ``get_current_state()`` (run in the host process by a background thread) to
@@ -719,6 +735,9 @@ class ExactAverager(hivemind.DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ):
         group_id = group_info.group_id if group_id is None else group_id
+        endpoints = self._tcp_endpoints(group_info)
+        if endpoints is not None and self._listener is not None:
+            return await self._run_tcp_allreduce(tensors, group_info, group_id, endpoints, **kwargs)
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -729,7 +748,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        self.stats[2] = len(group_info.peer_ids)
+        self.stats[2], self.stats[4] = len(group_info.peer_ids), 0
         try:
             # keep all results until the end: a failure must leave every tensor untouched (a retry re-sends them)
             averaged = [parts async for parts in runner]
@@ -737,7 +756,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
             if failed:
                 raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values not averaged")
             # reducers screen what they average; this catches one that does not (another version, a bad actor)
-            if not all(_all_finite(part) for parts in averaged for part in parts):
+            if not all(all_finite(part) for parts in averaged for part in parts):
                 raise AllreduceException("a groupmate returned non-finite averages")
             for tensor, parts in zip(tensors, averaged):
                 torch.cat(parts, out=tensor.view(-1))  # straight into the tensor, no full-size temporary
@@ -745,6 +764,90 @@ class ExactAverager(hivemind.DecentralizedAverager):
             self.stats[0] += runner.bytes_sent
             self.stats[1] += runner.bytes_received
             self.stats[3] += runner.rejected
+
+    def _tcp_endpoints(self, group_info: GroupInfo) -> list[tuple[list[str], int]] | None:
+        """Every groupmate's TCP endpoint from the data gathered in matchmaking, or None if one has none (an
+        averager over libp2p only): then the whole group goes over libp2p, as each member decides alike."""
+        endpoints = []
+        for gathered in group_info.gathered:
+            user_data = self.serializer.loads(self.serializer.loads(gathered)[2])
+            endpoint = user_data.get("tcp") if isinstance(user_data, dict) else None
+            if endpoint is None:
+                return None
+            hosts, port = endpoint
+            endpoints.append((list(hosts), int(port)))
+        return endpoints
+
+    async def _run_tcp_allreduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_info: GroupInfo,
+        group_id: bytes,
+        endpoints: list[tuple[list[str], int]],
+        *,
+        weight: float,
+        sender_timeout: float,
+        compression: CompressionBase,
+        **_,
+    ) -> None:
+        vector = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([tensor.view(-1) for tensor in tensors])
+        if self._flat_out is None or self._flat_out.numel() != vector.numel():
+            self._flat_out = torch.empty_like(vector)
+        round_ = butterfly.Round(
+            vector, self._flat_out, group_id=group_id, index=group_info.peer_ids.index(self.peer_id),
+            endpoints=endpoints, weight=weight, codec=_codec(compression), timeout=sender_timeout,
+        )  # fmt: skip
+        self._running_groups[group_id].set_result(_TcpGroup(round_))
+        self.stats[2], self.stats[4] = len(group_info.peer_ids), 1
+        self._listener.register(round_)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, round_.run)
+        except butterfly.RoundFailed as e:
+            raise AllreduceException(str(e)) from None
+        except asyncio.CancelledError:  # hivemind's allreduce timeout: stop the round's threads
+            round_.abort()
+            raise
+        finally:
+            self._listener.unregister(round_)
+            self.stats[0] += round_.bytes_sent
+            self.stats[1] += round_.bytes_received
+            self.stats[3] += round_.rejected
+        # reducers screen what they average; this catches one that does not (another version, a bad actor)
+        if not all_finite(self._flat_out):
+            raise AllreduceException("a groupmate returned non-finite averages")
+        offset = 0
+        for tensor in tensors:
+            tensor.view(-1).copy_(self._flat_out[offset : offset + tensor.numel()])
+            offset += tensor.numel()
+
+
+class _TcpGroup:
+    """Stands in for hivemind's ``AllReduceRunner`` in ``_running_groups`` while the group averages over TCP."""
+
+    def __init__(self, round_: butterfly.Round):
+        self.round = round_
+
+    def finalize(self, cancel: bool = False) -> set:
+        self.round.abort()  # the averager shuts down: end the round's threads
+        return set()
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator, context) -> AsyncIterator[averaging_pb2.AveragingData]:
+        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)  # no parts come over libp2p this round
+
+
+def _codec(compression: CompressionBase) -> butterfly.Codec:
+    """The TCP transport's wire format for one of ``COMPRESSIONS``."""
+    if isinstance(compression, Float16Compression):
+        return butterfly.FP16
+    if isinstance(compression, Uniform8Bit):
+        return butterfly.Codec(
+            "int8",
+            2**17,  # 512 KiB of float32 per codebook, as over libp2p
+            encode=lambda part: compression.compress(part, CompressionInfo.from_tensor(part)).SerializeToString(),
+            decode=lambda data, n: compression.extract(runtime_pb2.Tensor.FromString(bytes(data))),
+            max_bytes=lambda n: 4 * n + 4096,
+        )
+    return butterfly.RAW
 
 
 # ------------------------------------------------------------------------------------------------- trainer interface
@@ -761,6 +864,7 @@ class RoundReport:
     :param bytes_received: serialized bytes this peer received in the round.
     :param ok: False when the round failed and the tensors were left untouched. Peers with ok=True of the same
         group hold identical bytes; at least one peer of a group reports ok=False if any part went wrong.
+    :param transport: what carried the round's bytes: "tcp" or "p2pd"; "" when no group formed.
     :param rejected: groupmates' contributions (and this peer's own) that this peer, as a reducer, left out of the
         average for holding NaN/Inf or a norm ``MAX_NORM_RATIO`` times the group's; a rejected peer's round fails,
         the others complete without it (ok=True).
@@ -772,6 +876,7 @@ class RoundReport:
     bytes_received: int
     ok: bool
     rejected: int = 0
+    transport: str = ""
 
 
 ROUND_BITS = 20  # round indices are told apart modulo 2**20
@@ -819,6 +924,13 @@ class SwarmAverager:
         ``matchmaking_time`` so that giving up never coincides with the next matchmaking deadline (a peer that
         found nobody re-declares itself for another ``matchmaking_time``, and a latecomer may join it).
     :param startup_timeout: seconds to wait for the averager process to start.
+    :param transport: what carries the tensor bytes once hivemind formed a group: "tcp" (plain TCP sockets
+        between the groupmates, ``diloco.butterfly``; each peer must reach the others' announced addresses
+        directly) or "p2pd" (hivemind's libp2p streams: NAT traversal and relays, encrypted, several times
+        slower). A group with any "p2pd" member averages over libp2p.
+    :param tcp_host: address the TCP transport listens on ("0.0.0.0": every interface).
+    :param tcp_port: port the TCP transport listens on (0: any free port).
+    :raises RankUsageError: ``tcp_port`` is taken or cannot be bound.
     """
 
     def __init__(
@@ -833,6 +945,9 @@ class SwarmAverager:
         target_group_size: int | None = None,
         grace: float = 3.0,
         startup_timeout: float = 60.0,
+        transport: Transport = "tcp",
+        tcp_host: str = "0.0.0.0",
+        tcp_port: int = 0,
     ):
         if "." in prefix or not prefix:
             raise ValueError(f"averaging prefix must be non-empty and contain no '.': {prefix!r}")
@@ -840,26 +955,36 @@ class SwarmAverager:
             raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {compression!r}")
         if matchmaking_time <= 0 or averaging_timeout <= 0:
             raise ValueError("matchmaking_time and averaging_timeout must be positive (seconds)")
+        if transport not in ("tcp", "p2pd"):
+            raise ValueError(f"transport must be 'tcp' or 'p2pd', got {transport!r}")
         for tensor in tensors:
             _check_cpu_float32(tensor)
         self._shapes = [tuple(tensor.shape) for tensor in tensors]
+        listening = _listen(tcp_host, tcp_port) if transport == "tcp" else None
+        # where groupmates connect: the hosts this peer's DHT announces, with the transport's port
+        self._gather = None if listening is None else {"tcp": [_announced_hosts(dht), listening.getsockname()[1]]}
         self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
         self.grace = min(grace, matchmaking_time / 2)
-        self._averager = ExactAverager(
-            [tensor.detach().clone() for tensor in tensors],
-            dht,
-            start=False,
-            prefix=prefix,
-            target_group_size=target_group_size,
-            min_group_size=2,  # a lone peer is handled here (by cancelling), never as a group of one
-            min_matchmaking_time=matchmaking_time,
-            request_timeout=min(3.0, matchmaking_time / 2),  # hivemind: must be < min_matchmaking_time
-            compression=COMPRESSIONS[compression](),
-            allreduce_timeout=averaging_timeout,
-            next_chunk_timeout=averaging_timeout / 4,  # drop a silent groupmate before the whole round times out
-            allow_state_sharing=False,
-        )
-        self._averager.start()
+        try:
+            self._averager = ExactAverager(
+                [tensor.detach().clone() for tensor in tensors],
+                dht,
+                start=False,
+                prefix=prefix,
+                target_group_size=target_group_size,
+                min_group_size=2,  # a lone peer is handled here (by cancelling), never as a group of one
+                min_matchmaking_time=matchmaking_time,
+                request_timeout=min(3.0, matchmaking_time / 2),  # hivemind: must be < min_matchmaking_time
+                compression=COMPRESSIONS[compression](),
+                allreduce_timeout=averaging_timeout,
+                next_chunk_timeout=averaging_timeout / 4,  # drop a silent groupmate before the round times out
+                allow_state_sharing=False,
+                listen_socket=listening,
+            )
+            self._averager.start()
+        finally:
+            if listening is not None:
+                listening.close()  # the averager process holds its own copy
         try:
             self._averager.wait_until_ready(timeout=startup_timeout)
         except BaseException:
@@ -899,11 +1024,15 @@ class SwarmAverager:
             weight=weight,
             timeout=self.matchmaking_time + self.averaging_timeout,
             allow_retries=True,
+            gather=self._gather,
             require_trigger=True,  # we trigger only after seeing the group, so giving up cannot race with it
             wait=False,
         )
         ok, num_peers = self._finish_round(control, tensors, stop, started)
-        return RoundReport(num_peers, time.monotonic() - started, stats[0], stats[1], ok, rejected=stats[3])
+        transport = "" if num_peers < 2 else ("tcp" if stats[4] else "p2pd")
+        return RoundReport(
+            num_peers, time.monotonic() - started, stats[0], stats[1], ok, rejected=stats[3], transport=transport
+        )
 
     def _finish_round(
         self, control: StepControl, tensors: Sequence[torch.Tensor], stop: Callable[[], bool], started: float
@@ -987,6 +1116,30 @@ def _cancel(control: StepControl) -> None:
             control.cancel()
         except InvalidStateError:
             pass
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        return butterfly.listen_socket(host, port)
+    except OSError as e:
+        why = e.strerror or str(e)
+        flag = "--hv.averaging-port" if port else "--hv.host-maddrs"  # port 0 fails only for a host not on this machine
+        raise RankUsageError(f"{flag}: cannot listen on {host} port {port}: {why[:1].lower()}{why[1:]}") from None
+
+
+def _announced_hosts(dht: hivemind.DHT) -> list[str]:
+    """The IP addresses in the multiaddrs ``dht`` announces, in order (loopback when it announces none)."""
+    hosts = []
+    for maddr in dht.get_visible_maddrs():
+        for protocol in ("ip4", "ip6"):
+            try:
+                host = maddr.value_for_protocol(protocol)
+            except Exception:  # the multiaddr has no such part (the package raises its own error types)
+                continue
+            if host not in hosts and host not in ("0.0.0.0", "::"):
+                hosts.append(host)
+    # loopback last: on another machine it reaches that machine (the handshake then fails and the next is tried)
+    return sorted(hosts, key=lambda host: host.startswith("127.") or host == "::1") or ["127.0.0.1"]
 
 
 def _check_cpu_float32(tensor: torch.Tensor) -> None:

@@ -156,6 +156,10 @@ SWARM_CASES = {
         lambda t, port: [*SWARM, "--hv.host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"],
         "--hv.host-maddrs: cannot listen on 127.0.0.1 port {port}: address already in use",
     ),
+    "averaging port in use": (
+        lambda t, port: [*SWARM, "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--hv.averaging-port", str(port)],
+        "--hv.averaging-port: cannot listen on 127.0.0.1 port {port}: address already in use",
+    ),
 }
 
 

@@ -24,11 +24,11 @@ import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
+from diloco import butterfly
 from diloco.swarm import (
     ExactAverager,
     RoundReport,
     SwarmAverager,
-    _all_finite,
     ensure_identity,
     identity_peer_id,
     serve_dht,
@@ -294,7 +294,7 @@ def test_start_dht_bootstraps_from_stock_hivemind_dht():
 # ---------------------------------------------------------------------------------------------------- averaging
 
 
-def peer_main(index: int, num_peers: int, initial_peers: list[str]) -> None:
+def peer_main(index: int, num_peers: int, initial_peers: list[str], transport: str) -> None:
     """A worker group in its own interpreter (like torchrun's): one round per compression, results on stdout."""
     torch.set_num_threads(1)
     dht = start_dht(initial_peers=initial_peers, host_maddrs=LOCAL, announce_maddrs=[])
@@ -303,13 +303,14 @@ def peer_main(index: int, num_peers: int, initial_peers: list[str]) -> None:
             tensors = peer_tensors(index)
             with SwarmAverager(
                 dht,
-                prefix=f"test{num_peers}/rank0-{compression}",
+                prefix=f"test{num_peers}-{transport}/rank0-{compression}",
                 tensors=tensors,
                 compression=compression,
                 matchmaking_time=3.0,
                 averaging_timeout=60.0,  # a sender is dropped after 15 s of silence: generous for a busy CI box
                 # 2 peers wait the whole matchmaking_time; 3 peers start as soon as everyone joined
                 target_group_size=None if num_peers == 2 else num_peers,
+                transport=transport,
             ) as averager:
                 print("READY", flush=True)
                 sys.stdin.readline()  # the test releases all peers at once
@@ -327,10 +328,17 @@ def peer_main(index: int, num_peers: int, initial_peers: list[str]) -> None:
         print("LEFTOVER " + json.dumps(shutdown_dht(dht)), flush=True)
 
 
-def run_peers(num_peers: int, initial_peers: list[str]) -> tuple[dict[str, list[dict]], list[list[int]]]:
+def run_peers(
+    num_peers: int, initial_peers: list[str], transport: str
+) -> tuple[dict[str, list[dict]], list[list[int]]]:
     """Run ``peer_main`` in ``num_peers`` processes; returns ({compression: [result of each peer]}, leftovers)."""
-    code = "import json, test_swarm; test_swarm.peer_main(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))"
-    procs = [spawn_python(code, str(i), str(num_peers), json.dumps(initial_peers)) for i in range(num_peers)]
+    code = (
+        "import json, test_swarm; "
+        "test_swarm.peer_main(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4])"
+    )
+    procs = [
+        spawn_python(code, str(i), str(num_peers), json.dumps(initial_peers), transport) for i in range(num_peers)
+    ]
     readers = [LineReader(proc.stdout) for proc in procs]
     try:
         results = {}
@@ -351,12 +359,12 @@ def run_peers(num_peers: int, initial_peers: list[str]) -> tuple[dict[str, list[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_peers", [2, 3])
-def test_peers_end_bit_identical(bootstrap, num_peers: int):
-    results, leftovers = run_peers(num_peers, visible_maddrs(bootstrap))
+@pytest.mark.parametrize(("num_peers", "transport"), [(2, "tcp"), (3, "tcp"), (2, "p2pd")])
+def test_peers_end_bit_identical(bootstrap, num_peers: int, transport: str):
+    results, leftovers = run_peers(num_peers, visible_maddrs(bootstrap), transport)
     for compression, rows in results.items():
         reports = [RoundReport(**row["report"]) for row in rows]
-        assert all(r.ok and r.num_peers == num_peers for r in reports), reports
+        assert all(r.ok and r.num_peers == num_peers and r.transport == transport for r in reports), reports
         assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in reports), reports
         assert len({row["digest"] for row in rows}) == 1, f"{compression}: peers hold different bytes"
         assert rows[0]["max_error"] <= MAX_ERROR.get(compression, float("inf")), (compression, rows[0])
@@ -429,24 +437,28 @@ def test_dht_survives_averagers_shut_down_mid_matchmaking(bootstrap):
 
 
 @pytest.mark.slow
-def test_groupmate_dying_mid_round_reports_failure(bootstrap):
-    """A groupmate whose averager dies after the group formed: the round fails and the tensors stay as they were."""
+@pytest.mark.parametrize("transport", ["tcp", "p2pd"])
+def test_groupmate_dying_mid_round_reports_failure(bootstrap, transport: str):
+    """A groupmate whose averager dies after the group formed: the round fails and the tensors stay as they were.
+    With a "p2pd" victim the whole group averages over libp2p (it gathered no TCP endpoint)."""
     initial_peers = visible_maddrs(bootstrap)
     dht_b = start_dht(initial_peers=initial_peers, host_maddrs=LOCAL, announce_maddrs=[])
     tensors = peer_tensors(1)
     original = [t.clone() for t in tensors]
-    victim = ExactAverager([t.clone() for t in peer_tensors(2)], dht_b, start=False, prefix="dying/rank0",
-                           min_matchmaking_time=2.0, request_timeout=1.0)
+    listening = butterfly.listen_socket("127.0.0.1", 0) if transport == "tcp" else None
+    gather = {"tcp": [["127.0.0.1"], listening.getsockname()[1]]} if listening else None
+    victim = ExactAverager([t.clone() for t in peer_tensors(2)], dht_b, start=False, prefix=f"dying-{transport}/rank0",
+                           min_matchmaking_time=2.0, request_timeout=1.0, listen_socket=listening)
     reports: list[RoundReport] = []
     try:
         victim.start()
         victim.wait_until_ready(timeout=30)
         with SwarmAverager(
-            bootstrap, prefix="dying/rank0", tensors=tensors, matchmaking_time=2.0, averaging_timeout=4.0
+            bootstrap, prefix=f"dying-{transport}/rank0", tensors=tensors, matchmaking_time=2.0, averaging_timeout=4.0
         ) as survivor:
             thread = threading.Thread(target=lambda: reports.append(survivor.average(tensors)))
             thread.start()
-            control = victim.step(timeout=30, require_trigger=True, wait=False)
+            control = victim.step(timeout=30, require_trigger=True, wait=False, gather=gather)
             while control.stage != AveragingStage.AWAITING_TRIGGER:
                 assert thread.is_alive() and not control.done()
                 time.sleep(0.02)
@@ -466,18 +478,21 @@ def test_groupmate_dying_mid_round_reports_failure(bootstrap):
 # --------------------------------------------------------------------------------------- rejecting bad contributions
 
 
-def average_in_process(bootstrap, inputs: list[list[torch.Tensor]], prefix: str) -> list[RoundReport]:
+def average_in_process(
+    bootstrap, inputs: list[list[torch.Tensor]], prefix: str, transport: str | list[str] = "tcp"
+) -> list[RoundReport]:
     """One round of ``len(inputs)`` SwarmAveragers (one DHT each) in this process; ``inputs`` are averaged in place."""
     dhts = [bootstrap] + [
         start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in inputs[1:]
     ]
     averagers: list[SwarmAverager] = []
+    transports = [transport] * len(inputs) if isinstance(transport, str) else transport
     reports: list[RoundReport | None] = [None] * len(inputs)
     try:
-        for dht, tensors in zip(dhts, inputs):
+        for dht, tensors, kind in zip(dhts, inputs, transports):
             averagers.append(SwarmAverager(
                 dht, prefix=prefix, tensors=tensors, matchmaking_time=2.0, averaging_timeout=5.0,
-                target_group_size=len(inputs),
+                target_group_size=len(inputs), transport=kind,
             ))
 
         def average(index: int) -> None:
@@ -495,6 +510,16 @@ def average_in_process(bootstrap, inputs: list[list[torch.Tensor]], prefix: str)
             averager.shutdown()
         for dht in dhts[1:]:
             assert shutdown_dht(dht) == []
+
+
+@pytest.mark.slow
+def test_a_group_with_a_p2pd_peer_averages_over_libp2p(bootstrap):
+    """tcp and p2pd peers in one group: all of them take the libp2p path, and end with the same exact mean."""
+    inputs = [[peer_tensors(seed)[0][:400].clone()] for seed in range(2)]
+    expected = (inputs[0][0] + inputs[1][0]) / 2
+    reports = average_in_process(bootstrap, inputs, prefix="mixed/rank0", transport=["tcp", "p2pd"])
+    assert all(r.ok and r.num_peers == 2 and r.transport == "p2pd" for r in reports), reports
+    assert all(torch.equal(tensors[0], expected) for tensors in inputs)
 
 
 def honest_and_bad_inputs(bad: str) -> list[list[torch.Tensor]]:
@@ -523,33 +548,30 @@ def test_bad_contribution_rejected_and_round_completes(bootstrap, bad: str):
 
 
 @pytest.mark.slow
-def test_inf_in_a_later_part_is_rejected_from_that_part_on(bootstrap):
-    """+Inf in one value of the second 512 KiB part: the first part keeps the bad peer's (finite) values, later
-    parts of that reducer's span do not, the rest of the vector is the mean of all three; no Inf anywhere."""
-    part = 131072  # float32 values per 512 KiB part (compression "none")
-    inputs = [[torch.randn(1_200_000, generator=torch.Generator().manual_seed(seed))] for seed in range(3)]
-    inputs[2][0][part + 5000] = float("inf")
+@pytest.mark.parametrize("transport", ["tcp", "p2pd"])
+def test_inf_in_a_later_part_is_rejected_from_that_part_on(bootstrap, transport: str):
+    """+Inf in one value of the second part of a reducer's span: the first part keeps the bad peer's (finite)
+    values, later parts of that reducer's span do not, the rest of the vector is the mean of all three; no Inf."""
+    numel = 1_200_000
+    if transport == "tcp":  # parts of 2**18 values: spans [0], [1, 2], [3, 4]
+        part, spans = butterfly.layout(numel, 3, butterfly.RAW.part_numel)
+        first = spans[1][0] * part  # the first part of reducer 1's span
+        assert len(spans[1]) == 2
+    else:  # hivemind: 512 KiB parts (131072 float32 values), and reducer 0's span holds more than two of them
+        part, first = 131072, 0
+    inputs = [[torch.randn(numel, generator=torch.Generator().manual_seed(seed))] for seed in range(3)]
+    inputs[2][0][first + part + 5000] = float("inf")
     originals = [t[0].clone() for t in inputs]
     mean_of_3 = torch.stack([t.double() for t in originals]).mean(0)
     mean_of_2 = (originals[0] + originals[1]) / 2
-    reports = average_in_process(bootstrap, inputs, prefix="bad-inf/rank0")
+    reports = average_in_process(bootstrap, inputs, prefix=f"bad-inf-{transport}/rank0", transport=transport)
     assert all(r.ok and r.num_peers == 3 for r in reports[:2]), reports
     assert sum(r.rejected for r in reports[:2]) + reports[2].rejected >= 1, reports
     assert not reports[2].ok, reports
     result = inputs[0][0]
     assert torch.equal(result, inputs[1][0]) and bool(torch.isfinite(result).all())
-    assert torch.equal(result[part : 2 * part], mean_of_2[part : 2 * part])  # the part holding the Inf
-    assert (result[:part].double() - mean_of_3[:part]).abs().max() <= MAX_ERROR["none"]  # accepted before it
+    second = slice(first + part, first + 2 * part)
+    assert torch.equal(result[second], mean_of_2[second])  # the part holding the Inf
+    accepted = slice(first, first + part)  # the same reducer's part before it
+    assert (result[accepted].double() - mean_of_3[accepted]).abs().max() <= MAX_ERROR["none"]
     assert (result[-part:].double() - mean_of_3[-part:]).abs().max() <= MAX_ERROR["none"]  # another reducer's span
-
-
-def test_all_finite_agrees_with_isfinite():
-    """The averager's check of the results it receives (torch.aminmax) against torch.isfinite, value by value."""
-    values = torch.randn(10_000)
-    assert _all_finite(values) and _all_finite(torch.empty(0))
-    assert _all_finite(torch.tensor([3.4e38, -3.4e38]))  # finite extremes: max and min stay finite
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        for index in (0, 5000, 9999):
-            spoiled = values.clone()
-            spoiled[index] = bad
-            assert not _all_finite(spoiled) and not bool(torch.isfinite(spoiled).all()), (bad, index)

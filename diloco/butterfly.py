@@ -1,0 +1,582 @@
+"""Butterfly all-reduce of one flat float32 vector over plain TCP sockets between the peers of one averaging group.
+
+hivemind forms the group (DHT, matchmaking: who is in it, their order, a random group id); this module only moves
+the tensor bytes. hivemind's own path (libp2p streams through the p2pd daemon, protobuf, asyncio) is CPU-bound at
+34-137 MB/s per peer on the 2-core development box; docs/allreduce.md has the profile and the comparison.
+
+The vector is cut into parts of at most ``Codec.part_numel`` values; the j-th peer of the group (reducer j) owns a
+contiguous run of parts, its span. Every peer sends each part of reducer j's span to reducer j, which screens the
+contributions, averages them, encodes the average once and sends the same bytes back to every sender: all peers
+that complete a round hold the very same values, whatever the compression.
+
+Wire protocol, one TCP connection per (sender, reducer) pair, opened by the sender:
+
+* hello, sender -> reducer: ``HELLO`` fields, then HMAC-SHA256 of them keyed with the group id;
+* ack, reducer -> sender: HMAC-SHA256 of ``b"ack" + hello``, same key;
+* parts, sender -> reducer: per part of the reducer's span, its byte length (u64) and its encoding;
+* averages, reducer -> sender: per part, length and encoded average; a reducer that bans the sender closes early.
+
+Only the group knows its id (matchmaking hands it out over libp2p), so the HMACs keep strangers out; the tensor
+bytes themselves travel unencrypted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# A contribution to a part is rejected when its L2 norm exceeds this many times the lower median of the group's
+# norms for that part. Peers' pseudo-gradients come from the same parameters after the same number of inner
+# steps, so honest ones are within a small factor of each other; a diverged peer (loss spike, overflow, corrupt
+# data) is off by orders of magnitude, and at 100x it would outweigh ~100 honest peers in the mean. 100 leaves
+# over an order of magnitude of headroom for honest spread (few-step warm-up, uneven data) before a peer is cut.
+# With two peers the median is the smaller norm: the larger contribution is the one dropped.
+MAX_NORM_RATIO = 100.0
+
+MAGIC = b"DLB1"
+# magic, tag (first 16 bytes of sha256(group id)), sender index, reducer index, group size, values in the vector,
+# values per part, codec name, sender's weight
+HELLO = struct.Struct("!4s16sHHHQQ8sd")
+MAC_SIZE = 32
+LENGTH = struct.Struct("!Q")
+WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of its slowest reply: bounds memory
+
+
+class RoundFailed(Exception):
+    """The round did not leave this peer with the whole average; its tensors must stay as they were."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How parts and averages travel.
+
+    :param name: at most 8 ASCII characters; both ends of a connection must use the same codec.
+    :param part_numel: float32 values per part (the last part of the vector may be shorter).
+    :param encode: float32 part -> bytes-like object (it may alias the part's memory).
+    :param decode: (bytes-like, number of values) -> float32 tensor (it may alias the bytes).
+    :param max_bytes: the largest encoding of a part of n values; longer messages are refused.
+    :param raw: the encoding is the float32 values themselves: averages are received straight into the output.
+    """
+
+    name: str
+    part_numel: int
+    encode: Callable[[torch.Tensor], object]
+    decode: Callable[[memoryview, int], torch.Tensor]
+    max_bytes: Callable[[int], int]
+    raw: bool = False
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.numpy()).cast("B")  # the array, and so the view, keeps the tensor alive
+
+
+FP16_MAX = 65504.0
+
+RAW = Codec(
+    "none", 2**18, encode=_bytes_of, decode=lambda data, n: torch.frombuffer(data, dtype=torch.float32, count=n),
+    max_bytes=lambda n: 4 * n, raw=True,
+)  # fmt: skip
+FP16 = Codec(
+    "fp16", 2**18, encode=lambda part: _bytes_of(part.clamp(-FP16_MAX, FP16_MAX).half()),
+    decode=lambda data, n: torch.frombuffer(data, dtype=torch.float16, count=n).float(), max_bytes=lambda n: 2 * n,
+)  # fmt: skip
+
+
+def layout(numel: int, group_size: int, part_numel: int) -> tuple[int, list[range]]:
+    """(values per part, part indices of each reducer). Parts hold at most ``part_numel`` values, fewer when that
+    gives every reducer a part; reducer j owns parts ``[j*C//k, (j+1)*C//k)`` of the C parts."""
+    size = max(1, min(part_numel, -(-numel // group_size)))
+    count = -(-numel // size)
+    return size, [range(j * count // group_size, (j + 1) * count // group_size) for j in range(group_size)]
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether no value is NaN or +-Inf. ``torch.aminmax`` propagates both and allocates nothing: one pass, about
+    30x faster than ``torch.isfinite(tensor).all()`` on 50M float32 values (16 ms against 0.5 s here)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
+def part_norm(part: torch.Tensor) -> float:
+    """L2 norm; nan or inf iff a value is (float64 when float32 overflows on finite values)."""
+    norm = float(torch.linalg.vector_norm(part))
+    return norm if math.isfinite(norm) else float(torch.linalg.vector_norm(part, dtype=torch.float64))
+
+
+def screen(norms: dict[int, float], weights: dict[int, float], max_ratio: float = MAX_NORM_RATIO) -> dict[int, str]:
+    """Why to reject each sender's contribution to one part (senders absent from the result are accepted): NaN or
+    Inf values, a weight that is not a finite number >= 0, or an L2 norm over ``max_ratio`` times the lower median
+    of the finite norms."""
+    finite = sorted(norm for norm in norms.values() if math.isfinite(norm))
+    reference = finite[(len(finite) - 1) // 2] if finite else 0.0
+    reasons = {}
+    for sender, norm in norms.items():
+        weight = weights[sender]
+        if not math.isfinite(norm):
+            reasons[sender] = "non-finite values"
+        elif not math.isfinite(weight) or weight < 0:
+            reasons[sender] = f"invalid weight {weight}"
+        elif reference > 0 and norm > max_ratio * reference:
+            reasons[sender] = f"L2 norm {norm:.3g} is {norm / reference:.3g} times the group's median {reference:.3g}"
+    return reasons
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        received = sock.recv_into(view)
+        if received == 0:
+            raise ConnectionError("connection closed by the peer")
+        view = view[received:]
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def _close(sock: socket.socket) -> None:
+    """Wake any thread blocked on the socket (shutdown), then release it."""
+    for call in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+        try:
+            call()
+        except OSError:
+            pass
+
+
+class Round:
+    """One all-reduce of ``vector`` into ``out`` with the group; ``run()`` blocks until it is over.
+
+    :param vector: this peer's flat float32 contribution (read only).
+    :param out: flat float32 tensor of the same size that receives the average (garbage if the round fails).
+    :param group_id: the group's secret id from matchmaking (HMAC key).
+    :param index: this peer's position in the group order, which every peer sees alike.
+    :param endpoints: per peer of the group, ([hosts], port) where its ``Listener`` accepts connections.
+    :param weight: this peer's weight in the average; 0 takes the others' average and adds nothing.
+    :param timeout: seconds any single step may take: connecting, a groupmate's next part, a reply. A sender
+        silent that long is dropped from the average (the others go on); a silent reducer fails the round.
+    """
+
+    def __init__(
+        self,
+        vector: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        group_id: bytes,
+        index: int,
+        endpoints: list[tuple[list[str], int]],
+        weight: float,
+        codec: Codec,
+        timeout: float,
+        max_norm_ratio: float = MAX_NORM_RATIO,
+    ):
+        self.vector, self.out, self.group_id, self.index = vector, out, group_id, index
+        self.endpoints, self.codec, self.timeout, self.max_norm_ratio = endpoints, codec, timeout, max_norm_ratio
+        self.k = len(endpoints)
+        self.size, self.spans = layout(vector.numel(), self.k, codec.part_numel)
+        self.tag = hashlib.sha256(group_id).digest()[:16]
+        self.bytes_sent = self.bytes_received = 0
+        self.rejected = 0  # senders (this peer included) whose contribution this peer, as reducer, left out
+        self._cv = threading.Condition()
+        span = self.spans[index]
+        self._parts: list[dict[int, torch.Tensor] | None] = [{} for _ in span]  # sender -> its part
+        self._norms: list[dict[int, float]] = [{} for _ in span]
+        self._delivered = [0] * self.k  # parts of our span each sender delivered
+        self._replied = [0] * self.k  # averages of our span sent back to each sender
+        self._weights: dict[int, float] = {index: weight}
+        self._banned: dict[int, str] = {}  # sender -> why it is left out from now on
+        self._results: dict[int, tuple[torch.Tensor, object]] = {}  # part of our span -> (average, its encoding)
+        self._reduced = 0
+        self._attached: set[int] = set()
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._complete: set[int] = set()  # reducers whose whole span of averages is in ``out``
+        self._errors: list[str] = []
+        self._aborted = False
+
+    # ---------------------------------------------------------------------------------------------- entry points
+
+    def run(self) -> None:
+        """Average with the group; raises ``RoundFailed`` unless ``out`` holds the whole average. Returns only once
+        this peer's replies to its groupmates are sent (or they were dropped), so leaving right after is safe."""
+        self._complete.update(j for j, span in enumerate(self.spans) if not span)  # a vector shorter than the group
+        workers = [self._thread(self._reduce)]
+        workers += [self._thread(self._exchange, j) for j in range(self.k) if j != self.index and self.spans[j]]
+        for worker in workers:
+            worker.join()
+        while True:  # readers and writers of attached senders, which may still be appended
+            with self._cv:
+                pending = [thread for thread in self._threads if thread.is_alive()]
+            if not pending:
+                break
+            for thread in pending:
+                thread.join()
+        with self._cv:
+            self._aborted = True  # late connections are refused from now on
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _close(sock)
+        problems = list(self._errors)
+        if self.index in self._banned:
+            problems.append(f"our own contribution was left out ({self._banned[self.index]})")
+        missing = sorted(set(range(self.k)) - self._complete)
+        if missing and not problems:
+            problems.append(f"no averages from reducers {missing}")
+        if problems:
+            raise RoundFailed("; ".join(problems))
+
+    def abort(self) -> None:
+        """Stop every thread of the round soon (closing its sockets); ``run()`` then raises."""
+        with self._cv:
+            self._aborted = True
+            self._errors.append("aborted")
+            self._cv.notify_all()
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _close(sock)
+
+    def attach(self, sock: socket.socket, hello: bytes) -> None:
+        """Take over a sender's connection whose hello (fields and MAC) was read by the ``Listener``."""
+        fields, mac = hello[: HELLO.size], hello[HELLO.size :]
+        if not hmac.compare_digest(mac, _mac(self.group_id, fields)):
+            raise ConnectionError("hello with a wrong MAC")
+        _, _, sender, reducer, k, numel, size, codec, weight = HELLO.unpack(fields)
+        expected = (self.index, self.k, self.vector.numel(), self.size, self.codec.name.encode())
+        if (reducer, k, numel, size, codec.rstrip(b"\0")) != expected or not 0 <= sender < k or sender == self.index:
+            raise ConnectionError(f"hello {(sender, reducer, k, numel, size, codec)} does not match this round")
+        with self._cv:
+            if self._aborted or sender in self._attached or sender in self._banned:
+                raise ConnectionError(f"sender {sender} is not expected (any more)")
+            self._attached.add(sender)
+            self._weights[sender] = weight
+            self._sockets.append(sock)
+        sock.settimeout(self.timeout)
+        sock.sendall(_mac(self.group_id, b"ack" + hello))
+        with self._cv:
+            self.bytes_sent += MAC_SIZE
+            self._threads += [self._thread(self._read_parts, sock, sender), self._thread(self._write_averages, sock, sender)]
+
+    # --------------------------------------------------------------------------------------------- reducer side
+
+    def _reduce(self) -> None:
+        """Average each part of our span once every sender delivered it (or was dropped); publish the encoding."""
+        try:
+            for q, part in enumerate(self.spans[self.index]):
+                lo, hi = self._bounds(part)
+                own = self.vector[lo:hi]
+                self._deposit(self.index, q, own, part_norm(own))
+                contributions = self._wait_for_part(q)
+                if contributions is None:
+                    return
+                average, encoded = self._average(q, contributions)
+                if self.index not in self._banned:
+                    self.out[lo:hi].copy_(average if self.codec.raw else self.codec.decode(memoryview(encoded), hi - lo))
+                with self._cv:
+                    self._results[q] = (average, encoded)
+                    self._parts[q] = None
+                    self._reduced = q + 1
+                    self._cv.notify_all()
+                    # bound the averages kept for slow readers; a writer that fails bans its sender, ending the wait
+                    self._cv.wait_for(lambda: self._aborted or q + 1 - self._slowest_reply() < WINDOW)
+            with self._cv:
+                self._complete.add(self.index)
+        except Exception as e:  # a bug or an allocation failure: the round cannot complete anywhere
+            self._fail(f"reducer: {type(e).__name__}: {e}")
+            self.abort()
+
+    def _wait_for_part(self, q: int) -> dict[int, tuple[torch.Tensor, float]] | None:
+        """Contributions to part q that pass screening, by sender; None if the round was aborted."""
+        with self._cv:
+            ready = self._cv.wait_for(
+                lambda: self._aborted or all(self._delivered[s] > q or s in self._banned for s in range(self.k)),
+                timeout=self.timeout,
+            )
+            if self._aborted:
+                return None
+            if not ready:
+                for sender in range(self.k):
+                    if self._delivered[sender] <= q and sender not in self._banned:
+                        self._ban(sender, f"no part {q} of our span within {self.timeout:.3g} s")
+            live = [s for s in sorted(self._parts[q]) if s not in self._banned]
+            parts = {s: self._parts[q][s] for s in live}
+            norms = {s: self._norms[q][s] for s in live}
+            weights = {s: self._weights[s] for s in live}
+        reasons = screen(norms, weights, self.max_norm_ratio)
+        with self._cv:
+            for sender, reason in reasons.items():
+                if sender not in self._banned:
+                    self.rejected += 1
+                    who = "our own contribution" if sender == self.index else f"the contribution of peer #{sender}"
+                    logger.warning(f"averaging: rejected {who} from part {q} of our span on ({reason})")
+                    self._ban(sender, f"rejected: {reason}")
+        return {s: (parts[s], weights[s]) for s in live if s not in reasons}
+
+    def _average(self, q: int, contributions: dict[int, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, object]:
+        """Weighted mean in sender order (0/0 = NaN when nothing is left, which fails the round at every peer)."""
+        if not contributions:
+            lo, hi = self._bounds(self.spans[self.index][q])
+            average = torch.full((hi - lo,), float("nan"))
+            return average, self.codec.encode(average)
+        (first, (average, weight)), *others = contributions.items()
+        # a groupmate's decoded part is a buffer of this round alone: accumulate into it (our own is the input)
+        average = average.mul_(weight) if first != self.index else average * weight
+        total = weight
+        for part, weight in (contribution for _, contribution in others):
+            average.add_(part, alpha=weight)
+            total += weight
+        average.div_(total)
+        return average, self.codec.encode(average)
+
+    def _deposit(self, sender: int, q: int, part: torch.Tensor, norm: float) -> None:
+        with self._cv:
+            if sender not in self._banned and self._parts[q] is not None:
+                self._parts[q][sender] = part
+                self._norms[q][sender] = norm
+            self._delivered[sender] = q + 1
+            self._cv.notify_all()
+
+    def _read_parts(self, sock: socket.socket, sender: int) -> None:
+        span = self.spans[self.index]
+        try:
+            for q, part in enumerate(span):
+                with self._cv:
+                    self._cv.wait_for(lambda: self._aborted or sender in self._banned or q - self._reduced < WINDOW)
+                    if self._aborted or sender in self._banned:
+                        return
+                lo, hi = self._bounds(part)
+                data = self._receive(sock, self.codec.max_bytes(hi - lo))
+                values = self.codec.decode(data, hi - lo)
+                self._deposit(sender, q, values, part_norm(values))
+        except (OSError, ValueError, RuntimeError) as e:  # ConnectionError and socket.timeout are OSErrors
+            with self._cv:
+                if not self._aborted:
+                    self._ban(sender, f"its parts stopped: {type(e).__name__}: {e}")
+
+    def _write_averages(self, sock: socket.socket, sender: int) -> None:
+        try:
+            for q in range(len(self.spans[self.index])):
+                with self._cv:
+                    self._cv.wait_for(lambda: self._aborted or sender in self._banned or q in self._results)
+                    if self._aborted or sender in self._banned:
+                        return
+                    encoded = self._results[q][1]
+                self._send(sock, encoded)
+                with self._cv:
+                    self._replied[sender] = q + 1
+                    for old in [index for index in self._results if index < self._slowest_reply()]:
+                        del self._results[old]
+                    self._cv.notify_all()
+        except OSError as e:
+            with self._cv:
+                if not self._aborted:
+                    self._ban(sender, f"its averages could not be sent: {type(e).__name__}: {e}")
+        finally:
+            _close(sock)  # a banned sender sees its averages end short: its round fails
+
+    def _slowest_reply(self) -> int:
+        live = [s for s in range(self.k) if s != self.index and s not in self._banned]
+        return min((self._replied[s] for s in live), default=self._reduced)
+
+    def _ban(self, sender: int, reason: str) -> None:
+        """Leave ``sender`` out of every part not averaged yet (call with the lock held)."""
+        if sender not in self._banned:
+            self._banned[sender] = reason
+            if sender != self.index:
+                logger.info(f"averaging: peer #{sender} left out of our span: {reason}")
+            self._cv.notify_all()
+
+    # ---------------------------------------------------------------------------------------------- sender side
+
+    def _exchange(self, reducer: int) -> None:
+        """Send our parts of ``reducer``'s span and receive its averages into ``out``."""
+        sock = None
+        try:
+            sock = self._connect(reducer)
+            receiver = self._thread(self._read_averages, sock, reducer)
+            for part in self.spans[reducer]:
+                lo, hi = self._bounds(part)
+                self._send(sock, self.codec.encode(self.vector[lo:hi]))
+            receiver.join()
+        except Exception as e:  # OSError mostly; anything else must fail the round too, not just this thread
+            self._fail(f"reducer #{reducer}: {type(e).__name__}: {e}")
+        finally:
+            if sock is not None:
+                _close(sock)
+
+    def _read_averages(self, sock: socket.socket, reducer: int) -> None:
+        try:
+            for part in self.spans[reducer]:
+                lo, hi = self._bounds(part)
+                if self.codec.raw:  # straight into the output: no copy
+                    self._receive_into(sock, _bytes_of(self.out[lo:hi]))
+                else:
+                    data = self._receive(sock, self.codec.max_bytes(hi - lo))
+                    self.out[lo:hi].copy_(self.codec.decode(data, hi - lo))
+            with self._cv:
+                self._complete.add(reducer)
+        except (OSError, ValueError, RuntimeError) as e:
+            self._fail(f"averages of reducer #{reducer}: {type(e).__name__}: {e}")
+            _close(sock)  # stops our sending thread too
+
+    def _connect(self, reducer: int) -> socket.socket:
+        """A connection to ``reducer`` past the handshake, trying its hosts in order (a host may be this machine's
+        loopback, or an address not reachable from here: the handshake tells the right peer from any other)."""
+        hosts, port = self.endpoints[reducer]
+        errors = []
+        for host in hosts:
+            try:
+                return self._handshake(socket.create_connection((host, port), timeout=min(self.timeout, 5.0)), reducer)
+            except OSError as e:
+                errors.append(f"{host}:{port}: {e}")
+        raise ConnectionError(f"could not connect: {'; '.join(errors) or 'no address'}")
+
+    def _handshake(self, sock: socket.socket, reducer: int) -> socket.socket:
+        with self._cv:
+            self._sockets.append(sock)
+            if self._aborted:
+                raise ConnectionError("aborted")
+        # a reducer may hold our next part (or its average) back for up to `timeout` while it waits for a slow
+        # groupmate before dropping it: give our side of the connection twice that
+        sock.settimeout(2 * self.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        codec = self.codec.name.encode()
+        fields = HELLO.pack(
+            MAGIC, self.tag, self.index, reducer, self.k, self.vector.numel(), self.size, codec, self._weights[self.index]
+        )  # fmt: skip
+        hello = fields + _mac(self.group_id, fields)
+        try:
+            sock.sendall(hello)
+            ack = bytearray(MAC_SIZE)
+            _recv_exact(sock, memoryview(ack))
+            if not hmac.compare_digest(bytes(ack), _mac(self.group_id, b"ack" + hello)):
+                raise ConnectionError("the peer answered with a wrong MAC")
+        except OSError:
+            _close(sock)
+            raise
+        with self._cv:
+            self.bytes_sent += len(hello)
+            self.bytes_received += MAC_SIZE
+        return sock
+
+    # ------------------------------------------------------------------------------------------------- helpers
+
+    def _bounds(self, part: int) -> tuple[int, int]:
+        return part * self.size, min((part + 1) * self.size, self.vector.numel())
+
+    def _send(self, sock: socket.socket, data) -> None:
+        length = memoryview(data).nbytes
+        sock.sendall(LENGTH.pack(length))
+        sock.sendall(data)
+        with self._cv:
+            self.bytes_sent += LENGTH.size + length
+
+    def _receive(self, sock: socket.socket, max_bytes: int) -> memoryview:
+        header = bytearray(LENGTH.size)
+        _recv_exact(sock, memoryview(header))
+        (length,) = LENGTH.unpack(header)
+        if length > max_bytes:
+            raise ValueError(f"a message of {length} bytes, at most {max_bytes} expected")
+        data = torch.empty(length, dtype=torch.uint8)  # not bytearray: no zero-filling pass
+        _recv_exact(sock, _bytes_of(data))
+        with self._cv:
+            self.bytes_received += LENGTH.size + length
+        return _bytes_of(data)
+
+    def _receive_into(self, sock: socket.socket, view: memoryview) -> None:
+        header = bytearray(LENGTH.size)
+        _recv_exact(sock, memoryview(header))
+        (length,) = LENGTH.unpack(header)
+        if length != view.nbytes:
+            raise ValueError(f"a message of {length} bytes, {view.nbytes} expected")
+        _recv_exact(sock, view)
+        with self._cv:
+            self.bytes_received += LENGTH.size + length
+
+    def _fail(self, problem: str) -> None:
+        with self._cv:
+            self._errors.append(problem)
+
+    def _thread(self, target: Callable, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True, name=f"butterfly-{target.__name__}")
+        thread.start()
+        return thread
+
+
+class Listener:
+    """The averager process's listening socket: hands each incoming connection to the ``Round`` it names.
+
+    :param sock: a bound, listening TCP socket (``listen_socket``); owned from now on.
+    :param handshake_timeout: seconds a connection may take to send its hello.
+    :param registration_timeout: seconds a connection waits for its round to be registered here: a groupmate
+        may learn of the group and start the round seconds before this peer does (None: ``handshake_timeout``).
+    """
+
+    def __init__(self, sock: socket.socket, handshake_timeout: float, registration_timeout: float | None = None):
+        self._sock, self._timeout = sock, handshake_timeout
+        self._registration_timeout = handshake_timeout if registration_timeout is None else registration_timeout
+        self._rounds: dict[bytes, Round] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def start(self) -> Listener:
+        threading.Thread(target=self._accept, daemon=True, name="butterfly-accept").start()
+        return self
+
+    def register(self, round_: Round) -> None:
+        with self._cv:
+            self._rounds[round_.tag] = round_
+            self._cv.notify_all()
+
+    def unregister(self, round_: Round) -> None:
+        with self._cv:
+            self._rounds.pop(round_.tag, None)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        _close(self._sock)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="butterfly-hello").start()
+
+    def _handshake(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self._timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = bytearray(HELLO.size + MAC_SIZE)
+            _recv_exact(conn, memoryview(hello))
+            magic, tag = HELLO.unpack_from(hello)[:2]
+            if magic != MAGIC:
+                raise ConnectionError("not a butterfly connection")
+            with self._cv:
+                self._cv.wait_for(lambda: tag in self._rounds or self._closed, timeout=self._registration_timeout)
+                round_ = self._rounds.get(tag)
+            if round_ is None:
+                raise ConnectionError("no round with this tag")
+            round_.attach(conn, bytes(hello))
+        except Exception as e:  # a stranger, a late or duplicate sender: drop the connection, never the process
+            logger.debug(f"butterfly connection dropped: {type(e).__name__}: {e}")
+            _close(conn)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (port 0: any free port), for ``Listener``."""
+    return socket.create_server((host, port), backlog=128)

@@ -1,0 +1,244 @@
+"""The TCP butterfly all-reduce on its own: peers as threads of this process, real sockets on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from diloco import butterfly
+from diloco.butterfly import FP16, RAW, Listener, Round, RoundFailed, all_finite, layout, listen_socket, screen
+
+torch.set_num_threads(1)
+
+
+def run_group(
+    vectors: list[torch.Tensor],
+    codec: butterfly.Codec = RAW,
+    weights: list[float] | None = None,
+    timeout: float = 5.0,
+    endpoints: list[tuple[list[str], int]] | None = None,
+    members: list[int] | None = None,
+) -> tuple[list[torch.Tensor], list[str | None], list[Round], float]:
+    """One round of a group of ``len(vectors)`` peers (only ``members`` take part; the others are silent).
+    Returns (outputs, error of each member or None, rounds, seconds)."""
+    k = len(vectors)
+    members = list(range(k)) if members is None else members
+    listeners = [Listener(listen_socket("127.0.0.1", 0), timeout).start() for _ in range(k)]
+    ports = [listener._sock.getsockname()[1] for listener in listeners]
+    endpoints = endpoints or [(["127.0.0.1"], port) for port in ports]
+    group_id = os.urandom(32)
+    outs = [torch.full_like(v, float("nan")) for v in vectors]
+    weights = weights or [1.0] * k
+    rounds = [
+        Round(v, o, group_id=group_id, index=i, endpoints=endpoints, weight=weights[i], codec=codec, timeout=timeout)
+        for i, (v, o) in enumerate(zip(vectors, outs))
+    ]
+    errors: list[str | None] = [None] * k
+
+    def member(i: int) -> None:
+        try:
+            rounds[i].run()
+        except RoundFailed as e:
+            errors[i] = str(e)
+
+    for i in members:
+        listeners[i].register(rounds[i])
+    started = time.monotonic()
+    threads = [threading.Thread(target=member, args=(i,)) for i in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    seconds = time.monotonic() - started
+    assert not any(thread.is_alive() for thread in threads), "a round hangs"
+    for listener in listeners:
+        listener.close()
+    return outs, [errors[i] for i in members], rounds, seconds
+
+
+def randn(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("numel", [1, 3, 1000, 600_001])
+def test_every_peer_ends_with_the_same_mean(k: int, numel: int):
+    vectors = [randn(numel, seed) for seed in range(k)]
+    originals = [v.clone() for v in vectors]
+    outs, errors, rounds, _ = run_group(vectors)
+    assert errors == [None] * k
+    assert all(torch.equal(outs[0], out) for out in outs)  # bit-identical
+    mean = torch.stack([v.double() for v in originals]).mean(0)
+    assert float((outs[0].double() - mean).abs().max()) <= 1e-6
+    assert all(torch.equal(v, o) for v, o in zip(vectors, originals))  # inputs are only read
+    assert all(r.bytes_sent > 0 and r.bytes_received > 0 and r.rejected == 0 for r in rounds)
+    if k == 2:  # a peer sends its part of the other span and the averages of its own: the vector, plus framing
+        assert all(4 * numel <= r.bytes_sent <= 4 * numel + 1024 for r in rounds), [r.bytes_sent for r in rounds]
+
+
+def test_two_peers_get_exactly_the_fp32_mean_and_weights_count():
+    a, b = randn(300_000, 1), randn(300_000, 2)
+    outs, errors, _, _ = run_group([a, b])
+    assert errors == [None, None] and torch.equal(outs[0], (a + b) / 2)
+    outs, errors, _, _ = run_group([a, b], weights=[1.0, 0.0])  # weight 0: takes the others' mean, adds nothing
+    assert errors == [None, None] and torch.equal(outs[0], a) and torch.equal(outs[1], a)
+    outs, errors, _, _ = run_group([a, b], weights=[3.0, 1.0])
+    assert errors == [None, None] and torch.allclose(outs[0], 0.75 * a + 0.25 * b, atol=1e-6)
+
+
+def test_fp16_sends_half_the_bytes_and_all_peers_hold_the_same_rounding():
+    vectors = [randn(500_000, seed) for seed in range(3)]
+    raw = run_group([v.clone() for v in vectors])
+    half = run_group([v.clone() for v in vectors], codec=FP16)
+    assert half[1] == [None] * 3
+    assert all(torch.equal(half[0][0], out) for out in half[0])
+    assert float((half[0][0] - raw[0][0]).abs().max()) <= 5e-3
+    assert 0.45 < half[2][0].bytes_sent / raw[2][0].bytes_sent < 0.55
+
+
+def test_layout_gives_every_reducer_a_part_when_it_can():
+    assert layout(10, 4, 2**18) == (3, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)])
+    assert layout(2, 4, 2**18) == (1, [range(0, 0), range(0, 1), range(1, 1), range(1, 2)])
+    size, spans = layout(1_200_000, 3, 2**18)
+    assert size == 2**18 and [len(s) for s in spans] == [1, 2, 2] and spans[-1][-1] * size < 1_200_000
+
+
+def test_screen_rejects_non_finite_huge_and_badly_weighted_contributions():
+    assert screen({0: 1.0, 1: 2.0, 2: 150.0}, {0: 1, 1: 1, 2: 1}) == {}
+    assert list(screen({0: 1.0, 1: 2.0, 2: 201.0}, {0: 1, 1: 1, 2: 1})) == [2]  # lower median 2.0
+    assert list(screen({0: 1.0, 1: 101.0}, {0: 1, 1: 1})) == [1]  # two peers: the larger one goes
+    assert list(screen({0: 1.0, 1: float("nan"), 2: float("inf")}, {0: 1, 1: 1, 2: 1})) == [1, 2]
+    assert list(screen({0: 1.0, 1: 1.0}, {0: 1, 1: -1.0})) == [1]
+    assert screen({0: 0.0, 1: 5.0}, {0: 0, 1: 1}) == {}  # a joiner's zeros: no reference to judge by
+
+
+@pytest.mark.parametrize("bad", ["nan", "huge"])
+def test_a_bad_contribution_is_left_out_and_only_its_peer_fails(bad: str):
+    vectors = [randn(400_000, seed) for seed in range(3)]
+    vectors[2] = torch.full_like(vectors[2], float("nan")) if bad == "nan" else vectors[2] * 1e6
+    outs, errors, rounds, _ = run_group(vectors)
+    assert errors[:2] == [None, None] and errors[2] is not None and "own contribution" in errors[2]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], (vectors[0] + vectors[1]) / 2)
+    assert sum(r.rejected for r in rounds) == 3  # each reducer left peer 2 out of its span once
+
+
+def test_a_silent_groupmate_fails_the_round_in_bounded_time():
+    """Peer 2 never shows up (it reduces a span nobody else can average): everyone else fails, no hang."""
+    vectors = [randn(100_000, seed) for seed in range(3)]
+    _, errors, _, seconds = run_group(vectors, timeout=1.0, members=[0, 1])
+    assert all(error is not None and "#2" in error for error in errors), errors
+    assert seconds < 10, seconds
+
+
+def test_a_sender_that_dies_mid_stream_is_left_out():
+    """A groupmate connects, sends one part of reducer 0's span and vanishes: reducer 0 averages the rest without
+    it, and the round fails only where averages are missing."""
+    vectors = [randn(9 * 2**18, seed) for seed in range(3)]  # three parts per span
+    k = 3
+    listeners = [Listener(listen_socket("127.0.0.1", 0), 2.0).start() for _ in range(k)]
+    endpoints = [(["127.0.0.1"], listener._sock.getsockname()[1]) for listener in listeners]
+    group_id = os.urandom(32)
+    outs = [torch.empty_like(v) for v in vectors]
+    rounds = [Round(v, o, group_id=group_id, index=i, endpoints=endpoints, weight=1.0, codec=RAW, timeout=2.0)
+              for i, (v, o) in enumerate(zip(vectors, outs))]  # fmt: skip
+    for listener, round_ in zip(listeners, rounds):
+        listener.register(round_)
+    # peer 2 "dies": only its connection to reducer 0 exists, and it stops after the first part
+    doomed = rounds[2]._connect(0)
+    lo, hi = rounds[2]._bounds(rounds[2].spans[0][0])
+    rounds[2]._send(doomed, RAW.encode(vectors[2][lo:hi]))
+    errors: list[str | None] = [None, None]
+
+    def member(i: int) -> None:
+        try:
+            rounds[i].run()
+        except RoundFailed as e:
+            errors[i] = str(e)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    doomed.close()
+    for thread in threads:
+        thread.join(timeout=30)
+    for listener in listeners:
+        listener.close()
+    assert all(error is not None and "#2" in error for error in errors), errors  # peer 2's span is missing
+    assert 2 in rounds[0]._banned  # reducer 0 dropped it
+
+
+def test_strangers_and_wrong_hosts_are_refused_and_the_round_goes_on():
+    """A connection with a wrong MAC is dropped; an endpoint whose first host answers on that port but is not the
+    peer (say, another machine's loopback) fails the handshake there and is reached through its next host."""
+    vectors = [randn(50_000, seed) for seed in range(2)]
+    listeners = [Listener(listen_socket("127.0.0.1", 0), 5.0).start() for _ in range(2)]
+    ports = [listener._sock.getsockname()[1] for listener in listeners]
+    decoy = Listener(listen_socket("127.0.0.2", ports[1]), 1.0).start()  # same port, another address, no round
+    group_id = os.urandom(32)
+    outs = [torch.empty_like(v) for v in vectors]
+    endpoints = [(["127.0.0.1"], ports[0]), (["127.0.0.2", "127.0.0.1"], ports[1])]
+    rounds = [Round(v, o, group_id=group_id, index=i, endpoints=endpoints, weight=1.0, codec=RAW, timeout=5.0)
+              for i, (v, o) in enumerate(zip(vectors, outs))]  # fmt: skip
+    for listener, round_ in zip(listeners, rounds):
+        listener.register(round_)
+    stranger = socket.create_connection(("127.0.0.1", ports[1]))
+    fields = butterfly.HELLO.pack(butterfly.MAGIC, rounds[1].tag, 0, 1, 2, 50_000, rounds[1].size, b"none", 1.0)
+    stranger.sendall(fields + b"\0" * butterfly.MAC_SIZE)
+    stranger.settimeout(5)
+    assert stranger.recv(1) == b""  # dropped without an answer
+    stranger.close()
+    failures: list[BaseException] = []
+    threads = [threading.Thread(target=lambda r=r: failures.extend(_raises(r.run))) for r in rounds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    for listener in [decoy, *listeners]:
+        listener.close()
+    assert failures == [] and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], (vectors[0] + vectors[1]) / 2)
+
+
+def test_abort_ends_a_round_at_once():
+    """An aborted round (hivemind's round timeout) stops its threads and raises, even while peers stay silent."""
+    vectors = [randn(100_000, seed) for seed in range(2)]
+    listener = Listener(listen_socket("127.0.0.1", 0), 30.0).start()
+    endpoints = [(["127.0.0.1"], listener._sock.getsockname()[1]), (["127.0.0.1"], 9)]  # peer 1 never answers
+    round_ = Round(vectors[0], torch.empty(100_000), group_id=os.urandom(32), index=0, endpoints=endpoints,
+                   weight=1.0, codec=RAW, timeout=30.0)  # fmt: skip
+    listener.register(round_)
+    failure: list[BaseException] = []
+    thread = threading.Thread(target=lambda: failure.extend(_raises(round_.run)))
+    thread.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    round_.abort()
+    thread.join(timeout=10)
+    listener.close()
+    assert not thread.is_alive() and time.monotonic() - started < 5
+    assert len(failure) == 1 and isinstance(failure[0], RoundFailed)
+
+
+def _raises(call) -> list[BaseException]:
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 (the test inspects it)
+        return [e]
+    return []
+
+
+def test_all_finite_agrees_with_isfinite():
+    """The check of received averages (torch.aminmax) against torch.isfinite, value by value."""
+    values = torch.randn(10_000)
+    assert all_finite(values) and all_finite(torch.empty(0))
+    assert all_finite(torch.tensor([3.4e38, -3.4e38]))  # finite extremes: max and min stay finite
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in (0, 5000, 9999):
+            spoiled = values.clone()
+            spoiled[index] = bad
+            assert not all_finite(spoiled) and not bool(torch.isfinite(spoiled).all()), (bad, index)
