@@ -166,8 +166,14 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
     finish(procs[:2], logs[:2], timeout=240)
     procs[2].wait(timeout=120)
     rows = [outer_rows(d) for d in dirs]
-    assert [r["params_sha256"] for r in rows[0]] == [r["params_sha256"] for r in rows[1]]
-    assert any(a["num_peers"] == 3 and a["rejected"] + b["rejected"] >= 1 for a, b in zip(*rows))  # it took part
+    by_step = [{r["step"]: r for r in per_group} for per_group in rows]
+    # bit-identical after every round both honest groups averaged in; under load a round may group one of them
+    # with the poisoned peer only (the other then averages alone or loads the state): compared from then on
+    shared = [(by_step[0][step], by_step[1][step]) for step in sorted(set(by_step[0]) & set(by_step[1]))]
+    together = [(a, b) for a, b in shared if a.get("num_peers", 0) >= 2 and a.get("num_peers") == b.get("num_peers")]
+    assert together and all(a["params_sha256"] == b["params_sha256"] for a, b in together), rows
+    assert len({summary(d)["params_sha256"] for d in dirs}) == 1
+    assert any(r.get("rejected", 0) >= 1 and r["num_peers"] >= 2 for r in rows[0] + rows[1])  # it took part
     assert "rejected the contribution of peer" in logs[0].read_text() + logs[1].read_text()
     assert all(math.isfinite(r["loss"]) for d in dirs for r in metrics(d) if "loss" in r)
     assert all(summary(d)["status"] == "ok" for d in dirs)
