@@ -280,22 +280,26 @@ class DiLoCo:
         """Load the state of a group that is ahead, if any. Returns the inner step to continue from, or None
         when this group is the first or the furthest (its own state is the swarm's)."""
         deadline = time.monotonic() + self.join_timeout
+        seen: list[list[Progress]] = []  # the last non-empty plan of this join
         while True:
             plan, expired, stopped = self.group.broadcast(
                 (self._plan(), time.monotonic() > deadline, self.stop()) if self.group.is_main else None
             )
             if stopped:
                 return None  # the run stops after its first step and checkpoints this group's own state
-            if not plan:
+            if not plan and not seen:
                 if self.group.is_main:
                     log.info("no worker group is ahead of this one: starting from this group's own state")
                 return None
-            loaded = self._load_from(plan)
+            # groups seen ahead that vanish (a DHT read that came back empty, pings lost under load) are not
+            # proof that this group is the first: keep trying them until the deadline
+            seen = plan or seen
+            loaded = self._load_from(seen)
             if loaded is not None:
                 return loaded
             if expired:
                 raise JoinError(
-                    f"could not download the swarm's state from {sum(map(len, plan))} live worker group(s) within "
+                    f"could not download the swarm's state from {sum(map(len, seen))} live worker group(s) within "
                     f"{self.join_timeout:.0f} s; not starting from this group's own state, which would overwrite "
                     "a trained swarm"
                 )

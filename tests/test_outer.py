@@ -342,6 +342,31 @@ def test_joiner_never_starts_alone_while_a_live_peer_holds_the_state() -> None:
         joiner.join(0)
 
 
+class Vanishing(Unreachable):
+    """The first look at the swarm shows a group ahead (whose state does not download); later looks show nothing,
+    as when a DHT read comes back empty under load."""
+
+    looks = 0
+
+    def records(self) -> list[Progress]:
+        self.looks += 1
+        return super().records() if self.looks == 1 else []
+
+
+def test_a_joiner_that_saw_a_group_ahead_never_starts_alone_when_it_vanishes() -> None:
+    hub = Hub(1)
+    first = diloco(model(0), hub.member("g0"), lr=0.7, momentum=0.9, world_rank=0)
+    first.join(0)
+    swarm = Vanishing(hub, "g1")
+    joiner = DiLoCo(
+        [p.data for p in model(3).parameters()], swarm, solo_group(), world_rank=1,
+        local_steps=1, outer_lr=0.7, outer_momentum=0.9, join_timeout=1.5,
+    )  # fmt: skip
+    with pytest.raises(JoinError, match="from 1 live worker group"):
+        joiner.join(0)
+    assert swarm.looks >= 3  # it kept looking after the group vanished
+
+
 def test_a_second_group_with_a_taken_world_rank_leaves() -> None:
     hub = Hub(1)
     running = diloco(model(0), hub.member("g0"), lr=0.7, momentum=0.0, world_rank=4)
