@@ -320,7 +320,7 @@ class Round:
                     self.rejected += 1
                     who = "our own contribution" if sender == self.index else f"the contribution of peer #{sender}"
                     logger.warning(f"averaging: rejected {who} from part {q} of our span on ({reason})")
-                    self._ban(sender, f"rejected: {reason}")
+                    self._ban(sender, f"rejected: {reason}", quiet=True)  # logged just above
         return {s: (parts[s], weights[s]) for s in live if s not in reasons}
 
     def _average(self, q: int, contributions: dict[int, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, object]:
@@ -389,12 +389,12 @@ class Round:
         live = [s for s in range(self.k) if s != self.index and s not in self._banned]
         return min((self._replied[s] for s in live), default=self._reduced)
 
-    def _ban(self, sender: int, reason: str) -> None:
+    def _ban(self, sender: int, reason: str, quiet: bool = False) -> None:
         """Leave ``sender`` out of every part not averaged yet (call with the lock held)."""
         if sender not in self._banned:
             self._banned[sender] = reason
-            if sender != self.index:
-                logger.info(f"averaging: peer #{sender} left out of our span: {reason}")
+            if sender != self.index and not quiet:
+                logger.warning(f"averaging: peer #{sender} left out of our span: {reason}")
             self._cv.notify_all()
 
     # ---------------------------------------------------------------------------------------------- sender side

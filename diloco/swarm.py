@@ -681,7 +681,10 @@ class ExactAverager(hivemind.DecentralizedAverager):
         self.stats = mp.Array(ctypes.c_int64, 5)
         self._listen_socket = listen_socket  # inherited by the forked averager process
         self._listener: butterfly.Listener | None = None
-        self._flat_out: torch.Tensor | None = None  # the TCP rounds' output, kept: fresh pages cost more than a copy
+        # the TCP rounds' output, in shared memory (the caller copies its result from here: one copy fewer than
+        # through the averaged tensors) and touched now (fresh pages in the first round cost more than a copy)
+        numel = sum(tensor.numel() for tensor in averaged_tensors)
+        self.tcp_out = torch.zeros(numel if listen_socket is not None else 0).share_memory_()
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def run(self):
@@ -791,10 +794,8 @@ class ExactAverager(hivemind.DecentralizedAverager):
         **_,
     ) -> None:
         vector = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([tensor.view(-1) for tensor in tensors])
-        if self._flat_out is None or self._flat_out.numel() != vector.numel():
-            self._flat_out = torch.empty_like(vector)
         round_ = butterfly.Round(
-            vector, self._flat_out, group_id=group_id, index=group_info.peer_ids.index(self.peer_id),
+            vector, self.tcp_out, group_id=group_id, index=group_info.peer_ids.index(self.peer_id),
             endpoints=endpoints, weight=weight, codec=_codec(compression), timeout=sender_timeout,
         )  # fmt: skip
         self._running_groups[group_id].set_result(_TcpGroup(round_))
@@ -813,12 +814,9 @@ class ExactAverager(hivemind.DecentralizedAverager):
             self.stats[1] += round_.bytes_received
             self.stats[3] += round_.rejected
         # reducers screen what they average; this catches one that does not (another version, a bad actor)
-        if not all_finite(self._flat_out):
+        if not all_finite(self.tcp_out):
             raise AllreduceException("a groupmate returned non-finite averages")
-        offset = 0
-        for tensor in tensors:
-            tensor.view(-1).copy_(self._flat_out[offset : offset + tensor.numel()])
-            offset += tensor.numel()
+        # the result stays in tcp_out (stats[4] = 1 says so): the averaged tensors keep this round's inputs
 
 
 class _TcpGroup:
@@ -1045,7 +1043,7 @@ class SwarmAverager:
             return True, 1
         deadline = started + self.matchmaking_time + self.averaging_timeout + self.grace
         while not control.done() and not stop() and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.005)
         if not control.done():
             _cancel(control)
             logger.warning("averaging round stopped" if stop() else "averaging round timed out")
@@ -1055,9 +1053,15 @@ class SwarmAverager:
             _cancel(control)
             logger.warning(f"averaging round failed, tensors left unchanged: {type(e).__name__}: {e}")
             return False, int(self._averager.stats[2])
-        with self._averager.get_tensors() as buffers:
-            for buffer, tensor in zip(buffers, tensors):
-                tensor.copy_(buffer)
+        if self._averager.stats[4]:  # over TCP the result is in tcp_out, flat
+            offset = 0
+            for tensor in tensors:
+                tensor.view(-1).copy_(self._averager.tcp_out[offset : offset + tensor.numel()])
+                offset += tensor.numel()
+        else:
+            with self._averager.get_tensors() as buffers:
+                for buffer, tensor in zip(buffers, tensors):
+                    tensor.copy_(buffer)
         return True, len(gathered)
 
     @staticmethod
@@ -1070,12 +1074,12 @@ class SwarmAverager:
             if control.stage == AveragingStage.AWAITING_TRIGGER:
                 control.allow_allreduce()
                 return True
-            time.sleep(0.02)
+            time.sleep(0.005)
         _cancel(control)
         # let the averager process leave matchmaking before the next round starts
         deadline = time.monotonic() + 5.0
         while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.005)
         return None if stop() else False
 
     @property
