@@ -58,6 +58,10 @@ class RoundFailed(Exception):
     """The round did not leave this peer with the whole average; its tensors must stay as they were."""
 
 
+class _LocalFailure(Exception):
+    """A computation of this process failed (already recorded as the round's failure)."""
+
+
 @dataclass(frozen=True)
 class Codec:
     """How parts and averages travel.
@@ -331,7 +335,10 @@ class Round:
             return average, self.codec.encode(average)
         (first, (average, weight)), *others = contributions.items()
         # a groupmate's decoded part is a buffer of this round alone: accumulate into it (our own is the input)
-        average = average.mul_(weight) if first != self.index else average * weight
+        if first == self.index:
+            average = average * weight
+        elif weight != 1.0:  # the usual weight 1 saves a pass
+            average.mul_(weight)
         total = weight
         for part, weight in (contribution for _, contribution in others):
             average.add_(part, alpha=weight)
@@ -358,8 +365,13 @@ class Round:
                 lo, hi = self._bounds(part)
                 data = self._receive(sock, self.codec.max_bytes(hi - lo))
                 values = self.codec.decode(data, hi - lo)
-                self._deposit(sender, q, values, part_norm(values))
-        except (OSError, ValueError, RuntimeError) as e:  # ConnectionError and socket.timeout are OSErrors
+                if values.numel() != hi - lo:
+                    raise ValueError(f"part {q} decodes to {values.numel()} values, {hi - lo} expected")
+                norm = self._local(part_norm, values)
+                self._deposit(sender, q, values, norm)
+        except _LocalFailure:
+            return  # this peer's round failed (recorded): the sender is not to blame
+        except Exception as e:  # the connection (OSError), a message too long or undecodable: the sender's
             with self._cv:
                 if not self._aborted:
                     self._ban(sender, f"its parts stopped: {type(e).__name__}: {e}")
@@ -503,6 +515,16 @@ class Round:
         _recv_exact(sock, view)
         with self._cv:
             self.bytes_received += LENGTH.size + length
+
+    def _local(self, compute: Callable, *args):
+        """``compute(*args)``; a failure of this process (not of the data) fails the round here and stops it, so
+        that it never passes for a groupmate's fault (which would leave that groupmate out of an "ok" average)."""
+        try:
+            return compute(*args)
+        except Exception as e:
+            self._fail(f"{type(e).__name__} in {compute.__name__}: {e}")
+            self.abort()
+            raise _LocalFailure from e
 
     def _fail(self, problem: str) -> None:
         with self._cv:

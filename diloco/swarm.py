@@ -692,6 +692,10 @@ class ExactAverager(hivemind.DecentralizedAverager):
         # deserialize_torch_tensor decodes through this registry; fix the 8-bit decoder in this process only
         _BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8Bit()
         warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
+        # torch rebuilds its intra-op thread pool in a forked child on first use; do it here, in one thread,
+        # before rounds start several threads at once (seen on a GPU box: "Invalid thread pool!" in a reader
+        # thread on the first round, which then left a groupmate out of an "ok" average)
+        torch.set_num_threads(torch.get_num_threads())
         if self._listen_socket is not None:
             timeout = self.allreduce_kwargs["sender_timeout"]
             # a groupmate that learnt of the group first waits for us as long as the round may last

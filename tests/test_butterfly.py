@@ -242,3 +242,23 @@ def test_all_finite_agrees_with_isfinite():
             spoiled = values.clone()
             spoiled[index] = bad
             assert not all_finite(spoiled) and not bool(torch.isfinite(spoiled).all()), (bad, index)
+
+
+def test_a_local_failure_fails_the_round_instead_of_blaming_the_sender(monkeypatch):
+    """A computation of this process that fails in a reader thread (seen on a GPU box: torch's thread pool after
+    fork) must fail the round, not leave the groupmate out of an average that then passes for ok."""
+    failed = threading.Event()
+    real_norm = butterfly.part_norm
+
+    def flaky_norm(part: torch.Tensor) -> float:
+        if threading.current_thread().name == "butterfly-_read_parts" and not failed.is_set():
+            failed.set()
+            raise RuntimeError("pool INTERNAL ASSERT FAILED: Invalid thread pool!")
+        return real_norm(part)
+
+    monkeypatch.setattr(butterfly, "part_norm", flaky_norm)
+    outs, errors, rounds, _ = run_group([randn(600_000, seed) for seed in range(2)], timeout=2.0)
+    assert failed.is_set()
+    assert all(error is not None for error in errors), errors  # nobody reports ok with half an average
+    failing = [r for r, error in zip(rounds, errors) if "Invalid thread pool" in error]
+    assert len(failing) == 1 and failing[0]._banned == {}, errors  # it did not blame its groupmate
