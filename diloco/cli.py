@@ -101,7 +101,8 @@ BENCH_HELP = {
     "wire": "Bytes each worker sends and receives over a run (DiLoCo none/fp16/int8 vs DDP), counted by the kernel "
     "on veth links between network namespaces and by the trainer; needs root.",
     "allreduce": "One averaging round (diloco tcp vs hivemind p2pd transport) for 10M-150M parameters, 2 and 4 "
-    "peers, against a socket, a p2pd stream and gloo, on loopback and a shaped 1 Gbit/s link; needs root.",
+    "peers, against a socket, a p2pd stream and gloo, on loopback and a shaped 1 Gbit/s link (that part needs root "
+    "and ip/tc; without them, loopback only).",
 }
 
 
