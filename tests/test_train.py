@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -21,6 +22,7 @@ from .conftest import (
     FAST,
     ROOT,
     TORCHRUN,
+    Result,
     assert_ok,
     child_env,
     metrics,
@@ -33,11 +35,32 @@ from .conftest import (
 pytestmark = pytest.mark.slow
 
 FAKE = [*FAST, "--fake-data", "--total-batch-size", "8"]
+# The reference run: two ranks, FULL_SHARD, float32, 4 steps, evaluated every 2. Every run whose model is compared
+# with it trains with these flags (and its own, which win); it runs once per module (per xdist worker).
+REFERENCE = [*FAKE, "--max-steps", "4", "--eval-interval", "2", "--eval-steps", "2", "--sharding-strategy",
+             "FULL_SHARD"]  # fmt: skip
 
 
-def test_two_ranks_train_and_write_every_output(run_dir: Path) -> None:
-    result = torchrun([*FAKE, "--max-steps", "4", "--eval-interval", "2", "--eval-steps", "2", "--run-dir", str(run_dir)])
+@dataclass(frozen=True)
+class Reference:
+    result: Result
+    run_dir: Path
+
+    @property
+    def sha(self) -> str:
+        return summary(self.run_dir)["params_sha256"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    result = torchrun([*REFERENCE, "--run-dir", str(run_dir)])
     assert_ok(result)
+    return Reference(result, run_dir)
+
+
+def test_two_ranks_train_and_write_every_output(reference: Reference) -> None:
+    result, run_dir = reference.result, reference.run_dir
     assert "step 4 | loss" in result.stdout  # rank 0's progress line
     rows = metrics(run_dir)
     train_rows = [r for r in rows if "loss" in r]
@@ -52,25 +75,51 @@ def test_two_ranks_train_and_write_every_output(run_dir: Path) -> None:
     assert params_sha256(list(exported.named_parameters())) == done["params_sha256"]
 
 
-def sha_of_run(run_dir: Path, *flags: str, nproc: int = 2) -> str:
-    assert_ok(torchrun([*FAKE, "--max-steps", "3", "--run-dir", str(run_dir), *flags], nproc=nproc))
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sha_of_run(run_dir: Path, *flags: str) -> str:
+    """The model of a two-rank run with the reference's flags and then `flags` (which win)."""
+    assert_ok(torchrun([*REFERENCE, "--run-dir", str(run_dir), *flags]))
     return summary(run_dir)["params_sha256"]
 
 
-def test_sharding_strategies_and_checkpointing_compute_the_same_model(tmp_path: Path) -> None:
-    """NO_SHARD (DDP), SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3), HYBRID_SHARD and activation
+def test_sharding_strategies_and_checkpointing_compute_the_same_model(tmp_path: Path, reference: Reference) -> None:
+    """NO_SHARD (DDP), SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3, the reference), HYBRID_SHARD and activation
     recomputation only change where memory lives, never the arithmetic: in float32 the models are identical."""
-    reference = sha_of_run(tmp_path / "full", "--sharding-strategy", "FULL_SHARD")
     for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
-        assert sha_of_run(tmp_path / strategy, "--sharding-strategy", strategy) == reference, strategy
-    assert sha_of_run(tmp_path / "gc", "--gradient-checkpointing") == reference
-    assert sha_of_run(tmp_path / "seed", "--seed", "7") != reference
+        assert sha_of_run(tmp_path / strategy, "--sharding-strategy", strategy) == reference.sha, strategy
+    assert sha_of_run(tmp_path / "gc", "--gradient-checkpointing") == reference.sha
+    assert sha_of_run(tmp_path / "seed", "--seed", "7") != reference.sha
 
 
-def test_mixed_precision_trains(tmp_path: Path) -> None:
-    reference = sha_of_run(tmp_path / "fp32")
+def test_hybrid_shard_across_two_nodes(tmp_path: Path, reference: Reference) -> None:
+    """Two torchrun 'nodes' on loopback, one rank each: HYBRID_SHARD replicates across them."""
+    port = free_port()
+    run_dir = tmp_path / "hybrid"
+    procs = []
+    for node in range(2):
+        cmd = [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hybrid", "-m", "diloco.train", *REFERENCE,
+               "--sharding-strategy", "HYBRID_SHARD", "--run-dir", str(run_dir)]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert summary(run_dir)["params_sha256"] == reference.sha
+
+
+def test_mixed_precision_trains(tmp_path: Path, reference: Reference) -> None:
     for precision in ("bf16-mixed", "fp16-mixed"):
-        assert sha_of_run(tmp_path / precision, "--precision", precision) != reference
+        assert sha_of_run(tmp_path / precision, "--precision", precision) != reference.sha
         done = summary(tmp_path / precision)
         assert done["status"] == "ok" and done["final_loss"] < 8
 
@@ -115,33 +164,6 @@ def test_wandb_offline(run_dir: Path) -> None:
                             "--run-dir", str(run_dir)]))  # fmt: skip
     offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_hybrid_shard_across_two_nodes(tmp_path: Path) -> None:
-    """Two torchrun 'nodes' on loopback, one rank each: HYBRID_SHARD replicates across them."""
-    port = free_port()
-    run_dir = tmp_path / "hybrid"
-    procs = []
-    for node in range(2):
-        cmd = [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hybrid", "-m", "diloco.train", *FAKE,
-               "--max-steps", "3", "--sharding-strategy", "HYBRID_SHARD", "--run-dir", str(run_dir)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
-    try:
-        outputs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert all(p.returncode == 0 for p in procs), outputs
-    assert summary(run_dir)["params_sha256"] == sha_of_run(tmp_path / "one-node", "--sharding-strategy", "FULL_SHARD")
 
 
 def test_sigterm_stops_with_checkpoint_and_summary(run_dir: Path) -> None:
