@@ -270,7 +270,8 @@ class Round:
         sock.sendall(_mac(self.group_id, b"ack" + hello))
         with self._cv:
             self.bytes_sent += MAC_SIZE
-            self._threads += [self._thread(self._read_parts, sock, sender), self._thread(self._write_averages, sock, sender)]
+            self._threads.append(self._thread(self._read_parts, sock, sender))
+            self._threads.append(self._thread(self._write_averages, sock, sender))
 
     # --------------------------------------------------------------------------------------------- reducer side
 
@@ -285,8 +286,9 @@ class Round:
                 if contributions is None:
                     return
                 average, encoded = self._average(q, contributions)
-                if self.index not in self._banned:
-                    self.out[lo:hi].copy_(average if self.codec.raw else self.codec.decode(memoryview(encoded), hi - lo))
+                if self.index not in self._banned:  # our own output: the bytes the others receive, decoded
+                    ours = average if self.codec.raw else self.codec.decode(memoryview(encoded), hi - lo)
+                    self.out[lo:hi].copy_(ours)
                 with self._cv:
                     self._results[q] = (average, encoded)
                     self._parts[q] = None
@@ -464,9 +466,8 @@ class Round:
         sock.settimeout(2 * self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         codec = self.codec.name.encode()
-        fields = HELLO.pack(
-            MAGIC, self.tag, self.index, reducer, self.k, self.vector.numel(), self.size, codec, self._weights[self.index]
-        )  # fmt: skip
+        weight = self._weights[self.index]
+        fields = HELLO.pack(MAGIC, self.tag, self.index, reducer, self.k, self.vector.numel(), self.size, codec, weight)
         hello = fields + _mac(self.group_id, fields)
         try:
             sock.sendall(hello)
