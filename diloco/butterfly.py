@@ -29,9 +29,8 @@ import math
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -121,22 +120,31 @@ def part_norm(part: torch.Tensor) -> float:
     return norm if math.isfinite(norm) else float(torch.linalg.vector_norm(part, dtype=torch.float64))
 
 
+def reference_norm(norms: Iterable[float]) -> float:
+    """The norm contributions to one part are judged against: the lower median of the finite ones (0: none)."""
+    finite = sorted(norm for norm in norms if math.isfinite(norm))
+    return finite[(len(finite) - 1) // 2] if finite else 0.0
+
+
+def rejection(norm: float, weight: float, reference: float, max_ratio: float = MAX_NORM_RATIO) -> str | None:
+    """Why to reject a contribution of L2 norm ``norm`` and weight ``weight`` to a part whose ``reference_norm`` is
+    ``reference``, or None to accept it: NaN or Inf values, a weight that is not a finite number >= 0, or a norm
+    over ``max_ratio`` times the reference."""
+    if not math.isfinite(norm):
+        return "non-finite values"
+    if not math.isfinite(weight) or weight < 0:
+        return f"invalid weight {weight}"
+    if reference > 0 and norm > max_ratio * reference:
+        return f"L2 norm {norm:.3g} is {norm / reference:.3g} times the group's median {reference:.3g}"
+    return None
+
+
 def screen(norms: dict[int, float], weights: dict[int, float], max_ratio: float = MAX_NORM_RATIO) -> dict[int, str]:
-    """Why to reject each sender's contribution to one part (senders absent from the result are accepted): NaN or
-    Inf values, a weight that is not a finite number >= 0, or an L2 norm over ``max_ratio`` times the lower median
-    of the finite norms."""
-    finite = sorted(norm for norm in norms.values() if math.isfinite(norm))
-    reference = finite[(len(finite) - 1) // 2] if finite else 0.0
-    reasons = {}
-    for sender, norm in norms.items():
-        weight = weights[sender]
-        if not math.isfinite(norm):
-            reasons[sender] = "non-finite values"
-        elif not math.isfinite(weight) or weight < 0:
-            reasons[sender] = f"invalid weight {weight}"
-        elif reference > 0 and norm > max_ratio * reference:
-            reasons[sender] = f"L2 norm {norm:.3g} is {norm / reference:.3g} times the group's median {reference:.3g}"
-    return reasons
+    """Why to reject each sender's contribution to one part (``rejection``); senders absent from the result are
+    accepted."""
+    reference = reference_norm(norms.values())
+    reasons = {sender: rejection(norm, weights[sender], reference, max_ratio) for sender, norm in norms.items()}
+    return {sender: reason for sender, reason in reasons.items() if reason is not None}
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -145,6 +153,13 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if received == 0:
             raise ConnectionError("connection closed by the peer")
         view = view[received:]
+
+
+def _recv_length(sock: socket.socket) -> int:
+    """The length header of the next message."""
+    header = bytearray(LENGTH.size)
+    _recv_exact(sock, memoryview(header))
+    return LENGTH.unpack(header)[0]
 
 
 def _mac(key: bytes, data: bytes) -> bytes:
@@ -496,9 +511,7 @@ class Round:
             self.bytes_sent += LENGTH.size + length
 
     def _receive(self, sock: socket.socket, max_bytes: int) -> memoryview:
-        header = bytearray(LENGTH.size)
-        _recv_exact(sock, memoryview(header))
-        (length,) = LENGTH.unpack(header)
+        length = _recv_length(sock)
         if length > max_bytes:
             raise ValueError(f"a message of {length} bytes, at most {max_bytes} expected")
         data = torch.empty(length, dtype=torch.uint8)  # not bytearray: no zero-filling pass
@@ -508,9 +521,7 @@ class Round:
         return _bytes_of(data)
 
     def _receive_into(self, sock: socket.socket, view: memoryview) -> None:
-        header = bytearray(LENGTH.size)
-        _recv_exact(sock, memoryview(header))
-        (length,) = LENGTH.unpack(header)
+        length = _recv_length(sock)
         if length != view.nbytes:
             raise ValueError(f"a message of {length} bytes, {view.nbytes} expected")
         _recv_exact(sock, view)

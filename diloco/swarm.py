@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import ctypes
 import logging
-import math
 import multiprocessing as mp
 import os
 import re
@@ -75,9 +74,10 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
+from multiaddr import Multiaddr
 
 from diloco import butterfly
-from diloco.butterfly import MAX_NORM_RATIO, all_finite
+from diloco.butterfly import all_finite
 from diloco.catchup import Progress
 from diloco.config import RankUsageError, UsageError, first_line
 
@@ -433,10 +433,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     ``bytes_sent`` / ``bytes_received`` count serialized messages of this run.
 
     Screening (reducer side): before a contribution (a sender's part, our own included) is added to the average
-    of one of our parts, it is rejected if it holds NaN/Inf, its weight is not a finite number >= 0, or its L2
-    norm exceeds ``MAX_NORM_RATIO`` times the reference norm of that part: the lower median of the norms of the
-    finite contributions of all senders to the same part (a part is judged once every sender delivered it or was
-    banned; the whole part cannot be averaged before that anyway). A rejected sender is banned for the rest of
+    of one of our parts, it is rejected (``butterfly.rejection``) if it holds NaN/Inf, its weight is not a finite
+    number >= 0, or its L2 norm exceeds ``butterfly.MAX_NORM_RATIO`` times the reference norm of that part
+    (``butterfly.reference_norm``): the lower median of the norms of the finite contributions of all senders to
+    the same part (a part is judged once every sender delivered it or was banned; the whole part cannot be
+    averaged before that anyway). A rejected sender is banned for the rest of
     the run (hivemind's ban path: the remaining senders are averaged, the banned one gets a truncated reply and
     fails its round). Rejecting our own contribution is what keeps a bad peer from poisoning the part it
     reduces: it still averages the others' parts, then fails its own round. Parts of a sender accepted before
@@ -551,17 +552,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 index in norms or after != float("inf") for index, after in enumerate(reducer.sender_failed_after)
             )
         )
-        if not np.isfinite(norm):
-            return "non-finite values"
-        if not np.isfinite(weight) or weight < 0:
-            return f"invalid weight {weight}"
         if part_index not in self._reference_norms:
-            finite = sorted(value for value in norms.values() if np.isfinite(value))
-            self._reference_norms[part_index] = finite[(len(finite) - 1) // 2]  # ours at least: norm is finite
-        reference = self._reference_norms[part_index]
-        if reference > 0 and norm > MAX_NORM_RATIO * reference:
-            return f"L2 norm {norm:.3g} is {norm / reference:.3g} times the group's median {reference:.3g}"
-        return None
+            self._reference_norms[part_index] = butterfly.reference_norm(norms.values())
+        return butterfly.rejection(norm, weight, self._reference_norms[part_index])
 
     async def _reject(self, sender_index: int, part_index: int, reason: str) -> None:
         peer_id = self.sender_peer_ids[sender_index]
@@ -657,7 +650,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
     Peers only group with other ``ExactAverager`` peers: RPC names include the class name.
 
     The bytes of a round travel over plain TCP (``diloco.butterfly``) when every groupmate gathered a TCP endpoint
-    (``step(gather=tcp_gather(...))``), otherwise over libp2p (``ExactAllReduceRunner``); both screen alike.
+    (``step(gather={"tcp": [hosts, port]})``), otherwise over libp2p (``ExactAllReduceRunner``); both screen alike.
 
     :param listen_socket: a listening socket for the TCP transport (``butterfly.listen_socket``), taken over by the
         averager process; None: this averager only averages over libp2p.
@@ -868,8 +861,8 @@ class RoundReport:
         group hold identical bytes; at least one peer of a group reports ok=False if any part went wrong.
     :param transport: what carried the round's bytes: "tcp" or "p2pd"; "" when no group formed.
     :param rejected: groupmates' contributions (and this peer's own) that this peer, as a reducer, left out of the
-        average for holding NaN/Inf or a norm ``MAX_NORM_RATIO`` times the group's; a rejected peer's round fails,
-        the others complete without it (ok=True).
+        average for holding NaN/Inf or a norm ``butterfly.MAX_NORM_RATIO`` times the group's; a rejected peer's round
+        fails, the others complete without it (ok=True).
     """
 
     num_peers: int
@@ -1135,15 +1128,30 @@ def _listen(host: str, port: int) -> socket.socket:
         raise RankUsageError(f"{flag}: cannot listen on {host} port {port}: {why[:1].lower()}{why[1:]}") from None
 
 
+def _ips(maddr: Multiaddr) -> list[str]:
+    """The ip4 and ip6 parts of a multiaddr, in that order."""
+    ips = []
+    for protocol in ("ip4", "ip6"):
+        try:
+            ips.append(maddr.value_for_protocol(protocol))
+        except Exception:  # the multiaddr has no such part (the package raises its own error types)
+            continue
+    return ips
+
+
+def listen_host(host_maddrs: Sequence[str]) -> str:
+    """Where the TCP transport listens: the IP of the first of ``host_maddrs`` that names one, else everywhere."""
+    for maddr in host_maddrs:
+        if ips := _ips(Multiaddr(maddr)):
+            return ips[0]
+    return "0.0.0.0"
+
+
 def _announced_hosts(dht: hivemind.DHT) -> list[str]:
     """The IP addresses in the multiaddrs ``dht`` announces, in order (loopback when it announces none)."""
     hosts = []
     for maddr in dht.get_visible_maddrs():
-        for protocol in ("ip4", "ip6"):
-            try:
-                host = maddr.value_for_protocol(protocol)
-            except Exception:  # the multiaddr has no such part (the package raises its own error types)
-                continue
+        for host in _ips(maddr):
             if host not in hosts and host not in ("0.0.0.0", "::"):
                 hosts.append(host)
     # loopback last: on another machine it reaches that machine (the handshake then fails and the next is tried)

@@ -260,7 +260,7 @@ def build_outer(
             averaging_timeout=hv.averaging_timeout,
             target_group_size=hv.galaxy_size,
             transport=hv.transport,
-            tcp_host=listen_host(hv.host_maddrs),
+            tcp_host=swarm.listen_host(hv.host_maddrs),
             tcp_port=hv.averaging_port + env.local_rank if hv.averaging_port else 0,
         )
     except BaseException:
@@ -308,19 +308,6 @@ def offset_port(maddr: str, offset: int) -> str:
     except Exception:  # no tcp part: nothing to shift
         return maddr
     return maddr if port == 0 or offset == 0 else maddr.replace(f"/tcp/{port}", f"/tcp/{port + offset}", 1)
-
-
-def listen_host(host_maddrs: list[str]) -> str:
-    """Where the TCP transport listens: the IP of the first of --hv.host-maddrs that names one, else everywhere."""
-    from multiaddr import Multiaddr
-
-    for maddr in host_maddrs:
-        for protocol in ("ip4", "ip6"):
-            try:
-                return Multiaddr(maddr).value_for_protocol(protocol)
-            except Exception:  # no such part in this multiaddr
-                continue
-    return "0.0.0.0"
 
 
 def ckpt_folder(config: Config, run_dir: Path | None) -> Path:
