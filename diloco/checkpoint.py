@@ -4,6 +4,9 @@ own small state (scheduler, data position, RNG, outer state) and a meta.json wri
 Layout of `<ckpt.path>/step-N/`: DCP's `.metadata` and `__*.distcp` shards, `rank-R.pt` per rank, `meta.json`.
 A checkpoint is written to `step-N.tmp/` and renamed once every rank has finished, so a folder named
 `step-N` is always complete.
+
+`latest` and `check_layout` look at files only; torch is imported by the functions that need it, so the command
+line can check a checkpoint folder before it imports torch.
 """
 
 from __future__ import annotations
@@ -12,15 +15,12 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from diloco.config import FieldError, first_line
 
-from diloco.config import UsageError, first_line
+if TYPE_CHECKING:
+    import torch
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -32,10 +32,14 @@ class ModelAndOptimizer:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
@@ -45,6 +49,10 @@ def save(
     folder: Path, step: int, sharded: ModelAndOptimizer, local_state: dict[str, Any], rank: int, world_size: int
 ) -> Path:
     """Collective: every rank calls it. Returns the final `step-N` folder."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
     final = folder / f"step-{step}"
     tmp = folder / f"step-{step}.tmp"
     if rank == 0:
@@ -68,39 +76,56 @@ def latest(folder: Path) -> Path:
         (int(m.group(1)), p) for p in (folder.iterdir() if folder.is_dir() else []) if (m := STEP_DIR.match(p.name))
     ]
     if not steps:
-        raise UsageError(f"--ckpt.resume latest: no step-N checkpoint under --ckpt.path {folder}")
+        raise FieldError(f"{{ckpt.resume}} latest: no step-N checkpoint under {{ckpt.path}} {folder}")
     return max(steps)[1]
 
 
-def check(path: Path, world_size: int) -> int:
-    """Validate a checkpoint before any work; return its step."""
+def check_layout(path: Path, world_size: int) -> int:
+    """Check that a checkpoint folder holds every file this run needs (no file is read but meta.json); return its
+    step. `check` reads them too."""
     meta_file = path / "meta.json"
     if not path.is_dir():
-        raise UsageError(f"--ckpt.resume {path}: no such checkpoint folder")
+        raise FieldError(f"{{ckpt.resume}} {path}: no such checkpoint folder")
     try:
         meta = json.loads(meta_file.read_text())
         step = int(meta["step"])
         saved_world = int(meta["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
-        raise UsageError(f"--ckpt.resume {path}: corrupt or incomplete checkpoint (bad or missing meta.json)") from None
+        why = "corrupt or incomplete checkpoint (bad or missing meta.json)"
+        raise FieldError(f"{{ckpt.resume}} {path}: {why}") from None
     if saved_world != world_size:
-        raise UsageError(f"--ckpt.resume {path}: saved with {saved_world} ranks, this run has {world_size}")
-    missing = [name for name in [".metadata", *(f"rank-{r}.pt" for r in range(world_size))] if not (path / name).is_file()]
+        raise FieldError(f"{{ckpt.resume}} {path}: saved with {saved_world} ranks, this run has {world_size}")
+    needed = [".metadata", *(f"rank-{r}.pt" for r in range(world_size))]
+    missing = [name for name in needed if not (path / name).is_file()]
     if missing:
-        raise UsageError(f"--ckpt.resume {path}: corrupt or incomplete checkpoint (missing {', '.join(missing)})")
-    try:  # cheap reads that catch truncated or overwritten files before any work
+        raise FieldError(f"{{ckpt.resume}} {path}: corrupt or incomplete checkpoint (missing {', '.join(missing)})")
+    return step
+
+
+def check(path: Path, world_size: int) -> int:
+    """Validate a checkpoint before any work (`check_layout`, then cheap reads that catch truncated or overwritten
+    files); return its step."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    step = check_layout(path, world_size)
+    try:
         dcp.FileSystemReader(str(path)).read_metadata()
         for r in range(world_size):
             torch.load(path / f"rank-{r}.pt", weights_only=False)
     except Exception as e:
-        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({first_line(e)})") from None
+        raise FieldError(f"{{ckpt.resume}} {path}: corrupt checkpoint ({first_line(e)})") from None
     return step
 
 
 def load(path: Path, sharded: ModelAndOptimizer, rank: int) -> dict[str, Any]:
     """Collective: load the shards in place; return this rank's local state."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load({"app": sharded}, checkpoint_id=str(path))
         return torch.load(path / f"rank-{rank}.pt", weights_only=False)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise UsageError(f"--ckpt.resume {path}: corrupt checkpoint ({first_line(e)})") from None
+        raise FieldError(f"{{ckpt.resume}} {path}: corrupt checkpoint ({first_line(e)})") from None

@@ -14,18 +14,20 @@ import cyclopts
 import pydantic
 from cyclopts import App, Parameter
 
-from diloco.config import Config, RankUsageError, UsageError
-from diloco.parallel import DistEnv
+from diloco import preflight
+from diloco.config import Config, FieldError, RankUsageError, UsageError
+from diloco.distenv import DistEnv
 
 USAGE_EXIT = 2
 
 
 def train(config: Config) -> int:
     """Train one worker group (under torchrun for several ranks)."""
-    from diloco import train as training
-
     env = DistEnv.from_environ()
     _setup_logging(env.rank)
+    preflight.check_run(config, env.world_size)  # before torch: bad input fails in a fraction of a second
+    from diloco import train as training
+
     return training.main(config, env)
 
 
@@ -42,13 +44,14 @@ def dht(
     ] = [],  # noqa: B006
 ) -> int:
     """Run a hivemind DHT bootstrap peer with a stable peer id until SIGINT/SIGTERM."""
-    from diloco import swarm
     from diloco.config import HvConfig
 
     _setup_logging(0)
     warnings.showwarning = _log_warning  # e.g. a readable identity file: one line, not Python's two
     HvConfig(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs)  # the same multiaddr checks as training
-    return swarm.serve_dht(identity, host_maddrs, announce_maddrs)  # its UsageErrors name the flags of `dht`
+    from diloco.swarm.dht import serve_dht  # hivemind: only once the flags are valid
+
+    return serve_dht(identity, host_maddrs, announce_maddrs)  # its FieldErrors name this command's parameters
 
 
 def launch(
@@ -63,7 +66,7 @@ def launch(
         raise UsageError("--workers and --nproc-per-worker must be at least 1")
     seen: list[Config] = []
     run_app(build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0), list(train_args))
-    seen[0].check_files()  # fail here, before a DHT or any worker starts
+    seen[0].check_files()  # fail here, before a DHT or any worker starts (each worker checks the rest itself)
     seen[0].grad_accumulation(nproc_per_worker)
     _setup_logging(0)
     return launcher.launch(seen[0], list(train_args), workers, nproc_per_worker)
@@ -73,13 +76,13 @@ BENCH_OUT = Path("docs/bench")
 BENCH_DOC = Path("docs/benchmarks.md")
 
 
-def _bench(name: str, quick: bool, out: Path, doc: Path) -> int:
+def _bench(name: str, quick: bool, out: Path, doc: Path, **options: Any) -> int:
     from diloco import bench
 
     _setup_logging(0)
-    command = bench.command_line(name, quick, out, doc, (BENCH_OUT, BENCH_DOC))
+    command = bench.command_line(name, quick, out, doc, (BENCH_OUT, BENCH_DOC), options)
     try:
-        bench.run(name, quick, out, doc, command)
+        bench.run(name, quick, out, doc, command, options)
     except bench.BenchError as e:
         logging.getLogger("diloco").error("%s", e)
         return 1
@@ -89,6 +92,8 @@ def _bench(name: str, quick: bool, out: Path, doc: Path) -> int:
 _QUICK = Parameter(help="Tiny model and few steps: about a minute on 2 idle CPU cores.")
 _OUT = Parameter(help="Folder for the result JSON (strategies.json, overhead-quick.json, ...).")
 _DOC = Parameter(help="Markdown file the dated table is appended to.")
+_DATA = Parameter(help="Text to train and evaluate on: a .txt, .jsonl or .parquet file, byte-tokenized, its last "
+                  "10% held out (e.g. tinyshakespeare.txt). Required.")  # fmt: skip
 
 
 BENCH_HELP = {
@@ -107,7 +112,8 @@ BENCH_HELP = {
 
 
 def _bench_command(name: str) -> Callable[..., int]:
-    """`diloco bench <name>`: cyclopts reads the flags from the signature and the help from the docstring."""
+    """`diloco bench <name>`: cyclopts reads the flags from the signature and the help from the docstring. Only
+    convergence reads data (`--data`): the others train on fake data."""
 
     def command(
         *,
@@ -117,8 +123,21 @@ def _bench_command(name: str) -> Callable[..., int]:
     ) -> int:
         return _bench(name, quick, out, doc)
 
-    command.__doc__ = BENCH_HELP[name]
-    return command
+    def with_data(
+        *,
+        data: Annotated[Path | None, _DATA] = None,
+        quick: Annotated[bool, _QUICK] = False,
+        out: Annotated[Path, _OUT] = BENCH_OUT,
+        doc: Annotated[Path, _DOC] = BENCH_DOC,
+    ) -> int:
+        if data is None or not data.is_file():  # here, before the bench imports torch
+            why = f"--data {data}: no such file" if data else f"bench {name} needs --data FILE (a text file)"
+            raise UsageError(why)
+        return _bench(name, quick, out, doc, data=data)
+
+    chosen = with_data if name == "convergence" else command
+    chosen.__doc__ = BENCH_HELP[name]
+    return chosen
 
 
 def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = train) -> App:
@@ -136,7 +155,8 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
     }
     if train_only:
         return App(name="diloco.train", default_command=train_command, help=train.__doc__, **common)
-    app = App(name="diloco", help="Decentralized DiLoCo training: FSDP worker groups averaging through hivemind.", **common)
+    about = "Decentralized DiLoCo training: FSDP worker groups averaging through hivemind."
+    app = App(name="diloco", help=about, **common)
     app.command(train_command, name="train")
     app.command(dht)
     app.command(launch)
@@ -156,9 +176,21 @@ def run_app(app: App, argv: Sequence[str]) -> int:
                 raise UsageError(f"--config {config_file}: no such file")
             app.config = cyclopts.config.Toml(config_file, must_exist=True, allow_unknown=False)
         result = app(tokens)
+    except FieldError as e:
+        _usage_exit(as_flags(e))
     except (UsageError, cyclopts.CycloptsError, pydantic.ValidationError) as e:
         _usage_exit(e)
     return result if isinstance(result, int) else 0
+
+
+def flag(field: str) -> str:
+    """How the command line spells a config field: ``hv.world_rank`` -> ``--hv.world-rank``."""
+    return "--" + field.replace("_", "-")
+
+
+def as_flags(error: FieldError) -> UsageError:
+    """A lower layer's error as the command line reports it: every field it names spelled as its flag."""
+    return error.spelled(flag)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -6,6 +6,8 @@ field descriptions are the CLI help. Derived values are properties or methods, n
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Literal
@@ -22,6 +24,39 @@ class UsageError(ValueError):
 class RankUsageError(UsageError):
     """Bad input that only this rank meets (e.g. its own port, the given one + local rank): every rank that
     meets it reports it, naming itself."""
+
+
+class FieldError(UsageError):
+    """Bad input met below the command line, naming the config fields it concerns instead of flags: lower layers
+    know fields, not how a command spells them. The message holds each field as a placeholder, ``{dataset}`` or
+    ``{ckpt.resume}``; the command line turns them into its flags (``spelled``: ``--dataset``, ``--ckpt.resume``).
+
+    A layer given a slice of the config (the swarm gets ``Config.hv``) names that slice's fields
+    (``{world_rank}``); whoever handed it the slice puts the slice's name in front (``within("hv")``).
+
+    :param message: the line to show, with ``{field}`` placeholders.
+    :param per_rank: only this rank meets it (see ``RankUsageError``).
+    """
+
+    def __init__(self, message: str, per_rank: bool = False) -> None:
+        super().__init__(_FIELD.sub(lambda m: m.group(1), message))
+        self.message, self.per_rank = message, per_rank
+
+    @property
+    def fields(self) -> list[str]:
+        return _FIELD.findall(self.message)
+
+    def within(self, prefix: str) -> FieldError:
+        """The same error with every field under ``prefix`` (``world_rank`` -> ``hv.world_rank``)."""
+        return FieldError(_FIELD.sub(lambda m: f"{{{prefix}.{m.group(1)}}}", self.message), self.per_rank)
+
+    def spelled(self, spell: Callable[[str], str]) -> UsageError:
+        """This error as a command line reports it, each field spelled by ``spell`` (field -> flag)."""
+        kind = RankUsageError if self.per_rank else UsageError
+        return kind(_FIELD.sub(lambda m: spell(m.group(1)), self.message))
+
+
+_FIELD = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)\}")
 
 
 def first_line(error: BaseException) -> str:
@@ -66,7 +101,10 @@ class HvConfig(_Strict):
         0.7, gt=0, description="Learning rate of the outer SGD (the paper's 0.7; for small H, 1.0 measured best)."
     )
     outer_momentum: float = Field(
-        0.9, ge=0, lt=1, description="Nesterov momentum of the outer SGD (the paper's 0.9; for small H, 0 measured best)."
+        0.9,
+        ge=0,
+        lt=1,
+        description="Nesterov momentum of the outer SGD (the paper's 0.9; for small H, 0 measured best).",
     )
     matchmaking_time: float = Field(5.0, gt=0, description="Seconds to wait for peers when forming a round.")
     averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
@@ -123,7 +161,9 @@ class HvConfig(_Strict):
     @model_validator(mode="after")
     def _rank_in_galaxy(self) -> HvConfig:
         if self.world_rank >= self.galaxy_size:
-            raise ValueError(f"--hv.world-rank {self.world_rank} must be smaller than --hv.galaxy-size {self.galaxy_size}")
+            raise ValueError(
+                f"--hv.world-rank {self.world_rank} must be smaller than --hv.galaxy-size {self.galaxy_size}"
+            )
         return self
 
 
@@ -148,7 +188,9 @@ class Config(_Strict):
     cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     torch_compile: bool = Field(True, description="Compile each decoder layer with torch.compile.")
-    metric_logger_type: Literal["dummy", "wandb"] = Field("dummy", description="Extra metric sink besides metrics.jsonl.")
+    metric_logger_type: Literal["dummy", "wandb"] = Field(
+        "dummy", description="Extra metric sink besides metrics.jsonl."
+    )
     project: str = Field("diloco", description="wandb project name.")
     seed: int = Field(42, ge=0, description="Seed for initialisation, data order and fake data.")
     eval_interval: int | None = Field(None, gt=0, description="Evaluate every N inner steps (and at the last).")

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from diloco.config import UsageError, first_line
+from diloco.config import FieldError, first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 EVAL_FRACTION = 0.1  # share of packed blocks held out for evaluation
@@ -48,9 +48,9 @@ class HFTokenizer:
         try:
             self.inner = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise UsageError(f"--tokenizer {path}: not a loadable tokenizer folder ({first_line(e)})") from None
+            raise FieldError(f"{{tokenizer}} {path}: not a loadable tokenizer folder ({first_line(e)})") from None
         if self.inner.eos_token_id is None:
-            raise UsageError(f"--tokenizer {path}: it defines no EOS token, needed to separate documents")
+            raise FieldError(f"{{tokenizer}} {path}: it defines no EOS token, needed to separate documents")
         self.vocab_size = len(self.inner)
         self.eos_token_id = self.inner.eos_token_id
 
@@ -85,11 +85,11 @@ class Shard:
 def dataset_files(path: Path) -> list[Path]:
     if path.is_file():
         if path.suffix not in TEXT_SUFFIXES:
-            raise UsageError(f"--dataset {path}: unsupported file type (use {', '.join(TEXT_SUFFIXES)})")
+            raise FieldError(f"{{dataset}} {path}: unsupported file type (use {', '.join(TEXT_SUFFIXES)})")
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
     if not files:
-        raise UsageError(f"--dataset {path}: the folder holds no {', '.join(TEXT_SUFFIXES)} file")
+        raise FieldError(f"{{dataset}} {path}: the folder holds no {', '.join(TEXT_SUFFIXES)} file")
     return files
 
 
@@ -107,13 +107,13 @@ def read_documents(path: Path) -> Iterator[str]:
 
         table = pq.read_table(path)
         if "text" not in table.column_names:
-            raise UsageError(f"--dataset {path}: no 'text' column (columns: {', '.join(table.column_names)})")
+            raise FieldError(f"{{dataset}} {path}: no 'text' column (columns: {', '.join(table.column_names)})")
         yield from (text for text in table.column("text").to_pylist() if text)
 
 
 def _text_field(record: object, where: str) -> str:
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise UsageError(f"--dataset {where}: each JSON line needs a string 'text' field")
+        raise FieldError(f"{{dataset}} {where}: each JSON line needs a string 'text' field")
     return record["text"]
 
 
@@ -126,10 +126,10 @@ def tokenize_corpus(path: Path, tokenizer: Tokenizer) -> np.ndarray:
             for text in read_documents(file):
                 pieces += [tokenizer.encode(text), eos]
     except (OSError, json.JSONDecodeError, UnicodeError) as e:
-        raise UsageError(f"--dataset {path}: could not read it ({first_line(e)})") from None
+        raise FieldError(f"{{dataset}} {path}: could not read it ({first_line(e)})") from None
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
     if len(tokens) <= len(pieces) // 2:  # nothing but separators
-        raise UsageError(f"--dataset {path}: the dataset is empty")
+        raise FieldError(f"{{dataset}} {path}: the dataset is empty")
     return tokens
 
 
@@ -227,15 +227,15 @@ def build_data(
 
     tokenizer = build_tokenizer(tokenizer_spec)
     if tokenizer.vocab_size > vocab_size:
-        raise UsageError(
-            f"--tokenizer has {tokenizer.vocab_size} tokens but the model in --path-model only {vocab_size}"
+        raise FieldError(
+            f"{{tokenizer}} has {tokenizer.vocab_size} tokens but the model in {{path_model}} only {vocab_size}"
         )
     train_blocks, eval_blocks = pack(tokenize_corpus(dataset, tokenizer), seq_length)
     needed = shard.count * batch_size
     if len(train_blocks) < needed:
-        raise UsageError(
-            f"--dataset {dataset}: {len(train_blocks)} training blocks of --seq-length {seq_length}, but "
-            f"{shard.count} ranks × --per-device-train-batch-size {batch_size} need at least {needed}"
+        raise FieldError(
+            f"{{dataset}} {dataset}: {len(train_blocks)} training blocks of {{seq_length}} {seq_length}, but "
+            f"{shard.count} ranks × {{per_device_train_batch_size}} {batch_size} need at least {needed}"
         )
     train = BlockBatches(train_blocks, shard, batch_size, seed)
     return Data(train, _eval_batches(eval_blocks, eval_shard, batch_size, eval_steps), tokens_per_batch)

@@ -4,7 +4,6 @@ stop every process it started on SIGINT/SIGTERM or when the workers end."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -14,14 +13,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from diloco.config import Config
+from diloco.config import Config, FieldError
+from diloco.procs import child_env, stop_tree
 
 log = logging.getLogger("diloco")
 
 STOP_GRACE_S = 15.0  # how long workers get to checkpoint and write their summary after a stop signal
 
 
-def worker_args(config: Config, train_args: Sequence[str], world_rank: int, workers: int, peers: list[str]) -> list[str]:
+def worker_args(
+    config: Config, train_args: Sequence[str], world_rank: int, workers: int, peers: list[str]
+) -> list[str]:
     """The user's train flags plus this group's place in the galaxy (a repeated flag's last value wins)."""
     args = [*train_args, "--hv.galaxy-size", str(workers), "--hv.world-rank", str(world_rank)]
     args += ["--hv.initial-peers", *peers]
@@ -45,10 +47,10 @@ class Workers:
         self.threads: list[threading.Thread] = []
 
     def start(self, name: str, command: list[str]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-        )
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(threads=None),
+            start_new_session=True,
+        )  # fmt: skip
         thread = threading.Thread(target=_relay, args=(proc.stdout, f"[{name}] ", sys.stdout), daemon=True)
         thread.start()
         self.procs.append(proc)
@@ -58,8 +60,8 @@ class Workers:
         return any(p.poll() is None for p in self.procs)
 
     def stop(self, grace_s: float) -> None:
-        """SIGTERM to each torchrun (it forwards it to its ranks once), then SIGKILL to each whole process group
-        (ranks, their DHT and averager children, p2pd) after `grace_s` seconds."""
+        """SIGTERM to each torchrun (it forwards it to its ranks once), then SIGKILL to whatever is left of each
+        (ranks, their DHT and averager processes, p2pd) after `grace_s` seconds."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -67,12 +69,7 @@ class Workers:
         while self.running() and time.monotonic() < deadline:
             time.sleep(0.1)
         for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for proc in self.procs:
-            proc.wait()
+            stop_tree(proc, grace_s=0, sig=None)
         for thread in self.threads:
             thread.join(timeout=5)
 
@@ -89,19 +86,24 @@ def _relay(stream: TextIO, prefix: str, out: TextIO) -> None:
 
 def launch(config: Config, train_args: Sequence[str], workers: int, nproc_per_worker: int) -> int:
     """Run `workers` groups of `nproc_per_worker` ranks against a DHT started here. Returns the exit code."""
-    from diloco import swarm
+    from diloco.swarm.dht import start_dht, visible_maddrs
 
+    try:
+        dht = start_dht(initial_peers=config.hv.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])
+    except FieldError as e:
+        raise e.within("hv") from None  # the workers' flags, as given after `--`
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: _second_signal_kills(stop)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    dht = swarm.start_dht(initial_peers=config.hv.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: _second_signal_kills(stop)) for sig in signals}
     group = Workers()
     try:
-        peers = swarm.visible_maddrs(dht)
+        peers = visible_maddrs(dht)
         log.info("DHT up: --hv.initial-peers %s", " ".join(peers))
         if config.run_dir is None and config.run_name is None:
             train_args = [*train_args, "--run-name", time.strftime("%Y%m%d-%H%M%S")]
         for rank in range(workers):
-            group.start(f"worker-{rank}", worker_command(nproc_per_worker, worker_args(config, train_args, rank, workers, peers)))
+            args = worker_args(config, train_args, rank, workers, peers)
+            group.start(f"worker-{rank}", worker_command(nproc_per_worker, args))
         while group.running() and not stop.is_set():
             time.sleep(0.2)
         if stop.is_set():

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from diloco.config import UsageError, first_line
+from diloco.config import FieldError, UsageError, first_line
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -25,12 +25,12 @@ def load_model(path: Path, seed: int) -> PreTrainedModel:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise UsageError(f"--path-model {path}: not a readable Hugging Face model config ({first_line(e)})") from None
+        raise FieldError(f"{{path_model}} {path}: not a readable Hugging Face model config ({first_line(e)})") from None
     if has_weights(path):
         try:
             return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
         except Exception as e:  # safetensors, torch and transformers each raise their own types
-            raise UsageError(f"--path-model {path}: could not load the weights ({first_line(e)})") from None
+            raise FieldError(f"{{path_model}} {path}: could not load the weights ({first_line(e)})") from None
     torch.manual_seed(seed)  # every rank builds the same initial model, so no broadcast is needed
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

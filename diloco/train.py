@@ -6,6 +6,11 @@ Run it with `torchrun --nproc_per_node=N -m diloco.train --path-model ... --fake
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m diloco.train`: check the flags before the heavy imports below
+    from diloco.cli import train_entry
+
+    train_entry()  # never returns; it imports this module as `diloco.train` once the flags are valid
+
 import logging
 import math
 import signal
@@ -20,13 +25,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
-from diloco import checkpoint, parallel
-from diloco.config import Config, UsageError
+from diloco import checkpoint, parallel, preflight
+from diloco.config import Config, FieldError, UsageError
 from diloco.data import Data, Shard, build_data
+from diloco.distenv import DistEnv, stop_with_launcher
+from diloco.membership import Group, JoinError
 from diloco.metrics import Metrics, peak_memory_mb, write_json_atomic
 from diloco.model import decoder_layers, load_model, params_sha256, save_hf
-from diloco.outer import DiLoCo, Group, JoinError, NoOuter, OuterLoop
-from diloco.parallel import DistEnv
+from diloco.outer import NoOuter, OuterLoop
 
 log = logging.getLogger("diloco")
 
@@ -142,16 +148,16 @@ def train_loop(run: Run) -> str:
             )
         if parallel.any_rank(run.stop.requested, run.device):  # agreed, and before a possibly long outer round
             return "interrupted"
-        outer_row = run.outer.after_inner_step(run.step)
-        if outer_row is not None:
-            run.metrics.log(outer_row)
-            if outer_row["step"] != run.step:  # this group was behind: it continues where the swarm is
-                jump_to(run, outer_row["step"])
+        outer = run.outer.after_inner_step(run.step)
+        if outer is not None:
+            if outer.row is not None:
+                run.metrics.log(outer.row)
+            jump_to(run, outer.step)  # a group that was behind continues where the swarm is
         if cfg.eval_interval and run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps:
             log_eval(run)
         if cfg.ckpt.interval and run.step % cfg.ckpt.interval == 0:
             save_checkpoint(run)
-        if outer_row is not None or (cfg.eval_interval and run.step % cfg.eval_interval == 0):
+        if outer is not None or (cfg.eval_interval and run.step % cfg.eval_interval == 0):
             tick = time.perf_counter()  # keep outer steps and evals out of the inner throughput
     return "ok"
 
@@ -205,7 +211,8 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         model.parameters(), lr=config.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY, foreach=True
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(config.max_steps, 1))
-    outer = build_outer(config, env, model, device, stop)  # joining the swarm can fail on bad input: write nothing before
+    # joining the swarm can fail on bad input: nothing is written before it
+    outer = build_outer(config, env, model, device, stop)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = Metrics.build(
         enabled=env.is_main,
@@ -235,83 +242,23 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
 def build_outer(
     config: Config, env: DistEnv, model: torch.nn.Module, device: torch.device, stop: StopRequest
 ) -> OuterLoop:
-    """Galaxy size 1: nothing (no DHT, no p2pd). Otherwise join the swarm: each rank averages its own shard
-    with the same rank of the other groups, so nothing is gathered to one rank."""
+    """Galaxy size 1: nothing (no DHT, no p2pd). Otherwise this group joins the swarm (``diloco.swarm.join``)."""
     if config.hv.galaxy_size == 1:
         return NoOuter()
-    from diloco import swarm  # the only hivemind import, and only when there is a swarm
+    from diloco import swarm  # hivemind loads only when there is a swarm
 
-    hv = config.hv
-    shards = parallel.local_shards(model)
-    dht = swarm.start_dht(
-        initial_peers=hv.initial_peers,
-        host_maddrs=[offset_port(m, env.local_rank) for m in hv.host_maddrs],
-        announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
+    group = Group(
+        rank=env.rank,
+        sum=lambda value: parallel.all_reduce_sum(value, device),
+        gather=parallel.all_gather_object,
+        broadcast=parallel.broadcast_object,
+        sha=lambda: sha_of(model, full_state_dict(model)),
     )
-    # rank r meets only rank r of groups with the same number of ranks: their shards line up
-    prefix = f"{hv.run_id}-rank{env.rank}of{env.world_size}"
+    shards = parallel.local_shards(model)
     try:
-        averager = swarm.SwarmAverager(
-            dht,
-            prefix=prefix,
-            tensors=[torch.zeros(sum(s.numel() for s in shards))],
-            compression=hv.compression,
-            matchmaking_time=hv.matchmaking_time,
-            averaging_timeout=hv.averaging_timeout,
-            target_group_size=hv.galaxy_size,
-            transport=hv.transport,
-            tcp_host=swarm.listen_host(hv.host_maddrs),
-            tcp_port=hv.averaging_port + env.local_rank if hv.averaging_port else 0,
-        )
-    except BaseException:
-        dht.shutdown()
-        raise
-    peer = swarm.SwarmPeer(dht, averager, f"{hv.run_id}-{env.world_size}ranks-progress", request_timeout=5.0)
-    try:
-        outer = DiLoCo(
-            shards,
-            peer,
-            Group(
-                rank=env.rank,
-                sum=lambda value: parallel.all_reduce_sum(value, device),
-                gather=parallel.all_gather_object,
-                broadcast=parallel.broadcast_object,
-                sha=lambda: sha_of(model, full_state_dict(model)),
-            ),
-            world_rank=hv.world_rank,
-            local_steps=hv.local_steps,
-            outer_lr=hv.outer_lr,
-            outer_momentum=hv.outer_momentum,
-            stop=lambda: stop.requested,
-            join_timeout=hv.averaging_timeout,
-            final_step=config.max_steps,
-            settle_timeout=hv.matchmaking_time + hv.averaging_timeout + 5,  # a group still in the last round
-        )
-        outer.claim_world_rank()
-        seen = swarm.rendezvous(
-            dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout, lambda: stop.requested
-        )
-        log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
-    except BaseException:
-        peer.shutdown()
-        raise
-    return outer
-
-
-def offset_port(maddr: str, offset: int) -> str:
-    """Give each local rank its own port when the user named a fixed one (port 0 stays 'any free port')."""
-    from multiaddr import Multiaddr
-
-    address = Multiaddr(maddr)
-    try:
-        port = int(address.value_for_protocol("tcp"))
-    except Exception:  # no tcp part: nothing to shift
-        return maddr
-    return maddr if port == 0 or offset == 0 else maddr.replace(f"/tcp/{port}", f"/tcp/{port + offset}", 1)
-
-
-def ckpt_folder(config: Config, run_dir: Path | None) -> Path:
-    return config.ckpt.path if config.ckpt.path is not None else run_dir / "checkpoints"
+        return swarm.join(config.hv, env, shards, group, stop=lambda: stop.requested, final_step=config.max_steps)
+    except FieldError as e:
+        raise e.within("hv") from None
 
 
 def local_state(run: Run) -> dict[str, Any]:
@@ -328,7 +275,7 @@ def local_state(run: Run) -> dict[str, Any]:
 
 def save_checkpoint(run: Run) -> None:
     folder = checkpoint.save(
-        ckpt_folder(run.config, run.run_dir),
+        preflight.ckpt_folder(run.config, run.run_dir),
         run.step,
         checkpoint.ModelAndOptimizer(run.model, run.optimizer),
         local_state(run),
@@ -394,27 +341,6 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
 # ---------------------------------------------------------------- lifecycle
 
 
-def check_before_start(config: Config, env: DistEnv) -> Path | None:
-    """Every check that needs no process group, so bad input fails before any work. Returns the resume path."""
-    config.check_files()
-    config.grad_accumulation(env.world_size)
-    if config.run_dir is not None and config.ckpt.resume is None and (config.run_dir / "metrics.jsonl").exists():
-        raise UsageError(
-            f"--run-dir {config.run_dir} already holds a run (metrics.jsonl); pick another folder or continue it "
-            "with --ckpt.resume"
-        )
-    if config.ckpt.resume is None:
-        return None
-    if config.ckpt.resume != "latest":
-        path = Path(config.ckpt.resume)
-    elif config.ckpt.path is None and config.run_dir is None:
-        raise UsageError("--ckpt.resume latest needs --ckpt.path (or --run-dir) to say where to look")
-    else:
-        path = checkpoint.latest(ckpt_folder(config, config.run_dir))
-    checkpoint.check(path, env.world_size)
-    return path
-
-
 def resolve_run_dir(config: Config) -> Path:
     """--run-dir, else runs/<run name>/worker-<world rank>; the default name is rank 0's clock (collective)."""
     if config.run_dir is not None:
@@ -426,10 +352,12 @@ def resolve_run_dir(config: Config) -> Path:
 def main(config: Config, env: DistEnv) -> int:
     """Train one worker group. Returns the exit code: 0 done, 130 stopped by a signal."""
     started = time.perf_counter()
-    resume_path = check_before_start(config, env)
+    resume_path = preflight.check_run(config, env.world_size)
+    if resume_path is not None:
+        checkpoint.check(resume_path, env.world_size)
     stop = StopRequest()
     stop.install()
-    parallel.stop_with_launcher(env)
+    stop_with_launcher(env)
     device = parallel.pick_device(env)
     parallel.init_process_group(env, device)
     run: Run | None = None
@@ -439,10 +367,10 @@ def main(config: Config, env: DistEnv) -> int:
         run = build_run(config, env, device, run_dir, stop)
         if resume_path is not None:
             resume(run, resume_path)
-        step, row = run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers)
-        jump_to(run, step)
-        if row is not None:
-            run.metrics.log(row)
+        joined = run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers)
+        jump_to(run, joined.step)
+        if joined.row is not None:
+            run.metrics.log(joined.row)
         status = train_loop(run)
         summary = finish(run, status, started)
     except KeyboardInterrupt:  # a second signal: no more collectives, just record what is known
@@ -479,8 +407,3 @@ def failed_summary(run: Run, started: float) -> dict[str, Any]:
         "wall_s": time.perf_counter() - started,
     }
 
-
-if __name__ == "__main__":
-    from diloco.cli import train_entry
-
-    train_entry()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from diloco import procs
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "tests" / "models" / "llama-2m-fresh"
 CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -25,9 +27,8 @@ FAST = [
 
 
 def child_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline")
-    env.pop("RANK", None)
-    return env
+    """One torch thread per process (the 2 cores are shared by every process a test starts); wandb offline."""
+    return procs.child_env(threads=1, WANDB_MODE="offline")
 
 
 @dataclass

@@ -11,20 +11,21 @@ from pathlib import Path
 
 import torch
 
-from diloco import swarm
 from diloco.model import load_model
+from diloco.swarm.averager import SwarmAverager
+from diloco.swarm.dht import rendezvous, start_dht
 
 
 def main(model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int, peers: list[str]) -> None:
     size = sum(p.numel() for p in load_model(Path(model_dir), seed=0).parameters())
-    dht = swarm.start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])
+    dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])
     prefix = f"{run_id}-rank0of1"
-    averager = swarm.SwarmAverager(
+    averager = SwarmAverager(
         dht, prefix=prefix, tensors=[torch.zeros(size)], matchmaking_time=3, averaging_timeout=15,
         target_group_size=galaxy,
     )  # fmt: skip
     try:
-        swarm.rendezvous(dht, f"{prefix}-members", str(world_rank), galaxy, 60)
+        rendezvous(dht, f"{prefix}-members", str(world_rank), galaxy, 60)
         for round_index in range(1, rounds + 1):
             report = averager.average([torch.full((size,), float("nan"))], round_index=round_index)
             print(f"round {round_index}: ok={report.ok} num_peers={report.num_peers}", flush=True)

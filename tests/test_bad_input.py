@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -123,6 +124,15 @@ def test_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path) -> None:
     assert_one_line_exit_2(result, expected, work)
 
 
+def test_bad_flags_fail_before_torch_is_imported(tmp_path: Path) -> None:
+    """The flags and files are checked first: a bad run costs a fraction of a second, not torch's import."""
+    result = run_cmd([sys.executable, "-X", "importtime", "-m", "diloco.train", *FAKE, "--total-batch-size", "5"],
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2 and "error: --total-batch-size 5" in result.stderr
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
+    assert "diloco" in imported and not imported & {"torch", "transformers", "hivemind"}, sorted(imported)
+
+
 def test_existing_run_dir_is_left_untouched(tmp_path: Path) -> None:
     old = occupied_run_dir(tmp_path)
     before = (old / "metrics.jsonl").read_bytes()
@@ -214,7 +224,7 @@ def test_dht_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path, busy_po
 
 
 def test_dht_with_a_readable_identity_warns_in_one_line_and_starts(tmp_path: Path) -> None:
-    from diloco.swarm import ensure_identity
+    from diloco.swarm.identity import ensure_identity
 
     identity = ensure_identity(tmp_path / "id.pem")
     identity.chmod(0o644)
@@ -278,8 +288,9 @@ def test_under_torchrun_the_rank_whose_port_is_taken_reports_it(tmp_path: Path) 
 def test_start_dht_gives_up_on_a_silent_peer_and_leaves_no_process() -> None:
     """A peer that takes no connections (its backlog is full, so SYNs are dropped, like behind a firewall): p2pd
     keeps dialing; ``start_dht`` gives up after ``startup_timeout`` and stops its DHT process and p2pd."""
-    from diloco.config import UsageError
-    from diloco.swarm import start_dht
+    from diloco.cli import as_flags
+    from diloco.config import FieldError
+    from diloco.swarm.dht import start_dht
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -292,12 +303,15 @@ def test_start_dht_gives_up_on_a_silent_peer_and_leaves_no_process() -> None:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         started = time.monotonic()
         try:
-            with pytest.raises(UsageError, match=f"--hv.initial-peers: no DHT peer answered at .*/tcp/{port}/"):
+            with pytest.raises(FieldError) as failed:
                 start_dht(initial_peers=[f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}"],
                           host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], startup_timeout=2)  # fmt: skip
         finally:
             for filler in fillers:
                 filler.close()
+    # as training reports it (the DHT's options are Config.hv's)
+    reported = str(as_flags(failed.value.within("hv")))
+    assert re.match(f"--hv.initial-peers: no DHT peer answered at .*/tcp/{port}/", reported), reported
     assert time.monotonic() - started < 10
     dialers = [p for p in psutil.process_iter(["cmdline"]) if f"/tcp/{port}/p2p/" in " ".join(p.info["cmdline"] or [])]
     started_here = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]

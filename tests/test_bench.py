@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_ok, run_cmd
+from tests.conftest import CORPUS, ROOT, assert_ok, run_cmd
 
 DILOCO = Path(sys.executable).parent / "diloco"
 
 
-def bench(name: str, tmp_path: Path) -> tuple[dict, str]:
+def bench(name: str, tmp_path: Path, *flags: str) -> tuple[dict, str]:
     doc = tmp_path / "benchmarks.md"
-    result = run_cmd([str(DILOCO), "bench", name, "--quick", "--out", str(tmp_path), "--doc", str(doc)], timeout=300)
+    command = [str(DILOCO), "bench", name, "--quick", *flags, "--out", str(tmp_path), "--doc", str(doc)]
+    result = run_cmd(command, timeout=300)
     assert_ok(result)
     return json.loads((tmp_path / f"{name}-quick.json").read_text()), doc.read_text()
 
@@ -63,7 +64,7 @@ def test_overhead_quick(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_convergence_quick(tmp_path: Path) -> None:
-    data, doc = bench("convergence", tmp_path)
+    data, doc = bench("convergence", tmp_path, "--data", str(CORPUS))
     arms = {arm["name"]: arm for arm in data["arms"]}
     assert {"single", "ddp", "m1-H5-0.7/0.9", "diloco-H5-1/0", "diloco-H10-0.7/0.9"} <= set(arms)
     tokens = {arm["tokens"] for arm in data["arms"]}
@@ -81,6 +82,46 @@ def test_convergence_quick(tmp_path: Path) -> None:
     assert rec["mean_gap_vs_ddp"] >= best["gap_vs_ddp"] - 1e-12
     assert (tmp_path / "convergence-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![eval loss against tokens](convergence-quick.png)" in doc and "Recommended outer setting" in doc
+    assert data["workload"]["corpus"] == str(CORPUS.resolve())  # which text it trained on
+    assert f"--data {CORPUS}" in data["command"]
+
+
+def test_convergence_without_a_data_file_is_one_line(tmp_path: Path) -> None:
+    """No --data, or one that is no file: one line naming --data and exit code 2, before torch is imported."""
+    for flags in ([], ["--data", str(tmp_path / "missing.txt")], ["--data", str(tmp_path)]):
+        command = [sys.executable, "-X", "importtime", "-m", "diloco", "bench", "convergence", "--quick", *flags]
+        result = run_cmd([*command, "--out", str(tmp_path)], timeout=60)
+        assert result.returncode == 2, result.output
+        said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+        assert len(said) == 1 and said[0].startswith("error: ") and "--data" in said[0], said
+        imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
+        assert "diloco" in imported and not imported & {"torch", "transformers", "hivemind"}, sorted(imported)
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_other_benches_take_no_data_flag() -> None:
+    result = run_cmd([str(DILOCO), "bench", "strategies", "--data", str(CORPUS)], timeout=60)
+    assert result.returncode == 2 and "--data" in result.stderr, result.output
+
+
+def test_bench_models_are_the_test_models(tmp_path: Path) -> None:
+    """The configs the benches write are those in tests/models, so their results compare with earlier runs."""
+    from diloco.bench import models
+
+    for name in models.MODELS:
+        written = models.write_model(name, tmp_path)
+        assert json.loads((written / "config.json").read_text()) == json.loads(
+            (ROOT / "tests" / "models" / name / "config.json").read_text()
+        ), name
+
+
+def test_bench_package_needs_no_checkout() -> None:
+    """No bench module reads the checkout's tests/ or the folder beside it: `diloco bench` runs when installed."""
+    bench_dir = ROOT / "diloco" / "bench"
+    for path in bench_dir.glob("*.py"):
+        text = path.read_text()
+        for needle in ("tests/", "shared/", '"tests"', '"shared"', "parent.parent"):
+            assert needle not in text, (path.name, needle)
 
 
 def test_bad_bench_is_one_line(tmp_path: Path) -> None:

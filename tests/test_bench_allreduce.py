@@ -52,7 +52,7 @@ def namespaces() -> set[str]:
 
 def expected_arms() -> list[str]:
     """Both transports once SwarmAverager has the parameter, hivemind's p2pd path alone before."""
-    from diloco.swarm import SwarmAverager
+    from diloco.swarm.averager import SwarmAverager
 
     return ["tcp", "p2pd"] if "transport" in inspect.signature(SwarmAverager).parameters else ["p2pd"]
 

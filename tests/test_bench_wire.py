@@ -63,7 +63,10 @@ def test_wire_quick(tmp_path: Path) -> None:
     for name in ARMS[:3]:
         arm = arms[name]
         assert arm["inner_steps"] == [data["inner_steps"]] * 2
-        assert arm["outer_rounds"] == arm["rounds_with_all_peers"] == [rounds, rounds], arm
+        # every round ran; under load a matchmaking split can leave a round to each worker alone (no bytes):
+        # both workers then count the same rounds with all peers, and the bytes per such round are compared below
+        assert arm["outer_rounds"] == [rounds, rounds], arm
+        assert 1 <= arm["rounds_with_all_peers"][0] == arm["rounds_with_all_peers"][1] <= rounds, arm
         for w in arm["workers"]:
             assert w["os_sent_bytes"] > w["payload_sent_bytes"] > 0, (name, w)
             assert w["os_received_bytes"] > w["payload_received_bytes"] > 0, (name, w)
@@ -71,7 +74,7 @@ def test_wire_quick(tmp_path: Path) -> None:
             assert w["ratio_sent"] == pytest.approx(w["os_sent_bytes"] / w["payload_sent_bytes"])
         assert arm["dht_os_sent_bytes"] > 0 and arm["dht_os_received_bytes"] > 0
     # two peers, butterfly all-reduce: each sends half its tensor and the averaged other half, about the model
-    none, fp16, int8 = (sent(arms[n], 0, "payload") / rounds for n in ARMS[:3])
+    none, fp16, int8 = (sent(arms[n], 0, "payload") / arms[n]["rounds_with_all_peers"][0] for n in ARMS[:3])
     assert data["parameter_bytes"] <= none < 1.01 * data["parameter_bytes"]
     assert 0.45 < fp16 / none < 0.55 and 0.2 < int8 / none < 0.3
     ddp = arms["ddp"]

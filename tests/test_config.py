@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco.cli import _one_line, build_app, run_app
-from diloco.config import Config, UsageError
+from diloco.cli import _one_line, as_flags, build_app, run_app
+from diloco.config import Config, FieldError, RankUsageError, UsageError
 
 from .conftest import TINY_MODEL
 
@@ -70,7 +70,9 @@ def test_unknown_key_in_toml_is_a_usage_error(tmp_path: Path, capsys: pytest.Cap
     ("world_size", "per_device", "total", "accum"), [(1, 4, 16, 4), (2, 4, 16, 2), (4, 4, 16, 1), (2, 3, 6, 1)]
 )
 def test_grad_accumulation(world_size: int, per_device: int, total: int, accum: int) -> None:
-    config = Config(path_model=TINY_MODEL, fake_data=True, per_device_train_batch_size=per_device, total_batch_size=total)
+    config = Config(
+        path_model=TINY_MODEL, fake_data=True, per_device_train_batch_size=per_device, total_batch_size=total
+    )
     assert config.grad_accumulation(world_size) == accum
 
 
@@ -94,3 +96,14 @@ def test_world_rank_must_be_below_galaxy_size() -> None:
 
     with pytest.raises(ValidationError, match="--hv.world-rank 2 must be smaller than --hv.galaxy-size 2"):
         Config(path_model=TINY_MODEL, fake_data=True, hv={"galaxy_size": 2, "world_rank": 2})
+
+
+def test_a_field_error_is_spelled_by_the_command_line() -> None:
+    """Lower layers name config fields; the layer that handed out a slice prefixes it; the CLI spells flags."""
+    error = FieldError("{world_rank} 4 is taken; ask {ckpt.resume} or {run_dir} ({not a field})", per_rank=True)
+    assert error.fields == ["world_rank", "ckpt.resume", "run_dir"]
+    assert str(error) == "world_rank 4 is taken; ask ckpt.resume or run_dir ({not a field})"
+    spelled = as_flags(error.within("hv"))
+    assert isinstance(spelled, RankUsageError)
+    assert str(spelled) == "--hv.world-rank 4 is taken; ask --hv.ckpt.resume or --hv.run-dir ({not a field})"
+    assert type(as_flags(FieldError("{dataset} x"))) is UsageError

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from diloco.config import UsageError
+from diloco.cli import as_flags
+from diloco.config import FieldError, UsageError
 from diloco.data import (
     ByteTokenizer,
     FakeBatches,
@@ -77,8 +79,9 @@ def test_bad_dataset_files(tmp_path: Path, name: str, content: str, message: str
 
 def test_dataset_too_small_for_the_ranks(tmp_path: Path) -> None:
     (tmp_path / "tiny.txt").write_text("x" * 300)
-    with pytest.raises(UsageError, match="--dataset .* need at least"):
+    with pytest.raises(FieldError) as failed:
         data(tmp_path / "tiny.txt", Shard.of(0, 2, 0, 2))
+    assert re.search("--dataset .* need at least", str(as_flags(failed.value)))  # as the command line reports it
 
 
 def test_shards_are_disjoint_across_ranks_and_groups() -> None:
@@ -136,6 +139,8 @@ def test_local_hf_tokenizer_folder(tmp_path: Path) -> None:
     tokenizer = build_tokenizer(str(tmp_path))
     assert tokenizer.encode("to be or not to be").tolist() == [2, 3, 4, 5, 2, 3]
     (tmp_path / "text.txt").write_text("to be or not to be " * 200)
-    with pytest.raises(UsageError, match="--tokenizer has 6 tokens but the model in --path-model only 4"):
+    with pytest.raises(FieldError) as failed:
         data(tmp_path / "text.txt", Shard(0, 1), tokenizer_spec=str(tmp_path), vocab_size=4)
-    assert data(tmp_path / "text.txt", Shard(0, 1), tokenizer_spec=str(tmp_path), seq_length=8).train.next_batch().max() < 6
+    assert str(as_flags(failed.value)) == "--tokenizer has 6 tokens but the model in --path-model only 4"
+    batches = data(tmp_path / "text.txt", Shard(0, 1), tokenizer_spec=str(tmp_path), seq_length=8).train
+    assert batches.next_batch().max() < 6

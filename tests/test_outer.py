@@ -1,86 +1,34 @@
-"""The outer step's arithmetic, against hand computation, with an in-memory averager across threads."""
+"""The outer step's arithmetic, against hand computation, and the outer loop's membership (joining, catching
+up, settling), with the in-memory swarm across threads."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
-from diloco.catchup import Progress, sources
-from diloco.config import UsageError
-from diloco.outer import DiLoCo, JoinError, solo_group
+from diloco.cli import as_flags
+from diloco.config import FieldError
+from diloco.membership import DiLoCo, JoinError, solo_group
+from diloco.outer import OuterReport
+from diloco.swarm.memory import Member, MemorySwarm, Report
+from diloco.swarm.progress import Progress, sources
 
 
 def approx(value: float) -> object:
     return pytest.approx(value, rel=1e-6, abs=1e-7)
 
 
-@dataclass
-class Report:
-    num_peers: int
-    seconds: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    ok: bool = True
-    rejected: int = 0
-
-
-class Hub:
-    """An in-memory swarm: the groups taking part in a round meet at a barrier and get the exact weighted
-    mean; progress records and served states live in dicts."""
-
-    def __init__(self, k: int) -> None:
-        self.barrier, self.inbox = threading.Barrier(k), {}
-        self.records: dict[int, Progress] = {}
-        self.providers: dict[str, object] = {}
-
-    def member(self, name: str) -> Member:
-        return Member(self, name)
-
-
-class Member:
-    def __init__(self, hub: Hub, name: str) -> None:
-        self.hub, self.peer_id = hub, name
-
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
-        self.hub.inbox[self.peer_id] = ([t.clone() for t in tensors], weight)
-        self.hub.barrier.wait()
-        inputs = list(self.hub.inbox.values())
-        total = sum(w for _, w in inputs)
-        for i, tensor in enumerate(tensors):
-            tensor.copy_(sum(ts[i] * w for ts, w in inputs) / total)
-        self.hub.barrier.wait()
-        return Report(num_peers=len(inputs))
-
-    def publish(self, record: Progress) -> None:
-        self.hub.records[record.world_rank] = record
-
-    def records(self) -> list[Progress]:
-        return list(self.hub.records.values())
-
-    def alive(self, peer_id: str) -> bool:
-        return peer_id in self.hub.providers
-
-    def serve_state(self, provider: object) -> None:
-        self.hub.providers[self.peer_id] = provider
-
-    def download_state(self, peer_id: str) -> object:
-        provider = self.hub.providers.get(peer_id)
-        return None if provider is None else provider()
-
-    def shutdown(self) -> None:
-        self.hub.providers.pop(self.peer_id, None)
-
-
 class Alone(Member):
     def __init__(self) -> None:
-        super().__init__(Hub(1), "alone")
+        super().__init__(MemorySwarm(1), "alone")
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
         return Report(num_peers=1)
@@ -123,7 +71,7 @@ def test_h1_outer_lr1_no_momentum_equals_data_parallel_sgd() -> None:
             (torch.nn.functional.mse_loss(reference(x), y) / k).backward()
         ref_opt.step()
 
-    hub = Hub(k)
+    hub = MemorySwarm(k)
     nets = [model() for _ in range(k)]
 
     def run_group(group: int) -> None:
@@ -132,7 +80,7 @@ def test_h1_outer_lr1_no_momentum_equals_data_parallel_sgd() -> None:
         outer = diloco(net, hub.member(f"g{group}"), lr=1.0, momentum=0.0, world_rank=group)
         for step in range(steps):
             sgd_step(net, opt, batches(step, group))
-            row = outer.after_inner_step(step + 1)
+            row = outer.after_inner_step(step + 1).row
             assert row["num_peers"] == k and row["outer_step"] == step + 1
 
     with ThreadPoolExecutor(k) as pool:
@@ -155,7 +103,7 @@ def test_nesterov_outer_step_by_hand() -> None:
             net.weight.fill_(new_local if new_local is not None else theta - 0.3)
         delta = theta - net.weight.item()
         assert outer.after_inner_step(1) is None  # not due yet: H = 2
-        row = outer.after_inner_step(2)
+        row = outer.after_inner_step(2).row
         velocity = 0.9 * velocity + delta
         theta -= 0.5 * (delta + 0.9 * velocity)
         assert row["num_peers"] == 1 and row["pseudo_grad_norm"] == approx(abs(delta))
@@ -191,9 +139,9 @@ def train_phase(outers: dict[int, DiLoCo], nets: dict[int, torch.nn.Module], ste
         opt = torch.optim.SGD(nets[group].parameters(), lr=0.05)
         for step in steps:
             sgd_step(nets[group], opt, batches(step, group))
-            row = outers[group].after_inner_step(step + 1)
-            if row is not None:
-                rows[group].append(row)
+            report = outers[group].after_inner_step(step + 1)
+            if report is not None:
+                rows[group].append(report.row)
 
     with ThreadPoolExecutor(len(outers)) as pool:
         list(pool.map(run_group, outers))
@@ -205,15 +153,16 @@ def params(net: torch.nn.Module) -> torch.Tensor:
 
 
 def test_late_joiner_loads_the_outer_state_and_is_identical_after_the_next_round() -> None:
-    hub = Hub(2)
+    hub = MemorySwarm(2)
     nets = {g: model(0) for g in (0, 1)}
     outers = {g: diloco(nets[g], hub.member(f"g{g}"), lr=0.7, momentum=0.9, h=2, world_rank=g) for g in (0, 1)}
-    assert [outers[g].join(0) for g in (0, 1)] == [(0, None), (0, None)]  # the same initial state: nothing to load
+    # the same initial state: nothing to load
+    assert [outers[g].join(0) for g in (0, 1)] == [OuterReport(0), OuterReport(0)]
     train_phase(outers, nets, range(0, 6))  # three outer steps
 
     nets[2] = model(7)  # another initialisation: it must not leak into the swarm
     outers[2] = diloco(nets[2], hub.member("g2"), lr=0.7, momentum=0.9, h=2, world_rank=2)
-    assert outers[2].join(0) == (6, None)  # the inner step count comes with the state: the LR schedule lines up
+    assert outers[2].join(0) == OuterReport(6)  # the inner step count comes with the state: the LR schedule lines up
     joined, source = outers[2], outers[0]
     assert joined.loaded_from_peers and joined.outer_step == 3 and torch.equal(joined.outer, source.outer)
     assert torch.equal(
@@ -231,7 +180,7 @@ def test_late_joiner_loads_the_outer_state_and_is_identical_after_the_next_round
 class FailsOnce(Member):
     """A member whose round `fail_round` (default: its first) fails on its side only; the others' succeeds."""
 
-    def __init__(self, hub: Hub, name: str, fail_round: int | None = None) -> None:
+    def __init__(self, hub: MemorySwarm, name: str, fail_round: int | None = None) -> None:
         super().__init__(hub, name)
         self.fail_round, self.failed = fail_round, False
 
@@ -247,7 +196,7 @@ class FailsOnce(Member):
 
 
 def test_group_whose_round_failed_reloads_the_swarm_state_at_the_next_round() -> None:
-    hub = Hub(2)
+    hub = MemorySwarm(2)
     nets = {g: model(0) for g in (0, 1)}
     members = {0: hub.member("g0"), 1: FailsOnce(hub, "g1")}
     outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.9, h=1, world_rank=g) for g in (0, 1)}
@@ -271,7 +220,7 @@ def finish_all(outers: dict[int, DiLoCo]) -> dict[int, dict | None]:
 
 
 def test_torn_last_round_the_failed_group_downloads_the_result_before_it_exports() -> None:
-    hub = Hub(2)
+    hub = MemorySwarm(2)
     nets = {g: model(0) for g in (0, 1)}
     members = {0: hub.member("g0"), 1: FailsOnce(hub, "g1", fail_round=3)}
     outers = {g: diloco(nets[g], members[g], 0.7, 0.9, h=2, world_rank=g, final_step=6) for g in (0, 1)}
@@ -285,7 +234,7 @@ def test_torn_last_round_the_failed_group_downloads_the_result_before_it_exports
 
 
 def test_a_last_step_off_the_h_grid_ends_with_a_shorter_round() -> None:
-    hub = Hub(2)
+    hub = MemorySwarm(2)
     nets = {g: model(0) for g in (0, 1)}
     outers = {g: diloco(nets[g], hub.member(f"g{g}"), 0.7, 0.9, h=3, world_rank=g, final_step=5) for g in (0, 1)}
     rows = train_phase(outers, nets, range(0, 5))
@@ -301,7 +250,7 @@ class AlwaysFails(Member):
 
 
 def test_when_the_last_round_failed_everywhere_every_group_exports_the_outer_parameters() -> None:
-    hub = Hub(2)
+    hub = MemorySwarm(2)
     nets = {g: model(0) for g in (0, 1)}
     outers = {g: diloco(nets[g], AlwaysFails(hub, f"g{g}"), 0.7, 0.9, h=2, world_rank=g, final_step=2) for g in (0, 1)}
     for g in (0, 1):
@@ -314,7 +263,7 @@ def test_when_the_last_round_failed_everywhere_every_group_exports_the_outer_par
 
 
 def test_a_finished_group_waits_a_bounded_time_for_a_live_group_still_training() -> None:
-    hub = Hub(1)
+    hub = MemorySwarm(1)
     nets = {g: model(0) for g in (0, 1)}
     outers = {g: diloco(nets[g], hub.member(f"g{g}"), 0.7, 0.9, world_rank=g, settle_timeout=1.0) for g in (0, 1)}
     for g in (0, 1):
@@ -331,7 +280,7 @@ class Unreachable(Member):
 
 
 def test_joiner_never_starts_alone_while_a_live_peer_holds_the_state() -> None:
-    hub = Hub(1)
+    hub = MemorySwarm(1)
     first = diloco(model(0), hub.member("g0"), lr=0.7, momentum=0.9, world_rank=0)
     first.join(0)
     joiner = DiLoCo(
@@ -354,7 +303,7 @@ class Vanishing(Unreachable):
 
 
 def test_a_joiner_that_saw_a_group_ahead_never_starts_alone_when_it_vanishes() -> None:
-    hub = Hub(1)
+    hub = MemorySwarm(1)
     first = diloco(model(0), hub.member("g0"), lr=0.7, momentum=0.9, world_rank=0)
     first.join(0)
     swarm = Vanishing(hub, "g1")
@@ -368,19 +317,21 @@ def test_a_joiner_that_saw_a_group_ahead_never_starts_alone_when_it_vanishes() -
 
 
 def test_a_second_group_with_a_taken_world_rank_leaves() -> None:
-    hub = Hub(1)
+    hub = MemorySwarm(1)
     running = diloco(model(0), hub.member("g0"), lr=0.7, momentum=0.0, world_rank=4)
     running.claim_world_rank()
     running.join(0)
     rival = diloco(model(0), hub.member("g0-again"), lr=0.7, momentum=0.0, world_rank=4)
-    with pytest.raises(UsageError, match="--hv.world-rank 4 is taken"):
+    with pytest.raises(FieldError) as taken:
         rival.claim_world_rank()
+    assert str(as_flags(taken.value.within("hv"))).startswith("--hv.world-rank 4 is taken")  # as training says it
     running.close()  # once the first is gone, the world rank is free again (a restarted group)
     rival.claim_world_rank()
 
 
 def record(world_rank: int, outer_step: int, digest: str, *, tainted: bool = False, settled: bool = True) -> Progress:
-    return Progress(world_rank, outer_step, outer_step * 10, digest, tainted, settled, f"t{world_rank}", (f"p{world_rank}",))
+    token, peers = f"t{world_rank}", (f"p{world_rank}",)
+    return Progress(world_rank, outer_step, outer_step * 10, digest, tainted, settled, token, peers)
 
 
 @pytest.mark.parametrize(
@@ -400,3 +351,10 @@ def record(world_rank: int, outer_step: int, digest: str, *, tainted: bool = Fal
 def test_sources_rank_states(others: list[Progress], mine: Progress, expected: list[list[int]]) -> None:
     plan = sources(others, mine, alive=lambda r: r.digest != "dead")
     assert [[r.world_rank for r in holders] for holders in plan] == expected
+
+
+def test_the_outer_loop_and_its_stand_in_swarm_never_import_hivemind() -> None:
+    """Only diloco/swarm/*'s network modules import hivemind; the outer loop talks to a protocol."""
+    code = "import sys, diloco.membership, diloco.swarm, diloco.swarm.memory; print(sorted(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "'torch'" in loaded and "hivemind" not in loaded

@@ -1,4 +1,4 @@
-"""Tests of diloco.swarm with real DHTs, p2pd daemons and averagers on 127.0.0.1 (no mocks)."""
+"""Tests of the diloco.swarm package with real DHTs, p2pd daemons and averagers on 127.0.0.1 (no mocks)."""
 
 from __future__ import annotations
 
@@ -24,17 +24,10 @@ import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
-from diloco import butterfly
-from diloco.swarm import (
-    ExactAverager,
-    RoundReport,
-    SwarmAverager,
-    ensure_identity,
-    identity_peer_id,
-    serve_dht,
-    start_dht,
-    visible_maddrs,
-)
+from diloco.swarm import tcp
+from diloco.swarm.averager import ExactAverager, RoundReport, SwarmAverager
+from diloco.swarm.dht import serve_dht, start_dht, visible_maddrs
+from diloco.swarm.identity import ensure_identity, identity_peer_id
 
 torch.set_num_threads(1)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -207,7 +200,7 @@ def test_loose_identity_permissions_warn(tmp_path: Path):
 SERVE_SCRIPT = """
 import sys
 from pathlib import Path
-from diloco.swarm import serve_dht
+from diloco.swarm.dht import serve_dht
 sys.exit(serve_dht(Path(sys.argv[1]), ["/ip4/127.0.0.1/tcp/0"], [], print_fn=lambda line: print(line, flush=True)))
 """
 
@@ -380,7 +373,7 @@ def test_peers_end_bit_identical(bootstrap, num_peers: int, transport: str):
 def test_killed_trainer_leaves_no_processes():
     """SIGKILLed trainers skip every cleanup; their DHT, averager and p2pd processes must still go away."""
     code = (
-        "import time, torch; from diloco.swarm import start_dht, SwarmAverager; "
+        "import time, torch; from diloco.swarm.dht import start_dht; from diloco.swarm.averager import SwarmAverager; "
         "dht = start_dht(initial_peers=[], host_maddrs=['/ip4/127.0.0.1/tcp/0'], announce_maddrs=[]); "
         "averager = SwarmAverager(dht, prefix='doomed', tensors=[torch.zeros(8)], matchmaking_time=1, "
         "averaging_timeout=5); print('READY', flush=True); time.sleep(60)"
@@ -412,7 +405,9 @@ def test_lone_averager_keeps_tensors(bootstrap):
         for _ in range(2):  # a second round right after the cancelled one must work too
             started = time.monotonic()
             report = averager.average(tensors)
-            assert time.monotonic() - started < 2.0 + 1.0 + 3.0
+            # it gives up once matchmaking found nobody, long before the averaging timeout (under load 12 a lone
+            # round was seen to take 8 s: the give-up waits up to 5 s for hivemind to leave matchmaking)
+            assert time.monotonic() - started < 2.0 + 10.0
             assert report.ok and report.num_peers == 1 and report.bytes_sent == 0
             assert all(torch.equal(t, o) for t, o in zip(tensors, original))
     assert bootstrap.is_alive()
@@ -445,7 +440,7 @@ def test_groupmate_dying_mid_round_reports_failure(bootstrap, transport: str):
     dht_b = start_dht(initial_peers=initial_peers, host_maddrs=LOCAL, announce_maddrs=[])
     tensors = peer_tensors(1)
     original = [t.clone() for t in tensors]
-    listening = butterfly.listen_socket("127.0.0.1", 0) if transport == "tcp" else None
+    listening = tcp.listen_socket("127.0.0.1", 0) if transport == "tcp" else None
     gather = {"tcp": [["127.0.0.1"], listening.getsockname()[1]]} if listening else None
     victim = ExactAverager([t.clone() for t in peer_tensors(2)], dht_b, start=False, prefix=f"dying-{transport}/rank0",
                            min_matchmaking_time=2.0, request_timeout=1.0, listen_socket=listening)
@@ -554,7 +549,7 @@ def test_inf_in_a_later_part_is_rejected_from_that_part_on(bootstrap, transport:
     values, later parts of that reducer's span do not, the rest of the vector is the mean of all three; no Inf."""
     numel = 1_200_000
     if transport == "tcp":  # parts of 2**18 values: spans [0], [1, 2], [3, 4]
-        part, spans = butterfly.layout(numel, 3, butterfly.RAW.part_numel)
+        part, spans = tcp.layout(numel, 3, tcp.RAW.part_numel)
         first = spans[1][0] * part  # the first part of reducer 1's span
         assert len(spans[1]) == 2
     else:  # hivemind: 512 KiB parts (131072 float32 values), and reducer 0's span holds more than two of them

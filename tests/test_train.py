@@ -141,7 +141,8 @@ def test_resume_is_bit_exact(tmp_path: Path) -> None:
     assert [r["step"] for r in metrics(resumed) if "loss" in r] == [6, 7, 8, 9, 10]
     assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
     latest = tmp_path / "latest"
-    result = torchrun([*common, "--max-steps", "12", "--run-dir", str(latest), "--ckpt.path", str(straight / "checkpoints"), "--ckpt.resume", "latest"])
+    result = torchrun([*common, "--max-steps", "12", "--run-dir", str(latest),
+                       "--ckpt.path", str(straight / "checkpoints"), "--ckpt.resume", "latest"])  # fmt: skip
     assert_ok(result)
     assert summary(latest)["steps"] == 12 and "at step 10" in result.output
 
@@ -220,7 +221,9 @@ def test_a_second_stop_signal_exits_at_once() -> None:
         "print('ready', flush=True)\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
         "    print('left', stop.requested, flush=True)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGINT)
@@ -233,7 +236,8 @@ def test_a_second_stop_signal_exits_at_once() -> None:
 
 
 def test_diverging_loss_stops_with_a_failed_summary(run_dir: Path) -> None:
-    result = python_train([*FAKE, "--max-steps", "50", "--lr", "1e30", "--warmup-steps", "0", "--run-dir", str(run_dir)])
+    diverging = ["--max-steps", "50", "--lr", "1e30", "--warmup-steps", "0"]
+    result = python_train([*FAKE, *diverging, "--run-dir", str(run_dir)])
     assert result.returncode == 1 and "loss is" in result.stderr and "Traceback" not in result.stderr
     done = summary(run_dir)
     assert done["status"] == "failed" and 0 < done["steps"] < 50 and "loss is" in done["error"]

@@ -1,8 +1,11 @@
 """`diloco bench <name>`: benchmarks that measure the trainer and record what they measured.
 
-Each bench is a module here with `measure(quick, work_dir, info) -> dict` (the figures, every one measured,
-none typed in) and `markdown(result) -> str` (a dated section for docs/benchmarks.md). `run` adds the date,
-the machine and the exact command, writes `<out>/<name>[-quick].json` and appends the section to the doc.
+Each bench is a module here with `measure(quick, work_dir, info, **options) -> dict` (the figures, every one
+measured, none typed in; `options` are the bench's own flags, e.g. convergence's `data`) and
+`markdown(result) -> str` (a dated section for docs/benchmarks.md). `run` adds the date, the machine and the
+exact command, writes `<out>/<name>[-quick].json` and appends the section to the doc. A bench needs nothing
+beside the installed package: the models it trains are written into its work dir (`bench.models`), and data
+comes from a flag.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import psutil
 
 log = logging.getLogger("diloco")
 
-MODELS = Path(__file__).resolve().parent.parent.parent / "tests" / "models"  # the checkout's tiny model configs
 DOC_HEAD = """# Benchmarks
 
 Each section below was appended by one run of `diloco bench <name>` (`--quick`: a smoke run): the date, the
@@ -88,9 +90,13 @@ def append_doc(doc: Path, section: str) -> None:
         f.write(f"{head}\n{section}")
 
 
-def command_line(name: str, quick: bool, out: Path, doc: Path, defaults: tuple[Path, Path]) -> str:
-    """The `diloco bench` command that reproduces this result."""
+def command_line(
+    name: str, quick: bool, out: Path, doc: Path, defaults: tuple[Path, Path], options: dict[str, Any] | None = None
+) -> str:
+    """The `diloco bench` command that reproduces this result (`options`: the bench's own flags)."""
     parts = ["diloco", "bench", name, *(["--quick"] if quick else [])]
+    for key, value in (options or {}).items():
+        parts += ["--" + key.replace("_", "-"), str(value)]
     if out != defaults[0]:
         parts += ["--out", str(out)]
     if doc != defaults[1]:
@@ -98,13 +104,13 @@ def command_line(name: str, quick: bool, out: Path, doc: Path, defaults: tuple[P
     return shlex.join(parts)
 
 
-
-def run(name: str, quick: bool, out: Path, doc: Path, command: str) -> Path:
-    """Run bench `name`, write `<out>/<name>[-quick].json`, append its table to `doc`. Returns the JSON path."""
+def run(name: str, quick: bool, out: Path, doc: Path, command: str, options: dict[str, Any] | None = None) -> Path:
+    """Run bench `name` (with its own flags `options`), write `<out>/<name>[-quick].json`, append its table to
+    `doc`. Returns the JSON path."""
     module = importlib.import_module(f"diloco.bench.{name}")
     info = machine()
     with tempfile.TemporaryDirectory(prefix=f"diloco-bench-{name}-") as tmp:
-        body = module.measure(quick, Path(tmp), info)
+        body = module.measure(quick, Path(tmp), info, **(options or {}))
     result = {
         "bench": name,
         "quick": quick,

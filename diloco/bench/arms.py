@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from diloco import procs
 from diloco.bench import BenchError, machine_line
+from diloco.bench.models import model_folder
 
 log = logging.getLogger("diloco")
 
@@ -32,14 +30,19 @@ ARM_TIMEOUT_S = 600.0
 class Workload:
     """What every arm of one bench trains. Tokens per inner step = seq_length × total_batch_size."""
 
-    model: Path
+    model: str | Path  # a model folder, or the name of one of `bench.models` (see `written`)
     seq_length: int
     per_device_batch: int
     total_batch: int
     steps: int  # inner steps per run
     skip: int  # warm-up steps left out of the median
 
+    def written(self, folder: Path) -> Workload:
+        """This workload with its model as a folder: a named model's config is written into `folder` first."""
+        return replace(self, model=model_folder(self.model, folder))
+
     def flags(self) -> list[str]:
+        assert isinstance(self.model, Path), "the trainer needs a model folder: call `written` first"
         return [
             "--path-model", str(self.model), "--fake-data", "--seq-length", str(self.seq_length),
             "--per-device-train-batch-size", str(self.per_device_batch), "--total-batch-size", str(self.total_batch),
@@ -89,48 +92,27 @@ def arm_command(arm: Arm, workload: Workload, run_dir: Path) -> list[str]:
     return [torchrun, "--standalone", f"--nproc_per_node={arm.nproc}", *train]
 
 
-def child_env() -> dict[str, str]:
-    """One torch thread per rank (as torchrun sets for several ranks), so arms with 1 and 2 ranks compare."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
 def run_sampled(command: list[str], log_path: Path, timeout_s: float) -> tuple[int, float]:
     """Run `command` in its own session, output to `log_path`. Returns (exit code, peak summed RSS of its
-    process tree in MiB). On timeout the whole session is killed and BenchError raised."""
+    process tree in MiB). On timeout the whole tree is killed and BenchError raised.
+
+    One torch thread per rank (as torchrun sets for several ranks), so arms with 1 and 2 ranks compare."""
     with log_path.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=procs.child_env(threads=1), start_new_session=True
+        )
     deadline = time.monotonic() + timeout_s
     peak = 0.0
     try:
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 raise BenchError(f"{shlex.join(command)} ran past {timeout_s:.0f} s (log: {log_path})")
-            peak = max(peak, tree_rss_mb(proc.pid))
+            peak = max(peak, procs.tree_rss_mb(proc.pid))
             time.sleep(SAMPLE_S)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            procs.stop_tree(proc, grace_s=0.0, sig=None)  # its DHT and averager too, which leave its session
     return proc.returncode, peak
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Summed resident set size of a process and all its descendants, in MiB (0 once it is gone)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
 
 
 def quartiles(values: list[float]) -> tuple[float, float]:

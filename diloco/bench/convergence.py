@@ -1,7 +1,7 @@
 """`diloco bench convergence`: held-out loss at equal tokens, DiLoCo against data-parallel training.
 
-Real text (tinyshakespeare beside the checkout, byte tokenizer), a ~1M-parameter llama, seq 128. For k = 2
-and 4 worker groups, every arm sees the same number of training tokens:
+Real text (the file `--data` names, e.g. tinyshakespeare; byte tokenizer), a ~1M-parameter llama, seq 128. For
+k = 2 and 4 worker groups, every arm sees the same number of training tokens:
 
 - `single`: one model at batch B for k·S steps;
 - `ddp`: one model at batch k·B for S steps (the gradient of DDP over k ranks of batch B, summed in another
@@ -10,22 +10,23 @@ and 4 worker groups, every arm sees the same number of training tokens:
   (lr, momentum) setting;
 - `m1`: DiLoCo with one group (M = 1) at batch B for k·S steps, H = 25, the paper's outer 0.7/0.9.
 
-The groups of an arm run in threads of this process and average through an in-memory exact mean, which is
-what the swarm computes with `--hv.compression none` (bit-identical in every group): the inner loop (AdamW,
-warm-up + cosine, clipping, the trainer's constants and data pipeline) and the outer step (`DiLoCo`, the
-trainer's class) are the product's own; only the transport is left out, which `allreduce` and `wire` measure.
+The groups of an arm run in threads of this process and average through the in-memory swarm
+(`diloco.swarm.memory`): an exact mean, which is what the swarm computes with `--hv.compression none`
+(bit-identical in every group). The inner loop (AdamW, warm-up + cosine, clipping, the trainer's constants and
+data pipeline) and the outer step (`DiLoCo`, the trainer's class) are the product's own; only the transport is
+left out, which `allreduce` and `wire` measure.
 The eval loss is measured on held-out text at fixed token counts (DiLoCo: the groups' common model right
 after an outer step) and at the end of every arm.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +34,16 @@ import numpy as np
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from diloco.bench import MODELS, BenchError, machine_line
+from diloco.bench import BenchError, machine_line
+from diloco.bench.models import model_folder
+from diloco.config import FieldError
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
+from diloco.membership import DiLoCo, solo_group
 from diloco.model import load_model
-from diloco.outer import DiLoCo, solo_group
+from diloco.swarm.memory import MemorySwarm
 from diloco.train import ADAMW_BETAS, GRAD_CLIP, WEIGHT_DECAY
 
-CORPUS = MODELS.parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+MODEL = "llama-1m-bytes"  # in `bench.models`
 TARGET_GAP = 0.02  # DiLoCo at H = 25 within 2% of DDP's eval loss
 OUTER_SETTINGS = ((1.0, 0.0), (0.7, 0.5), (0.7, 0.9))  # (outer lr, outer momentum)
 
@@ -48,7 +52,7 @@ OUTER_SETTINGS = ((1.0, 0.0), (0.7, 0.5), (0.7, 0.9))  # (outer lr, outer moment
 class Workload:
     """What every arm trains. Tokens per group step = batch × seq_length."""
 
-    model: Path
+    model: str | Path  # a model folder, or the name of one of `bench.models` (written into the work dir)
     seq_length: int
     batch: int  # B: sequences per group per inner step
     steps: int  # S: inner steps per group (single and M = 1 take k·S)
@@ -65,8 +69,8 @@ class Workload:
 
 def workload(quick: bool) -> Workload:
     if quick:  # a smoke run: every kind of arm, and an outer step at both H, in a few seconds of compute
-        return Workload(MODELS / "llama-1m-bytes", 32, 4, 10, 3e-3, 2, 2, 2, (2,), (5, 10), ((1.0, 0.0), (0.7, 0.9)), 5)
-    return Workload(MODELS / "llama-1m-bytes", 128, 8, 200, 3e-3, 20, 16, 4, (2, 4), (10, 25, 50, 100), OUTER_SETTINGS, 25)
+        return Workload(MODEL, 32, 4, 10, 3e-3, 2, 2, 2, (2,), (5, 10), ((1.0, 0.0), (0.7, 0.9)), 5)
+    return Workload(MODEL, 128, 8, 200, 3e-3, 20, 16, 4, (2, 4), (10, 25, 50, 100), OUTER_SETTINGS, 25)
 
 
 @dataclass(frozen=True)
@@ -96,76 +100,22 @@ def arm_specs(w: Workload) -> list[ArmSpec]:
 # ---------------------------------------------------------------- one arm
 
 
-class MeanHub:
-    """The swarm of one arm: the groups meet at a barrier and all get the exact weighted mean."""
-
-    def __init__(self, groups: int) -> None:
-        self.barrier = threading.Barrier(groups)
-        self.inbox: dict[str, tuple[torch.Tensor, float]] = {}
-        self.failed: list[str] = []  # errors of the group threads
-
-    def member(self, name: str) -> _Member:
-        return _Member(self, name)
-
-
-@dataclass
-class _Report:
-    num_peers: int
-    ok: bool = True
-    seconds: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    rejected: int = 0
-
-
-class _Member:
-    """One group's link to the hub (the `outer.Swarm` protocol; no progress records: nobody joins late)."""
-
-    def __init__(self, hub: MeanHub, peer_id: str) -> None:
-        self.hub, self.peer_id = hub, peer_id
-
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable) -> _Report:
-        self.hub.inbox[self.peer_id] = (tensors[0].clone(), weight)
-        self.hub.barrier.wait()
-        inputs = [self.hub.inbox[name] for name in sorted(self.hub.inbox)]  # one summation order: reproducible
-        total = sum(w for _, w in inputs)
-        mean = sum(t * w for t, w in inputs) / total
-        self.hub.barrier.wait()  # everyone read the inbox before the next round overwrites it
-        tensors[0].copy_(mean)
-        return _Report(num_peers=len(self.hub.inbox))
-
-    def publish(self, record: object) -> None:
-        pass
-
-    def records(self) -> list:
-        return []
-
-    def alive(self, peer_id: str) -> bool:
-        return False
-
-    def serve_state(self, provider: object) -> None:
-        pass
-
-    def download_state(self, peer_id: str) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        pass
-
-
 @dataclass
 class Corpus:
     train: np.ndarray  # (blocks, seq_length) token ids
     held_out: list[torch.Tensor]  # fixed eval batches
 
 
-def load_corpus(w: Workload) -> Corpus:
-    if not CORPUS.is_file():
-        raise BenchError(f"convergence needs the corpus at {CORPUS}")
-    train, held_out = pack(tokenize_corpus(CORPUS, ByteTokenizer()), w.seq_length)
+def load_corpus(w: Workload, data: Path) -> Corpus:
+    """`data` as byte tokens, packed into training blocks and the held-out batches every arm is evaluated on."""
+    try:
+        tokens = tokenize_corpus(data, ByteTokenizer())
+    except FieldError as e:  # the trainer's reader names the trainer's field (dataset); here it is --data
+        raise e.spelled(lambda _field: "--data") from None
+    train, held_out = pack(tokens, w.seq_length)
     batches = torch.from_numpy(held_out.astype(np.int64)).split(w.batch)
     if len(batches) < w.eval_batches:
-        raise BenchError(f"{CORPUS}: {len(batches)} held-out batches, {w.eval_batches} needed")
+        raise BenchError(f"{data}: {len(batches)} held-out batches, {w.eval_batches} needed")
     return Corpus(train, list(batches[: w.eval_batches]))
 
 
@@ -179,7 +129,7 @@ def eval_loss(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
 
 def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
     """Train one arm; returns its eval curve (tokens seen by all groups, loss) and final eval loss."""
-    hub = MeanHub(spec.groups)
+    swarm = MemorySwarm(spec.groups)
     models = [load_model(w.model, w.seed) for _ in range(spec.groups)]  # one initialisation for all groups
     tokens_per_step = spec.groups * spec.batch * w.seq_length
     every = max(spec.steps // w.evals, 1)
@@ -194,7 +144,7 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
         outer = None
         if spec.outer is not None:
             lr, momentum = spec.outer
-            outer = DiLoCo([p.data for p in model.parameters()], hub.member(f"g{g}"), solo_group(), world_rank=g,
+            outer = DiLoCo([p.data for p in model.parameters()], swarm.member(f"g{g}"), solo_group(), world_rank=g,
                            local_steps=spec.h, outer_lr=lr, outer_momentum=momentum, final_step=spec.steps)  # fmt: skip
         for step in range(1, spec.steps + 1):
             batch = data.next_batch()
@@ -206,19 +156,23 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             if not math.isfinite(loss.item()):
                 raise BenchError(f"arm {spec.name}: loss {loss.item()} at step {step}")
+            # an OuterReport after an outer step (the groups then hold one model), None between outer steps
             synced = outer is None or outer.after_inner_step(step) is not None
             if g == 0 and synced and step % every == 0 and step < spec.steps:
                 with lock:
                     curve.append((step * tokens_per_step, eval_loss(model, corpus.held_out)))
 
-    threads = [threading.Thread(target=_guard(group, g, hub), name=f"{spec.name}-g{g}") for g in range(spec.groups)]
+    threads = [
+        threading.Thread(target=swarm.guard(functools.partial(group, g)), name=f"{spec.name}-g{g}")
+        for g in range(spec.groups)
+    ]
     started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    if hub.failed:
-        raise BenchError(f"arm {spec.name}: {hub.failed[0]}")
+    if swarm.failed:
+        raise BenchError(f"arm {spec.name}: {swarm.failed[0]}")
     final = eval_loss(models[0], corpus.held_out)
     identical = all(torch.equal(p, q) for m in models[1:] for p, q in zip(models[0].parameters(), m.parameters()))
     curve.append((spec.steps * tokens_per_step, final))
@@ -231,30 +185,16 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
     }
 
 
-def _guard(fn: Callable[[int], None], g: int, hub: MeanHub) -> Callable[[], None]:
-    """A group's thread: an error is recorded and the barrier broken, so the other groups stop too."""
-
-    def target() -> None:
-        try:
-            fn(g)
-        except threading.BrokenBarrierError:
-            pass
-        except Exception as e:  # noqa: BLE001 - reported as the arm's failure
-            hub.failed.append(f"{type(e).__name__}: {e}")
-            hub.barrier.abort()
-
-    return target
-
-
-
 # ---------------------------------------------------------------- the bench
 
 
-def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
-    """Every arm, one after the other; gaps against DDP, the recommended outer setting and the target."""
+def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path) -> dict[str, Any]:
+    """Every arm, one after the other, on the text file `data`; gaps against DDP, the recommended outer setting
+    and the target."""
     log = logging.getLogger("diloco")
     w = workload(quick)
-    corpus = load_corpus(w)
+    w = replace(w, model=model_folder(w.model, work_dir / "models"))
+    corpus = load_corpus(w, data)
     threads_before, level = torch.get_num_threads(), log.level
     arms = []
     try:
@@ -274,7 +214,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
         arm["gap_vs_ddp"] = arm["final_eval_loss"] / ddp["final_eval_loss"] - 1
     params = sum(p.numel() for p in load_model(w.model, w.seed).parameters())
     return {
-        "workload": asdict(w) | {"model": str(w.model), "corpus": str(CORPUS), "parameters": params},
+        "workload": asdict(w) | {"model": str(w.model), "corpus": str(data.resolve()), "parameters": params},
         "arms": arms,
         "recommendation": recommend(arms, small_h=sorted(w.hs)[:2]),
         "target": target(arms, h=25 if 25 in w.hs else sorted(w.hs)[0]),

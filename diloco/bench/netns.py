@@ -65,6 +65,16 @@ def _shape(device: str, rate_mbit: float, netns: str | None = None) -> None:
         raise BenchError(f"{' '.join(cmd)}: {result.stderr.strip()}")
 
 
+def free_net() -> int:
+    """A second octet N for namespaces at 10.N.0.0/24 that no interface here uses yet (another bench or test
+    suite may run beside this one)."""
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    for net in [*range(100 + os.getpid() % 100, 250), *range(100, 100 + os.getpid() % 100)]:
+        if f" 10.{net}." not in used:
+            return net
+    raise BenchError("no free 10.N.0.0/24 network for the namespaces")
+
+
 @contextmanager
 def hosts(count: int, rate_mbit: float | None = None, net: int | None = None) -> Iterator[list[Host]]:
     """`count` namespaces on one bridge; with `rate_mbit`, each veth is shaped to it in both directions (so
@@ -73,7 +83,7 @@ def hosts(count: int, rate_mbit: float | None = None, net: int | None = None) ->
     if why:
         raise BenchError(f"network namespaces: {why}")
     tag = f"dl{os.getpid() % 100000}"
-    net = net if net is not None else 100 + os.getpid() % 100
+    net = net if net is not None else free_net()
     bridge = f"{tag}br"
     made: list[Host] = []
     try:

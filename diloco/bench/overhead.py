@@ -8,7 +8,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from diloco.bench import MODELS
 from diloco.bench.arms import Arm, Workload, markdown, pooled, run_arm, workload_dict
 
 __all__ = ["markdown", "measure"]
@@ -20,8 +19,8 @@ def overhead_workload(quick: bool) -> tuple[Workload, int]:
     """The workload and the repetitions of each arm."""
     if quick:
         # one repetition: a smoke run
-        return Workload(MODELS / "llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=2, steps=6, skip=2), 1
-    return Workload(MODELS / "llama-14m-fresh", seq_length=128, per_device_batch=4, total_batch=4, steps=16, skip=4), 3
+        return Workload("llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=2, steps=6, skip=2), 1
+    return Workload("llama-14m-fresh", seq_length=128, per_device_batch=4, total_batch=4, steps=16, skip=4), 3
 
 
 def overhead_arms(workload: Workload, run_id: str) -> list[Arm]:
@@ -37,11 +36,11 @@ def overhead_arms(workload: Workload, run_id: str) -> list[Arm]:
     ]
 
 
-
 def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
     """Alternate the two arms (A B A B ...) `reps` times. Returns the result document, with per-arm medians
     over all measured steps of all repetitions and their ratio (DiLoCo ÷ alone)."""
     workload, reps = overhead_workload(quick)
+    workload = workload.written(work_dir / "models")
     arms = overhead_arms(workload, f"bench-{os.getpid()}")
     runs = [run_arm(arm, workload, work_dir) for _ in range(reps) for arm in arms]
     summary = [pooled(arm, [r for r in runs if r.name == arm.name]) for arm in arms]

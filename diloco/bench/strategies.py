@@ -7,7 +7,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from diloco.bench import MODELS
 from diloco.bench.arms import Arm, Workload, markdown, run_arm, workload_dict
 
 __all__ = ["markdown", "measure"]
@@ -15,8 +14,8 @@ __all__ = ["markdown", "measure"]
 
 def strategies_workload(quick: bool) -> Workload:
     if quick:
-        return Workload(MODELS / "llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=4, steps=5, skip=2)
-    return Workload(MODELS / "llama-14m-fresh", seq_length=128, per_device_batch=4, total_batch=8, steps=16, skip=4)
+        return Workload("llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=4, steps=5, skip=2)
+    return Workload("llama-14m-fresh", seq_length=128, per_device_batch=4, total_batch=8, steps=16, skip=4)
 
 
 def strategy_arms(gpu: bool) -> list[Arm]:
@@ -36,9 +35,8 @@ def strategy_arms(gpu: bool) -> list[Arm]:
     ]
 
 
-
 def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
     """Run every strategy arm once, one after the other. Returns the result document."""
-    workload = strategies_workload(quick)
+    workload = strategies_workload(quick).written(work_dir / "models")
     arms = [run_arm(arm, workload, work_dir) for arm in strategy_arms(bool(info["gpus"]))]
     return {"workload": workload_dict(workload), "arms": [asdict(m) for m in arms]}

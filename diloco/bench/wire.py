@@ -15,21 +15,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from diloco.bench import MODELS, BenchError, machine_line, netns
-from diloco.bench.arms import Workload, child_env, workload_dict
+from diloco import procs
+from diloco.bench import BenchError, machine_line, netns
+from diloco.bench.arms import Workload, workload_dict
 from diloco.config import first_line
 
 __all__ = ["markdown", "measure"]
@@ -41,7 +40,7 @@ WORKERS = 2  # DiLoCo worker groups (one rank each), and DDP ranks: one per name
 PARAM_BYTES = 4  # float32 parameters and gradients (--precision 32-true)
 DDP_PORT = 29500  # torchrun's store in the first namespace, which holds nothing else
 DHT_START_S = 60.0  # seconds the bootstrap peer may take to print its multiaddrs
-STOP_GRACE_S = 10.0  # seconds a process gets to exit after SIGINT before its process group is killed
+STOP_GRACE_S = 10.0  # seconds a process gets to exit after SIGINT before it and its descendants are killed
 POLL_S = 0.1
 MB = 1e6
 
@@ -58,9 +57,9 @@ class WireSetup:
 def wire_setup(quick: bool) -> WireSetup:
     """Quick: a 0.26M-parameter model, 12 inner steps, H = 4. Full: 1.3M parameters, 240 steps, H = 40."""
     if quick:
-        tiny = Workload(MODELS / "llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=2, steps=12, skip=0)
+        tiny = Workload("llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=2, steps=12, skip=0)
         return WireSetup(tiny, local_steps=4, timeout_s=150.0)
-    small = Workload(MODELS / "llama-1m-fresh", seq_length=64, per_device_batch=4, total_batch=4, steps=240, skip=0)
+    small = Workload("llama-1m-fresh", seq_length=64, per_device_batch=4, total_batch=4, steps=240, skip=0)
     return WireSetup(small, local_steps=40, timeout_s=600.0)
 
 
@@ -86,22 +85,11 @@ def spawn(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def stop(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGINT `proc` if it still runs, SIGKILL its whole process group after `grace_s` seconds (and any member
-    left behind once it ended: p2pd, torchrun's ranks), then reap it."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def started(stack: ExitStack, command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """`spawn`, with `stop` registered on `stack`: the process is gone when the stack closes, error or not."""
+    """`spawn`, with `procs.stop_tree` registered on `stack`: SIGINT, STOP_GRACE_S seconds to exit, then SIGKILL to
+    whatever is left of it and its descendants (p2pd, torchrun's ranks); gone when the stack closes, error or not."""
     proc = spawn(command, log_path, env)
-    stack.callback(stop, proc)
+    stack.callback(procs.stop_tree, proc, STOP_GRACE_S)
     return proc
 
 
@@ -111,19 +99,19 @@ def last_line(log_path: Path) -> str:
     return lines[-1].strip() if lines else "(no output)"
 
 
-def wait_all(procs: list[tuple[str, subprocess.Popen[bytes], Path]], timeout_s: float) -> None:
+def wait_all(jobs: list[tuple[str, subprocess.Popen[bytes], Path]], timeout_s: float) -> None:
     """Wait until every (name, process, log) has exited with code 0; BenchError (one line) as soon as one fails
     or when `timeout_s` seconds pass."""
     deadline = time.monotonic() + timeout_s
     while True:
-        codes = [proc.poll() for _, proc, _ in procs]
-        for (name, _, log_path), code in zip(procs, codes):
+        codes = [proc.poll() for _, proc, _ in jobs]
+        for (name, _, log_path), code in zip(jobs, codes):
             if code not in (None, 0):
                 raise BenchError(f"{name} exited with code {code}: {last_line(log_path)}")
         if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline:
-            running = [name for (name, _, _), code in zip(procs, codes) if code is None]
+            running = [name for (name, _, _), code in zip(jobs, codes) if code is None]
             raise BenchError(f"{', '.join(running)} still running after {timeout_s:.0f} s")
         time.sleep(POLL_S)
 
@@ -132,7 +120,7 @@ def start_dht(stack: ExitStack, host: netns.Host, log_path: Path) -> subprocess.
     """`diloco dht` inside `host`'s namespace, listening on its address (stopped when `stack` closes)."""
     command = [*host.prefix(), sys.executable, "-m", "diloco", "dht", "--identity", str(log_path.with_suffix(".pem")),
                "--host-maddrs", f"/ip4/{host.ip}/tcp/0"]  # fmt: skip
-    return started(stack, command, log_path, child_env())
+    return started(stack, command, log_path, procs.child_env())
 
 
 def dht_peers(proc: subprocess.Popen[bytes], log_path: Path) -> list[str]:
@@ -222,14 +210,14 @@ def run_diloco(
     run_dirs = [arm_dir / f"worker-{i}" for i in range(WORKERS)]
     hosts = [*workers, dht.host]
     with ExitStack() as stack:
-        stack.callback(stop, dht.proc, 0.0)  # it holds nothing worth a graceful stop
+        stack.callback(procs.stop_tree, dht.proc, 0.0)  # it holds nothing worth a graceful stop
         peers = dht_peers(dht.proc, dht.log_path)
         commands = [diloco_command(setup, hosts[i], i, compression, peers, run_dirs[i]) for i in range(WORKERS)]
         log.info("bench arm %s: %s", name, shlex.join(commands[0]))
         before, started_at = [h.counters() for h in hosts], time.perf_counter()
-        procs = [(f"{name} worker {i}", started(stack, c, arm_dir / f"worker-{i}.log", child_env()),
-                  arm_dir / f"worker-{i}.log") for i, c in enumerate(commands)]  # fmt: skip
-        wait_all(procs, setup.timeout_s)
+        jobs = [(f"{name} worker {i}", started(stack, c, arm_dir / f"worker-{i}.log", procs.child_env()),
+                 arm_dir / f"worker-{i}.log") for i, c in enumerate(commands)]  # fmt: skip
+        wait_all(jobs, setup.timeout_s)
         wall, counted = time.perf_counter() - started_at, deltas(before, [h.counters() for h in hosts])
     done = [summary(d) for d in run_dirs]
     rows = [outer_rows(d) for d in run_dirs]
@@ -276,12 +264,12 @@ def run_ddp(setup: WireSetup, hosts: list[netns.Host], parameters: int, work_dir
     log.info("bench arm ddp: %s", shlex.join(commands[0]))
     with ExitStack() as stack:
         before, started_at = [h.counters() for h in hosts[:WORKERS]], time.perf_counter()
-        procs = []
+        jobs = []
         for i, command in enumerate(commands):
-            env = child_env() | {"GLOO_SOCKET_IFNAME": hosts[i].iface}
-            procs.append((f"ddp node {i}", started(stack, command, arm_dir / f"node-{i}.log", env),
-                          arm_dir / f"node-{i}.log"))  # fmt: skip
-        wait_all(procs, setup.timeout_s)
+            env = procs.child_env(GLOO_SOCKET_IFNAME=hosts[i].iface)
+            jobs.append((f"ddp node {i}", started(stack, command, arm_dir / f"node-{i}.log", env),
+                         arm_dir / f"node-{i}.log"))  # fmt: skip
+        wait_all(jobs, setup.timeout_s)
         wall, counted = time.perf_counter() - started_at, deltas(before, [h.counters() for h in hosts[:WORKERS]])
     steps = summary(arm_dir / "run")["steps"]
     computed = ring_allreduce_bytes(parameters, steps)
@@ -331,6 +319,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
     DiLoCo arm has a fresh bootstrap DHT peer in a namespace of its own (all started at the outset, while the
     parameters are counted, each stopped when its arm ends). Returns the result document; bytes throughout."""
     setup = wire_setup(quick)
+    setup = dataclasses.replace(setup, workload=setup.workload.written(work_dir / "models"))
     with netns.hosts(WORKERS + len(COMPRESSIONS)) as hosts, ExitStack() as stack, ThreadPoolExecutor(1) as pool:
         counting = pool.submit(count_parameters, setup.workload.model)
         workers, logs = hosts[:WORKERS], [work_dir / f"dht-{c}.log" for c in COMPRESSIONS]

@@ -1,4 +1,4 @@
-"""The TCP butterfly all-reduce on its own: peers as threads of this process, real sockets on loopback."""
+"""The TCP transport (a butterfly all-reduce) on its own: peers as threads of this process, real sockets on loopback."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ import time
 import pytest
 import torch
 
-from diloco import butterfly
-from diloco.butterfly import FP16, RAW, Listener, Round, RoundFailed, all_finite, layout, listen_socket, screen
+from diloco.screening import all_finite, screen
+from diloco.swarm import tcp
+from diloco.swarm.tcp import FP16, RAW, Listener, Round, RoundFailed, layout, listen_socket
 
 torch.set_num_threads(1)
 
 
 def run_group(
     vectors: list[torch.Tensor],
-    codec: butterfly.Codec = RAW,
+    codec: tcp.Codec = RAW,
     weights: list[float] | None = None,
     timeout: float = 5.0,
     endpoints: list[tuple[list[str], int]] | None = None,
@@ -188,8 +189,8 @@ def test_strangers_and_wrong_hosts_are_refused_and_the_round_goes_on():
     for listener, round_ in zip(listeners, rounds):
         listener.register(round_)
     stranger = socket.create_connection(("127.0.0.1", ports[1]))
-    fields = butterfly.HELLO.pack(butterfly.MAGIC, rounds[1].tag, 0, 1, 2, 50_000, rounds[1].size, b"none", 1.0)
-    stranger.sendall(fields + b"\0" * butterfly.MAC_SIZE)
+    fields = tcp.HELLO.pack(tcp.MAGIC, rounds[1].tag, 0, 1, 2, 50_000, rounds[1].size, b"none", 1.0)
+    stranger.sendall(fields + b"\0" * tcp.MAC_SIZE)
     stranger.settimeout(5)
     assert stranger.recv(1) == b""  # dropped without an answer
     stranger.close()
@@ -248,7 +249,7 @@ def test_a_local_failure_fails_the_round_instead_of_blaming_the_sender(monkeypat
     """A computation of this process that fails in a reader thread (seen on a GPU box: torch's thread pool after
     fork) must fail the round, not leave the groupmate out of an average that then passes for ok."""
     failed = threading.Event()
-    real_norm = butterfly.part_norm
+    real_norm = tcp.part_norm
 
     def flaky_norm(part: torch.Tensor) -> float:
         if threading.current_thread().name == "butterfly-_read_parts" and not failed.is_set():
@@ -256,7 +257,7 @@ def test_a_local_failure_fails_the_round_instead_of_blaming_the_sender(monkeypat
             raise RuntimeError("pool INTERNAL ASSERT FAILED: Invalid thread pool!")
         return real_norm(part)
 
-    monkeypatch.setattr(butterfly, "part_norm", flaky_norm)
+    monkeypatch.setattr(tcp, "part_norm", flaky_norm)
     outs, errors, rounds, _ = run_group([randn(600_000, seed) for seed in range(2)], timeout=2.0)
     assert failed.is_set()
     assert all(error is not None for error in errors), errors  # nobody reports ok with half an average

@@ -1,26 +1,32 @@
-"""Which worker group holds the swarm's state, for a group that joins late, resumes, or fell out of step.
+"""Progress records: what each worker group publishes in the DHT, under which key, and which group holds the
+swarm's state.
 
-Every group publishes one progress record in the DHT (its rank 0 does, at start and after each outer step).
-A group compares its own record with the live ones of the others: the swarm's state is the one with the
-highest outer step; between groups at the same outer step, a state that came out of a full average beats one
-that did not (a lone or failed round), then the state more groups hold, then the lowest world rank. This order
-is the same for everyone, so groups that diverged (a round that succeeded for some and failed for others, or
-two halves of a split swarm) converge again on one state. Plain Python: no torch, no hivemind.
+Every group publishes one record (its rank 0 does, at start and after each outer step) under one DHT key per run
+and group shape, with its world rank as the subkey. A group compares its own record with the live ones of the
+others (`sources`): the swarm's state is the one with the highest outer step; between groups at the same outer
+step, a state that came out of a full average beats one that did not (a lone or failed round), then the state
+more groups hold, then the lowest world rank. This order is the same for everyone, so groups that diverged (a
+round that succeeded for some and failed for others, or two halves of a split swarm) converge again on one state.
+
+Plain Python: the DHT is any object with hivemind's `store` / `get`, so importing this costs no hivemind.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
+
+PROGRESS_TTL = 24 * 3600.0  # seconds a group's progress record lives without a refresh (it refreshes every round)
 
 
 @dataclass(frozen=True)
 class Progress:
     """One worker group's published progress.
 
-    :param world_rank: the group's --hv.world-rank.
+    :param world_rank: the group's world rank.
     :param outer_step: outer steps applied to its outer parameters.
     :param step: inner steps done when the record was written.
     :param digest: sha256 over the outer parameters of all its ranks (equal digests: identical states).
@@ -58,6 +64,39 @@ class Progress:
         except (TypeError, KeyError):
             return None
         return record if all(isinstance(p, str) for p in record.peers) else None
+
+
+# ---------------------------------------------------------------- in the DHT
+
+
+class Store(Protocol):
+    """The part of ``hivemind.DHT`` the records need."""
+
+    def store(self, key: str, value: Any, expiration_time: float, subkey: Any = None) -> Any: ...
+
+    def get(self, key: str, latest: bool = False) -> Any: ...
+
+
+def progress_key(run_id: str, ranks: int) -> str:
+    """The DHT key of a run's records; groups of another number of ranks keep their own (their shards differ)."""
+    return f"{run_id}-{ranks}ranks-progress"
+
+
+def publish(dht: Store, key: str, record: Progress) -> None:
+    # hivemind's DHT time is the wall clock (hivemind.utils.timed_storage.get_dht_time = time.time)
+    dht.store(key, subkey=str(record.world_rank), value=record.to_dict(), expiration_time=time.time() + PROGRESS_TTL)
+
+
+def read(dht: Store, key: str) -> list[Progress]:
+    """Every group's latest record under `key` (entries that are not records are skipped)."""
+    found = dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = (Progress.from_dict(entry.value) for entry in found.value.values())
+    return [record for record in records if record is not None]
+
+
+# ---------------------------------------------------------------- who holds the swarm's state
 
 
 def sources(records: Iterable[Progress], mine: Progress, alive: Callable[[Progress], bool]) -> list[list[Progress]]:

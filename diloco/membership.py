@@ -1,0 +1,492 @@
+"""A worker group's place in the swarm: joining, its world rank, catching up with the swarm's state, the round
+of each outer step, and the end-of-run settle.
+
+`DiLoCo` is the `OuterLoop` of a group in a swarm. It runs the outer step (`diloco.outer.OuterOptimizer`) on the
+average of the groups' pseudo-gradients, and keeps every group on one state: before its first inner step and
+before each round a group compares its progress record with the others' (`diloco.swarm.progress.sources`) and
+downloads the outer state (parameters, momentum, outer step, and on joining the inner step count) from a group
+that is ahead or holds the swarm's state. So late joiners, resumed groups and groups whose round failed end
+bit-identical with the others. After the last inner step every group waits (bounded) until the live groups hold
+one final state, so all export one model.
+
+It reaches the other groups only through the `Swarm` protocol (`diloco.swarm.peer.SwarmPeer` in training, the
+in-memory `diloco.swarm.memory` in tests and benches), and the other ranks of its own group through `Group`: it
+never imports hivemind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from diloco.config import FieldError
+from diloco.outer import OuterOptimizer, OuterReport
+from diloco.screening import all_finite
+from diloco.swarm.progress import Progress, sources
+
+log = logging.getLogger("diloco")
+
+
+class JoinError(RuntimeError):
+    """This group could not take its place in the swarm (e.g. no live group ahead of it sent its state)."""
+
+
+class RoundResult(Protocol):
+    """What one averaging round reports (see `diloco.swarm.averager.RoundReport`)."""
+
+    num_peers: int  # worker groups in the round, this one included; 1 = averaged alone
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    ok: bool  # False: the round failed (or was stopped) and the tensors were left as they were
+    rejected: int  # contributions of other groups this rank rejected (non-finite, or an outlier norm)
+    transport: str  # what carried the bytes: "tcp", "p2pd", or "" (no group formed)
+
+
+State = tuple[dict[str, Any], list[torch.Tensor]]  # (small metadata, tensors) of one rank's outer state
+
+
+class Swarm(Protocol):
+    """This rank's link to the same-indexed rank of the other worker groups."""
+
+    peer_id: str  # this rank's peer id; others download this rank's state from it
+
+    def average(
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
+    ) -> RoundResult:
+        """Average in place with the groups averaging the same `round_index`; gives up when `stop()` is true."""
+        ...
+
+    def publish(self, record: Progress) -> None:
+        """Store this group's progress record (rank 0 calls it)."""
+        ...
+
+    def records(self) -> list[Progress]:
+        """Every group's latest progress record."""
+        ...
+
+    def alive(self, peer_id: str) -> bool:
+        """Whether the peer answers now."""
+        ...
+
+    def serve_state(self, provider: Callable[[], State]) -> None:
+        """Start answering state downloads of other groups with `provider()`."""
+        ...
+
+    def download_state(self, peer_id: str) -> State | None:
+        """One rank's outer state from the peer, or None when it does not answer or sends none."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Group:
+    """Collectives over the ranks of this worker group (torch.distributed in training, plain calls in tests)."""
+
+    rank: int
+    sum: Callable[[float], float]
+    gather: Callable[[Any], list[Any]]  # every rank's object, in rank order, on every rank
+    broadcast: Callable[[Any], Any]  # rank 0's object on every rank
+    sha: Callable[[], str | None]  # params_sha256 of the whole model on rank 0, None elsewhere
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def solo_group(sha: Callable[[], str | None] = lambda: None) -> Group:
+    """A worker group of one rank (tests, and single-process workers)."""
+    return Group(rank=0, sum=lambda v: v, gather=lambda o: [o], broadcast=lambda o: o, sha=sha)
+
+
+class DiLoCo:
+    """The outer loop of one worker group in a swarm (one instance per rank; methods marked collective are
+    called by every rank of the group together).
+
+    :param shards: this rank's local parameter shards, in a fixed order (the same in every group).
+    :param swarm: carries the bytes and the progress records.
+    :param group: collectives over the ranks of this group.
+    :param world_rank: this group's index in the swarm (the config's `hv.world_rank`).
+    :param local_steps: H, inner steps between outer steps.
+    :param outer_lr: outer SGD learning rate.
+    :param outer_momentum: Nesterov momentum of the outer SGD; 0 means plain SGD.
+    :param stop: true once the run was asked to stop; an averaging round then gives up.
+    :param join_timeout: seconds a joining group keeps trying to download the state from live peers before it
+        gives up (it never starts from its own state while peers with a state are alive).
+    :param final_step: the run's last inner step; it ends with an outer step even when it is not a multiple of
+        `local_steps`, so no inner step is left out of the final model. None: no last step.
+    :param settle_timeout: seconds a finished group waits for live groups that do not hold its final state yet
+        (one still in its last round, or one whose last round failed and must download).
+    """
+
+    def __init__(
+        self,
+        shards: list[torch.Tensor],
+        swarm: Swarm,
+        group: Group,
+        *,
+        world_rank: int,
+        local_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+        stop: Callable[[], bool] = lambda: False,
+        join_timeout: float = 60.0,
+        final_step: int | None = None,
+        settle_timeout: float = 30.0,
+    ) -> None:
+        self.params = OuterOptimizer(shards, outer_lr, outer_momentum)
+        self.swarm, self.group, self.world_rank = swarm, group, world_rank
+        self.local_steps, self.stop, self.join_timeout = local_steps, stop, join_timeout
+        self.final_step, self.settle_timeout = final_step, settle_timeout
+        self.step = 0  # inner steps done, as last seen; served with the state
+        self.tainted = False
+        self.settled = False
+        self.done = False
+        self.loaded_from_peers = False
+        self.downloads = 0
+        self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
+        self.token = group.broadcast(uuid.uuid4().hex)
+        self.peers = tuple(group.gather(swarm.peer_id))
+        self.shard_digest = self.digest = ""
+        self._update_digest()
+
+    @property
+    def outer(self) -> torch.Tensor:
+        """This rank's outer parameters (flat float32)."""
+        return self.params.outer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.params.optimizer
+
+    @property
+    def outer_step(self) -> int:
+        """Outer steps applied to the outer parameters (loaded ones included)."""
+        return self.params.steps
+
+    # ------------------------------------------------------------------ joining the swarm
+
+    def claim_world_rank(self) -> None:
+        """Collective, before anything is written: two running groups with one world rank would train on one
+        data shard and overwrite each other's progress record, so the later one leaves (a `FieldError` naming
+        `world_rank`)."""
+        verdict = None
+        if self.group.is_main:
+            verdict = self._rival()
+            if verdict is None:
+                self._publish()
+                time.sleep(1.0)  # a group starting at the same moment: the later record wins, the other leaves
+                verdict = self._rival()
+        verdict = self.group.broadcast(verdict)
+        if verdict is not None:
+            raise FieldError(
+                f"{{world_rank}} {self.world_rank} is taken by a running worker group (peer {verdict}); give each "
+                "group its own world rank",
+            )
+        if self.group.is_main:
+            log.info("worker group %d joined the swarm as peer %s", self.world_rank, self.peers[0])
+
+    def _rival(self) -> str | None:
+        """Peer id of another live group holding this world rank, if any."""
+        for record in self.swarm.records():
+            if record.world_rank == self.world_rank and record.token != self.token and record.peers:
+                if self.swarm.alive(record.peers[0]):
+                    return record.peers[0]
+        return None
+
+    def join(self, step: int, load_from_peers: bool = True) -> OuterReport:
+        """Collective, before the first inner step: load the swarm's state when another group is ahead, then serve
+        this group's state to others."""
+        self.step, row = step, None
+        if load_from_peers:
+            loaded = self._load_on_join()
+            if loaded is not None:
+                self.step = step = loaded
+                if self._in_round(step):  # the swarm is averaging right now: take part, adding no weight
+                    zeros = torch.zeros_like(self.outer)
+                    row = self._average_and_apply(step, zeros, weight=0.0, source=self.loaded_from)
+        elif self.group.is_main:
+            log.info("not loading the swarm's state (as asked): starting from this group's own state")
+        self.settled = True
+        self.swarm.serve_state(self._current_state)
+        self._publish()
+        return OuterReport(step, row)
+
+    def _load_on_join(self) -> int | None:
+        """Load the state of a group that is ahead, if any. Returns the inner step to continue from, or None
+        when this group is the first or the furthest (its own state is the swarm's)."""
+        deadline = time.monotonic() + self.join_timeout
+        seen: list[list[Progress]] = []  # the last non-empty plan of this join
+        while True:
+            plan, expired, stopped = self.group.broadcast(
+                (self._plan(), time.monotonic() > deadline, self.stop()) if self.group.is_main else None
+            )
+            if stopped:
+                return None  # the run stops after its first step and checkpoints this group's own state
+            if not plan and not seen:
+                if self.group.is_main:
+                    log.info("no worker group is ahead of this one: starting from this group's own state")
+                return None
+            # groups seen ahead that vanish (a DHT read that came back empty, pings lost under load) are not
+            # proof that this group is the first: keep trying them until the deadline
+            seen = plan or seen
+            loaded = self._load_from(seen)
+            if loaded is not None:
+                return loaded
+            if expired:
+                raise JoinError(
+                    f"could not download the swarm's state from {sum(map(len, seen))} live worker group(s) within "
+                    f"{self.join_timeout:.0f} s; not starting from this group's own state, which would overwrite "
+                    "a trained swarm"
+                )
+            time.sleep(1.0)
+
+    # ------------------------------------------------------------------ rounds
+
+    def _boundary(self, step: int) -> bool:
+        """Whether an outer step follows inner step `step`."""
+        return step % self.local_steps == 0 or step == self.final_step
+
+    def _round(self, step: int) -> int:
+        """Index of the round after inner step `step`: the same in every group (a last, shorter round after a
+        final step that is not a multiple of H gets the next index)."""
+        return -(-step // self.local_steps)
+
+    def _in_round(self, step: int) -> bool:
+        """Whether a group at inner step `step` with this outer step is in the round of that boundary."""
+        return self._boundary(step) and self._round(step) > self.outer_step
+
+    def after_inner_step(self, step: int) -> OuterReport | None:
+        """Collective: at a boundary, catch up with the swarm if this group is behind, then average and apply."""
+        self.step = step
+        if not self._boundary(step):
+            return None
+        pseudo_gradient = self.params.pseudo_gradient()
+        if self.group.sum(0.0 if all_finite(pseudo_gradient) else 1.0):
+            raise FloatingPointError(
+                f"the pseudo-gradient holds NaN/Inf at step {step}: stopping this group before it averages"
+            )
+        outer_before, source = self.outer_step, None
+        plan = self.group.broadcast(self._plan() if self.group.is_main else None)
+        if plan and (loaded := self._load_from(plan)) is not None:
+            source = self.loaded_from
+            if self.outer_step > outer_before:  # it was behind: go on where the swarm is
+                self.step = step = loaded
+                if not self._in_round(step):
+                    return OuterReport(step, self._row(step, source=source))
+        if self.outer_step == outer_before:
+            return OuterReport(step, self._average_and_apply(step, pseudo_gradient, 1.0, source))
+        # a group that was behind brings nothing current: it takes the others' average and adds nothing (zeros,
+        # not its stale pseudo-gradient, which reducers could rightly reject as an outlier)
+        return OuterReport(step, self._average_and_apply(step, pseudo_gradient.zero_(), 0.0, source))
+
+    def _average_and_apply(
+        self, step: int, pseudo_gradient: torch.Tensor, weight: float, source: int | None
+    ) -> dict[str, Any] | None:
+        """Collective: the round of boundary `step`, then the outer step. None when stopped during the round."""
+        log.info("outer step %d: averaging (round %d)", self.outer_step + 1, self._round(step))
+        report = self.swarm.average([pseudo_gradient], round_index=self._round(step), weight=weight, stop=self.stop)
+        if self.group.sum(1.0 if self.stop() else 0.0):
+            log.warning("outer step %d: stopped during averaging; not applied", self.outer_step + 1)
+            return None
+        ranks = len(self.peers)  # one peer id per rank of this group
+        all_ok = self.group.sum(1.0 if report.ok else 0.0) == ranks
+        num_peers = report.num_peers if all_ok else 0
+        if all_ok and self.group.sum(float(num_peers)) != num_peers * ranks:
+            log.warning("outer step %d: the ranks of this group averaged with different peers", self.outer_step + 1)
+            all_ok, num_peers = False, 0
+        if all_ok and num_peers > 1:
+            self.params.step(pseudo_gradient)
+            self.tainted = False
+        elif all_ok and weight:  # as the paper does: a group that found nobody applies its own pseudo-gradient
+            log.warning(
+                "outer step %d: no peer was ready, applying this group's own pseudo-gradient", self.outer_step + 1
+            )
+            self.params.step(pseudo_gradient)
+            self.tainted = True
+        else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
+            log.warning(
+                "outer step %d: %s; nothing applied, the inner steps carry over to the next round",
+                self.outer_step + 1, "averaging failed" if not all_ok else "missed the swarm's round",
+            )  # fmt: skip
+        self._update_digest()
+        self._publish()
+        return self._row(step, source=source, report=report, num_peers=num_peers, pseudo_gradient=pseudo_gradient)
+
+    def _row(
+        self,
+        step: int,
+        *,
+        source: int | None,
+        report: RoundResult | None = None,
+        num_peers: int = 0,
+        pseudo_gradient: torch.Tensor | None = None,
+    ) -> dict[str, Any]:
+        sha = self.group.sha()
+        # outer_digest: sha256 over the ranks' outer shards, equal in groups that share the swarm's state (the
+        # model itself differs after a round that applied nothing, until the next one)
+        row: dict[str, Any] = {"step": step, "outer_step": self.outer_step, "outer_digest": self.digest}
+        if source is not None:
+            row["loaded_state_from"] = source  # world rank of the group this one downloaded the state from
+        if report is not None and pseudo_gradient is not None:
+            row |= {
+                "num_peers": num_peers,
+                "averaging_s": report.seconds,
+                "bytes_sent": int(self.group.sum(float(report.bytes_sent))),  # all ranks of the group
+                "bytes_received": int(self.group.sum(float(report.bytes_received))),
+                "rejected": int(self.group.sum(float(report.rejected))),
+                "pseudo_grad_norm": math.sqrt(self.group.sum(float(pseudo_gradient.square().sum()))),
+            }
+            if report.transport:
+                row["transport"] = report.transport  # what carried this rank's bytes: tcp or p2pd
+        row["params_sha256"] = sha
+        return row
+
+    # ------------------------------------------------------------------ progress and state transfer
+
+    def _update_digest(self) -> None:
+        """Collective: this rank's shard digest, and the group's digest over all ranks' shards."""
+        self.shard_digest = self.params.digest()
+        self.digest = hashlib.sha256("".join(self.group.gather(self.shard_digest)).encode()).hexdigest()
+
+    def _record(self) -> Progress:
+        return Progress(
+            world_rank=self.world_rank,
+            outer_step=self.outer_step,
+            step=self.step,
+            digest=self.digest,
+            tainted=self.tainted,
+            settled=self.settled,
+            token=self.token,
+            peers=self.peers,
+            done=self.done,
+        )
+
+    def _publish(self) -> None:
+        if self.group.is_main:
+            self.swarm.publish(self._record())
+
+    def _plan(self) -> list[list[Progress]]:
+        """Rank 0: the states to load, best first (see `sources`)."""
+        return sources(self.swarm.records(), self._record(), lambda r: self.swarm.alive(r.peers[0]))
+
+    def _current_state(self) -> State:
+        """This rank's outer state as served to other groups (called from the swarm's background thread)."""
+        with self.params.lock:  # the metadata and the tensors of one moment
+            meta = {
+                "outer_step": self.outer_step,
+                "step": self.step,
+                "shard_digest": self.shard_digest,
+                "tainted": self.tainted,
+                "world_rank": self.world_rank,
+            }
+            return meta, self.params.export()
+
+    def _load_from(self, plan: list[list[Progress]]) -> int | None:
+        """Collective: download the outer state from the first group of `plan` that sends every rank the same
+        outer step. Returns the inner step to continue from, or None when no group could."""
+        outer_before = self.outer_step
+        for holders in plan:
+            for record in holders:
+                rank = self.group.rank  # rank r downloads from rank r of the other group
+                got = self.swarm.download_state(record.peers[rank]) if rank < len(record.peers) else None
+                meta = self._valid(got)
+                seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"]))
+                if any(s is None for s in seen) or len(set(seen)) != 1:
+                    if self.group.is_main:
+                        log.warning("could not load the state of worker group %d; trying the next", record.world_rank)
+                    continue
+                self._load(*got)
+                self.loaded_from = record.world_rank
+                if self.group.is_main:
+                    log.info(
+                        "loaded the outer state of worker group %d: outer step %d, inner step %d",
+                        record.world_rank, meta["outer_step"], meta["step"],
+                    )  # fmt: skip
+                # a group that was behind adopts the inner step count; one that diverged at the same outer step
+                # keeps its own (it did the same number of inner steps). Never backwards: a source that finished
+                # the round this group failed may not have reached this group's next boundary yet
+                return max(meta["step"], self.step) if meta["outer_step"] > outer_before else self.step
+        return None
+
+    def _valid(self, got: State | None) -> dict[str, Any] | None:
+        """The metadata of a downloaded state that fits this rank's shard and arrived intact, else None."""
+        if got is None:
+            return None
+        meta, tensors = got
+        try:
+            intact = hashlib.sha256(memoryview(tensors[0].contiguous().numpy())).hexdigest() == meta["shard_digest"]
+            return meta if self.params.fits(tensors) and intact and isinstance(meta["outer_step"], int) else None
+        except (IndexError, KeyError, TypeError, AttributeError, RuntimeError):
+            return None
+
+    def _load(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        with self.params.lock:
+            self.params.load(meta["outer_step"], tensors)
+            self.tainted = bool(meta["tainted"])
+        self.loaded_from_peers = True
+        self.downloads += 1
+        self._update_digest()
+
+    # ------------------------------------------------------------------ checkpoints and the end
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.params.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.params.load_state_dict(state)
+        self._update_digest()
+
+    def finish(self) -> dict[str, Any] | None:
+        """Collective, after the last inner step: announce it, then until every live group that is not done or
+        holds another state has caught up (at most `settle_timeout`), load the best state whenever another group
+        holds one (a torn last round: the groups whose round failed download the others' result). The model
+        then holds the outer parameters, so every group exports the same final model."""
+        self.done = True
+        self._publish()
+        deadline, source = time.monotonic() + self.settle_timeout, None
+        while True:
+            expired = time.monotonic() > deadline or self.stop()
+            plan, waiting, expired = self.group.broadcast(
+                (self._plan(), self._unsettled(), expired) if self.group.is_main else None
+            )
+            if plan and self._load_from(plan) is not None:
+                source = self.loaded_from
+                self._publish()
+            if not waiting or expired:
+                break
+            time.sleep(0.5)
+        if waiting and self.group.is_main:
+            log.warning("worker group(s) %s did not reach this final state within %.0f s", waiting, self.settle_timeout)
+        stale = self.group.sum(0.0 if self.params.model_is_outer() else 1.0)
+        if stale:  # the last round applied nothing here: export the swarm's model, not this group's drift
+            if self.group.is_main:
+                log.warning("the last round applied nothing: the final model is the swarm's outer parameters")
+            self.params.reset_shards()
+        if source is None and not stale:
+            return None
+        return self._row(self.step, source=source)
+
+    def _unsettled(self) -> list[int]:
+        """Rank 0: world ranks of the live groups that are not done or hold another state than this one."""
+        mine = self._record()
+        pending = [
+            r for r in self.swarm.records()
+            if r.world_rank != self.world_rank and r.settled and not (r.done and r.state == mine.state)
+        ]  # fmt: skip
+        return sorted(r.world_rank for r in pending if self.swarm.alive(r.peers[0]))
+
+    def summary(self) -> dict[str, Any]:
+        return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers}
+
+    def close(self) -> None:
+        self.swarm.shutdown()

@@ -1,0 +1,117 @@
+"""The swarm: hivemind DHT peers, averaging between worker groups, and their progress records. The only package
+that imports hivemind; the trainer comes in through one door, ``join``.
+
+One module per concept:
+
+- ``identity``: private key files and peer ids;
+- ``dht``: starting, serving (``diloco dht``) and stopping DHT peers; the rendezvous of groups at start;
+- ``addresses``: multiaddrs to listen hosts, announced hosts and per-rank ports;
+- ``progress``: the progress record each group publishes (schema, DHT key, publish, read) and which group holds
+  the swarm's state; ``peer``: one rank's ``SwarmPeer`` (DHT + averager + records);
+- ``averager``: the swarm averager (rounds with whoever is ready, bit-identical results);
+- ``codecs``: the ``--hv.compression`` wire formats on both transports;
+- ``tcp`` and ``libp2p``: the two transports that carry a round's bytes;
+- ``memory``: an in-memory stand-in for tests and benches.
+
+Importing the package itself loads no hivemind (``join`` imports what it needs): ``progress`` and ``memory`` are
+used without a network.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from diloco.config import HvConfig
+    from diloco.distenv import DistEnv
+    from diloco.membership import DiLoCo, Group
+
+log = logging.getLogger("diloco")
+
+REQUEST_TIMEOUT_S = 5.0  # a ping, or one message of a state download
+
+
+def join(
+    hv: HvConfig,
+    env: DistEnv,
+    shards: list[torch.Tensor],
+    group: Group,
+    *,
+    stop: Callable[[], bool],
+    final_step: int | None,
+) -> DiLoCo:
+    """Collective over the ranks of this worker group: start this rank's DHT peer and averager, claim the group's
+    world rank, and wait (at most ``hv.averaging_timeout``) until the other groups are there. Returns the group's
+    outer loop, which owns them all from then on (``close()`` stops them).
+
+    Each rank averages its own shard with the same rank of the other groups, so nothing is gathered to one rank;
+    rank r meets only rank r of groups with the same number of ranks, whose shards line up.
+
+    :param hv: the swarm's settings (``Config.hv``).
+    :param env: where this process sits in its group (its rank shifts fixed ports).
+    :param shards: this rank's local parameter shards, in a fixed order.
+    :param group: collectives over the ranks of this group.
+    :param stop: true once the run was asked to stop.
+    :param final_step: the run's last inner step (it always ends with an outer step).
+    :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
+        holds), naming the ``HvConfig`` field; nothing is left running.
+    """
+    import torch
+
+    from diloco.membership import DiLoCo
+    from diloco.swarm.addresses import listen_host, offset_port
+    from diloco.swarm.averager import SwarmAverager
+    from diloco.swarm.dht import rendezvous, start_dht
+    from diloco.swarm.peer import SwarmPeer
+    from diloco.swarm.progress import progress_key
+
+    dht = start_dht(
+        initial_peers=hv.initial_peers,
+        host_maddrs=[offset_port(m, env.local_rank) for m in hv.host_maddrs],
+        announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
+    )
+    prefix = f"{hv.run_id}-rank{env.rank}of{env.world_size}"
+    try:
+        averager = SwarmAverager(
+            dht,
+            prefix=prefix,
+            tensors=[torch.zeros(sum(s.numel() for s in shards))],
+            compression=hv.compression,
+            matchmaking_time=hv.matchmaking_time,
+            averaging_timeout=hv.averaging_timeout,
+            target_group_size=hv.galaxy_size,
+            transport=hv.transport,
+            tcp_host=listen_host(hv.host_maddrs),
+            tcp_port=hv.averaging_port + env.local_rank if hv.averaging_port else 0,
+        )
+    except BaseException:
+        dht.shutdown()
+        raise
+    peer = SwarmPeer(dht, averager, progress_key(hv.run_id, env.world_size), request_timeout=REQUEST_TIMEOUT_S)
+    try:
+        outer = DiLoCo(
+            shards,
+            peer,
+            group,
+            world_rank=hv.world_rank,
+            local_steps=hv.local_steps,
+            outer_lr=hv.outer_lr,
+            outer_momentum=hv.outer_momentum,
+            stop=stop,
+            join_timeout=hv.averaging_timeout,
+            final_step=final_step,
+            settle_timeout=hv.matchmaking_time + hv.averaging_timeout + 5,  # a group still in the last round
+        )
+        outer.claim_world_rank()
+        # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all
+        seen = rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout, stop)
+        if group.is_main:
+            log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
+    except BaseException:
+        peer.shutdown()
+        raise
+    return outer

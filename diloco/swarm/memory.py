@@ -1,0 +1,107 @@
+"""An in-memory swarm for worker groups that run as threads of one process: the tests of the outer loop and
+`diloco bench convergence`.
+
+The groups of a round meet at a barrier and each gets the exact weighted mean of their tensors, summed in one
+order (by peer id), which is what the real swarm computes with `--hv.compression none`: bit-identical in every
+group. Progress records and served states live in dicts. It implements `diloco.membership.Swarm`; plain torch,
+no hivemind, no network.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diloco.swarm.progress import Progress
+
+State = tuple[dict[str, Any], list[torch.Tensor]]
+
+
+@dataclass
+class Report:
+    """One round's outcome, as `diloco.swarm.averager.RoundReport` gives it."""
+
+    num_peers: int
+    ok: bool = True
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rejected: int = 0
+    transport: str = ""
+
+
+class MemorySwarm:
+    """The shared side: who averages, what they sent, the published records and the state providers.
+
+    :param groups: worker groups that take part in every round (the barrier's size; replace `barrier` with a
+        bigger one when a group joins).
+    """
+
+    def __init__(self, groups: int) -> None:
+        self.barrier = threading.Barrier(groups)
+        self.inbox: dict[str, tuple[list[torch.Tensor], float]] = {}
+        self.records: dict[int, Progress] = {}
+        self.providers: dict[str, Callable[[], State]] = {}
+        self.failed: list[str] = []  # errors of group threads (see `guard`)
+
+    def member(self, peer_id: str) -> Member:
+        return Member(self, peer_id)
+
+    def guard(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """`fn` for a group's thread: an error is recorded in `failed` and the barrier broken, so the other
+        groups stop too instead of waiting for this one forever."""
+
+        def target() -> None:
+            try:
+                fn()
+            except threading.BrokenBarrierError:
+                pass
+            except Exception as e:  # noqa: BLE001 - reported through `failed`
+                self.failed.append(f"{type(e).__name__}: {e}")
+                self.barrier.abort()
+
+        return target
+
+
+class Member:
+    """One group's link to the swarm (`diloco.membership.Swarm`)."""
+
+    def __init__(self, swarm: MemorySwarm, peer_id: str) -> None:
+        self.swarm, self.peer_id = swarm, peer_id
+
+    def average(
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
+    ) -> Report:
+        swarm = self.swarm
+        swarm.inbox[self.peer_id] = ([t.clone() for t in tensors], weight)
+        swarm.barrier.wait()
+        inputs = [swarm.inbox[name] for name in sorted(swarm.inbox)]  # one summation order: the same bytes
+        total = sum(w for _, w in inputs)
+        means = [sum(ts[i] * w for ts, w in inputs) / total for i in range(len(tensors))]
+        swarm.barrier.wait()  # everyone has read the inbox before the next round overwrites it
+        for tensor, mean in zip(tensors, means):
+            tensor.copy_(mean)
+        return Report(num_peers=len(inputs))
+
+    def publish(self, record: Progress) -> None:
+        self.swarm.records[record.world_rank] = record
+
+    def records(self) -> list[Progress]:
+        return list(self.swarm.records.values())
+
+    def alive(self, peer_id: str) -> bool:
+        return peer_id in self.swarm.providers
+
+    def serve_state(self, provider: Callable[[], State]) -> None:
+        self.swarm.providers[self.peer_id] = provider
+
+    def download_state(self, peer_id: str) -> State | None:
+        provider = self.swarm.providers.get(peer_id)
+        return None if provider is None else provider()
+
+    def shutdown(self) -> None:
+        self.swarm.providers.pop(self.peer_id, None)
