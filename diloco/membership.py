@@ -31,6 +31,7 @@ from diloco.config import FieldError
 from diloco.outer import OuterOptimizer, OuterReport
 from diloco.screening import all_finite
 from diloco.swarm.progress import Progress, sources
+from diloco.swarm.status import DIGEST_CHARS, HEARTBEAT_S, Status
 
 log = logging.getLogger("diloco")
 
@@ -71,6 +72,11 @@ class Swarm(Protocol):
 
     def records(self) -> list[Progress]:
         """Every group's latest progress record."""
+        ...
+
+    def publish_status(self, record: Status) -> None:
+        """Store this group's status record for onlookers (rank 0 calls it); returns without waiting for the
+        network, and never raises."""
         ...
 
     def alive(self, peer_id: str) -> bool:
@@ -126,6 +132,7 @@ class DiLoCo:
         `local_steps`, so no inner step is left out of the final model. None: no last step.
     :param settle_timeout: seconds a finished group waits for live groups that do not hold its final state yet
         (one still in its last round, or one whose last round failed and must download).
+    :param sharding: the group's FSDP sharding strategy, as its status record tells onlookers.
     """
 
     def __init__(
@@ -142,6 +149,7 @@ class DiLoCo:
         join_timeout: float = 60.0,
         final_step: int | None = None,
         settle_timeout: float = 30.0,
+        sharding: str = "",
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum)
         self.swarm, self.group, self.world_rank = swarm, group, world_rank
@@ -158,6 +166,10 @@ class DiLoCo:
         self.peers = tuple(group.gather(swarm.peer_id))
         self.shard_digest = self.digest = ""
         self._update_digest()
+        self.sharding = sharding
+        self.tokens_per_s: float | None = None  # of the group, from the training loop's last metrics row
+        self.last_round: tuple[int, float] | None = None  # (num_peers, wall-clock end) of the last round
+        self.status_at = -math.inf  # monotonic time of the last status record
 
     @property
     def outer(self) -> torch.Tensor:
@@ -207,6 +219,7 @@ class DiLoCo:
         """Collective, before the first inner step: load the swarm's state when another group is ahead, then serve
         this group's state to others."""
         self.step, row = step, None
+        self._publish_status("joining")
         if load_from_peers:
             loaded = self._load_on_join()
             if loaded is not None:
@@ -219,6 +232,7 @@ class DiLoCo:
         self.settled = True
         self.swarm.serve_state(self._current_state)
         self._publish()
+        self._publish_status("training")
         return OuterReport(step, row)
 
     def _load_on_join(self) -> int | None:
@@ -320,6 +334,8 @@ class DiLoCo:
             )  # fmt: skip
         self._update_digest()
         self._publish()
+        self.last_round = (num_peers, time.time())
+        self._publish_status("training")
         return self._row(step, source=source, report=report, num_peers=num_peers, pseudo_gradient=pseudo_gradient)
 
     def _row(
@@ -437,6 +453,38 @@ class DiLoCo:
         self.downloads += 1
         self._update_digest()
 
+    # ------------------------------------------------------------------ status for onlookers
+
+    def progress(self, row: dict[str, Any]) -> None:
+        """After each metrics row of the training loop: keep its throughput, and send a heartbeat (rank 0, at most
+        every `HEARTBEAT_S`; it never waits for the network, so the inner step does not either)."""
+        self.tokens_per_s = row.get("tokens_per_s", self.tokens_per_s)
+        if time.monotonic() - self.status_at >= HEARTBEAT_S:
+            self._publish_status("training", step=row.get("step", self.step))
+
+    def _publish_status(self, state: str, step: int | None = None) -> None:
+        """Rank 0: this group's status record (`diloco.swarm.status`) as of inner step `step` (default: the last
+        one the outer loop saw)."""
+        if not self.group.is_main:
+            return
+        self.status_at = time.monotonic()
+        round_peers, round_at = self.last_round or (None, None)
+        record = Status(
+            world_rank=self.world_rank,
+            ranks=len(self.peers),
+            sharding=self.sharding,
+            state=state,
+            step=self.step if step is None else step,
+            max_steps=self.final_step,
+            outer_step=self.outer_step,
+            tokens_per_s=self.tokens_per_s,
+            digest=self.digest[:DIGEST_CHARS],
+            round_peers=round_peers,
+            round_at=round_at,
+            heard_at=time.time(),
+        )
+        self.swarm.publish_status(record)
+
     # ------------------------------------------------------------------ checkpoints and the end
 
     def state_dict(self) -> dict[str, Any]:
@@ -453,6 +501,7 @@ class DiLoCo:
         then holds the outer parameters, so every group exports the same final model."""
         self.done = True
         self._publish()
+        self._publish_status("done")
         deadline, source = time.monotonic() + self.settle_timeout, None
         while True:
             expired = time.monotonic() > deadline or self.stop()
@@ -489,4 +538,8 @@ class DiLoCo:
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers}
 
     def close(self) -> None:
-        self.swarm.shutdown()
+        """Tell onlookers how this group left, then leave the swarm."""
+        try:
+            self._publish_status("stopped" if self.stop() else "finished" if self.done else "failed")
+        finally:
+            self.swarm.shutdown()

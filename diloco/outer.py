@@ -43,6 +43,11 @@ class OuterLoop(Protocol):
         """Run the outer step when one is due (its report always has a row); None when none was due."""
         ...
 
+    def progress(self, row: dict[str, Any]) -> None:
+        """After each metrics row of the inner loop (``step``, ``tokens_per_s``, ...): what the outer loop may
+        tell others about this group's training; must return at once (no network waits)."""
+        ...
+
     def finish(self) -> dict[str, Any] | None:
         """After the last inner step of a run that was not stopped: end with the swarm's final state; return a
         metrics row when that changed the model, else None."""
@@ -65,6 +70,9 @@ class NoOuter:
 
     def after_inner_step(self, step: int) -> OuterReport | None:
         return None
+
+    def progress(self, row: dict[str, Any]) -> None:
+        pass
 
     def finish(self) -> dict[str, Any] | None:
         return None

@@ -7,14 +7,15 @@ One module per concept:
 - ``dht``: starting, serving (``diloco dht``) and stopping DHT peers; the rendezvous of groups at start;
 - ``addresses``: multiaddrs to listen hosts, announced hosts and per-rank ports;
 - ``progress``: the progress record each group publishes (schema, DHT key, publish, read) and which group holds
-  the swarm's state; ``peer``: one rank's ``SwarmPeer`` (DHT + averager + records);
+  the swarm's state; ``status``: the status record onlookers read (``diloco status``), and ``monitor``, that
+  command's table; ``peer``: one rank's ``SwarmPeer`` (DHT + averager + records);
 - ``averager``: the swarm averager (rounds with whoever is ready, bit-identical results);
 - ``codecs``: the ``--hv.compression`` wire formats on both transports;
 - ``tcp`` and ``libp2p``: the two transports that carry a round's bytes;
 - ``memory``: an in-memory stand-in for tests and benches.
 
-Importing the package itself loads no hivemind (``join`` imports what it needs): ``progress`` and ``memory`` are
-used without a network.
+Importing the package itself loads no hivemind (``join`` imports what it needs): ``progress``, ``status`` and
+``memory`` are used without a network, and ``monitor`` loads hivemind only when it starts its client peer.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def join(
     *,
     stop: Callable[[], bool],
     final_step: int | None,
+    sharding: str = "",
 ) -> DiLoCo:
     """Collective over the ranks of this worker group: start this rank's DHT peer and averager, claim the group's
     world rank, and wait (at most ``hv.averaging_timeout``) until the other groups are there. Returns the group's
@@ -57,6 +59,7 @@ def join(
     :param group: collectives over the ranks of this group.
     :param stop: true once the run was asked to stop.
     :param final_step: the run's last inner step (it always ends with an outer step).
+    :param sharding: the group's FSDP sharding strategy (``Config.sharding_strategy``), for its status record.
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
         holds), naming the ``HvConfig`` field; nothing is left running.
     """
@@ -68,6 +71,7 @@ def join(
     from diloco.swarm.dht import rendezvous, start_dht
     from diloco.swarm.peer import SwarmPeer
     from diloco.swarm.progress import progress_key
+    from diloco.swarm.status import status_key
 
     dht = start_dht(
         initial_peers=hv.initial_peers,
@@ -91,7 +95,9 @@ def join(
     except BaseException:
         dht.shutdown()
         raise
-    peer = SwarmPeer(dht, averager, progress_key(hv.run_id, env.world_size), request_timeout=REQUEST_TIMEOUT_S)
+    peer = SwarmPeer(
+        dht, averager, progress_key(hv.run_id, env.world_size), REQUEST_TIMEOUT_S, status_key=status_key(hv.run_id)
+    )
     try:
         outer = DiLoCo(
             shards,
@@ -105,6 +111,7 @@ def join(
             join_timeout=hv.averaging_timeout,
             final_step=final_step,
             settle_timeout=hv.matchmaking_time + hv.averaging_timeout + 5,  # a group still in the last round
+            sharding=sharding,
         )
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all

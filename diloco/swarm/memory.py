@@ -3,8 +3,8 @@
 
 The groups of a round meet at a barrier and each gets the exact weighted mean of their tensors, summed in one
 order (by peer id), which is what the real swarm computes with `--hv.compression none`: bit-identical in every
-group. Progress records and served states live in dicts. It implements `diloco.membership.Swarm`; plain torch,
-no hivemind, no network.
+group. Progress and status records and served states live in dicts. It implements `diloco.membership.Swarm`;
+plain torch, no hivemind, no network.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from diloco.swarm.progress import Progress
+from diloco.swarm.status import Status
 
 State = tuple[dict[str, Any], list[torch.Tensor]]
 
@@ -45,6 +46,7 @@ class MemorySwarm:
         self.barrier = threading.Barrier(groups)
         self.inbox: dict[str, tuple[list[torch.Tensor], float]] = {}
         self.records: dict[int, Progress] = {}
+        self.statuses: dict[int, Status] = {}
         self.providers: dict[str, Callable[[], State]] = {}
         self.failed: list[str] = []  # errors of group threads (see `guard`)
 
@@ -92,6 +94,9 @@ class Member:
 
     def records(self) -> list[Progress]:
         return list(self.swarm.records.values())
+
+    def publish_status(self, record: Status) -> None:
+        self.swarm.statuses[record.world_rank] = record
 
     def alive(self, peer_id: str) -> bool:
         return peer_id in self.swarm.providers

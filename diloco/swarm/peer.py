@@ -1,35 +1,51 @@
 """One trainer rank's place in the swarm: its DHT peer (with p2pd), its averager, and the worker groups' progress
-records (``diloco.swarm.progress``). ``SwarmPeer`` is the ``diloco.membership.Swarm`` the outer loop talks to."""
+records (``diloco.swarm.progress``) and status records (``diloco.swarm.status``). ``SwarmPeer`` is the
+``diloco.membership.Swarm`` the outer loop talks to."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from functools import partial
 
 import hivemind
 import torch
 from hivemind.p2p import PeerID
 
-from diloco.swarm import progress
+from diloco.swarm import progress, status
 from diloco.swarm.averager import RoundReport, SwarmAverager
 from diloco.swarm.progress import Progress
+from diloco.swarm.status import Status
+
+log = logging.getLogger("diloco")
+
+LAST_STATUS_WAIT_S = 1.0  # at shutdown, seconds to wait for status stores under way (the group's last record)
 
 State = tuple[dict, list[torch.Tensor]]
 
 
 class SwarmPeer:
-    """Implements ``diloco.membership.Swarm``; ``shutdown`` stops the averager, then the DHT.
+    """Implements ``diloco.membership.Swarm``; ``shutdown`` stops the averager, then the DHT (after the status
+    stores under way, at most ``LAST_STATUS_WAIT_S``).
 
     :param dht: this rank's running DHT peer (owned from now on).
     :param averager: averages with the same rank of the other groups (owned from now on).
     :param progress_key: DHT key of the groups' progress records (``progress.progress_key``).
     :param request_timeout: seconds to wait for a peer's answer (a ping, each message of a state download).
+    :param status_key: DHT key of the groups' status records (``status.status_key``).
     """
 
-    def __init__(self, dht: hivemind.DHT, averager: SwarmAverager, progress_key: str, request_timeout: float):
+    def __init__(
+        self, dht: hivemind.DHT, averager: SwarmAverager, progress_key: str, request_timeout: float, status_key: str
+    ):
         self.dht, self.averager = dht, averager
-        self.progress_key, self.request_timeout = progress_key, request_timeout
+        self.progress_key, self.request_timeout, self.status_key = progress_key, request_timeout, status_key
         self.peer_id = averager.peer_id
+        self._storing: set[Future] = set()  # status stores under way (a future nobody holds drops its result)
+        self._status_failed = False  # one warning, not one per heartbeat
 
     def average(
         self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
@@ -41,6 +57,28 @@ class SwarmPeer:
 
     def records(self) -> list[Progress]:
         return progress.read(self.dht, self.progress_key)
+
+    def publish_status(self, record: Status) -> None:
+        """Returns at once: the DHT process stores it while training goes on; a failure is logged once."""
+        try:
+            future = status.publish(self.dht, self.status_key, record, return_future=True)
+        except Exception as e:  # noqa: BLE001 - a DHT that is shutting down (its pipe closed): never stop training
+            self._status_not_stored(e)
+            return
+        self._storing.add(future)
+        future.add_done_callback(self._stored)
+
+    def _stored(self, future: Future) -> None:
+        """On hivemind's future thread, once a status store ended."""
+        self._storing.discard(future)
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or error is not None or not future.result():
+            self._status_not_stored(error or "no DHT peer stored it")
+
+    def _status_not_stored(self, why: object) -> None:
+        if not self._status_failed:
+            self._status_failed = True
+            log.warning("could not publish this group's status record (%s); training goes on", why)
 
     def alive(self, peer_id: str) -> bool:
         try:
@@ -55,6 +93,10 @@ class SwarmPeer:
         return self.averager.download_state(peer_id, self.request_timeout)
 
     def shutdown(self) -> None:
+        deadline = time.monotonic() + LAST_STATUS_WAIT_S
+        for future in list(self._storing):
+            with contextlib.suppress(Exception):  # a failure or a timeout: `_stored` logs it, or nobody needs it
+                future.result(timeout=max(deadline - time.monotonic(), 0.0))
         try:
             self.averager.shutdown()
         finally:
