@@ -69,6 +69,7 @@ Precision = Literal["fp16-mixed", "bf16-mixed", "32-true"]
 ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]
 Compression = Literal["none", "fp16", "int8"]
 Transport = Literal["tcp", "p2pd"]
+METRIC_SINKS = ("dummy", "tensorboard", "wandb")  # what --metric-logger-type may list; dummy adds no sink
 Maddrs = Annotated[list[str], Parameter(consume_multiple=True)]
 
 
@@ -188,8 +189,10 @@ class Config(_Strict):
     cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     torch_compile: bool = Field(True, description="Compile each decoder layer with torch.compile.")
-    metric_logger_type: Literal["dummy", "wandb"] = Field(
-        "dummy", description="Extra metric sink besides metrics.jsonl."
+    metric_logger_type: str = Field(
+        "dummy",
+        description="Extra metric sinks besides metrics.jsonl, comma-separated: dummy (none), tensorboard "
+        "(event files in <run dir>/tensorboard), wandb; e.g. tensorboard,wandb.",
     )
     project: str = Field("diloco", description="wandb project name.")
     seed: int = Field(42, ge=0, description="Seed for initialisation, data order and fake data.")
@@ -200,6 +203,22 @@ class Config(_Strict):
     run_dir: Path | None = Field(None, description="Output folder [default: runs/<run name>/worker-<hv.world-rank>].")
     ckpt: Annotated[CkptConfig, Parameter(name="ckpt")] = Field(default_factory=CkptConfig)
     hv: Annotated[HvConfig, Parameter(name="hv")] = Field(default_factory=HvConfig)
+
+    @field_validator("metric_logger_type")
+    @classmethod
+    def _known_sinks(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",")]
+        unknown = [name for name in names if name not in METRIC_SINKS]
+        if unknown:
+            raise ValueError(
+                f"unknown metric sink {unknown[0]!r}: choose from {', '.join(METRIC_SINKS)}, comma-separated to combine"
+            )
+        return ",".join(dict.fromkeys(names))
+
+    @property
+    def metric_sinks(self) -> list[str]:
+        """The extra sinks --metric-logger-type names, in order, without ``dummy`` (which adds none)."""
+        return [name for name in self.metric_logger_type.split(",") if name != "dummy"]
 
     @model_validator(mode="after")
     def _one_data_source(self) -> Config:
