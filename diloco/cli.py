@@ -15,7 +15,7 @@ import pydantic
 from cyclopts import App, Parameter
 
 from diloco import preflight
-from diloco.config import Config, FieldError, RankUsageError, UsageError
+from diloco.config import Config, FieldError, HvConfig, RankUsageError, UsageError
 from diloco.distenv import DistEnv
 
 USAGE_EXIT = 2
@@ -54,6 +54,52 @@ def dht(
     return serve_dht(identity, host_maddrs, announce_maddrs)  # its FieldErrors name this command's parameters
 
 
+_DEFAULT_RUN_ID = HvConfig.model_fields["run_id"].default  # the run id a worker group uses when given none
+
+
+class _HvFlags(pydantic.BaseModel):
+    """The ``--hv.*`` flags of a command other than train, checked as training checks them (errors name
+    ``--hv.<field>``)."""
+
+    hv: HvConfig
+
+
+def status(
+    *,
+    initial_peers: Annotated[list[str], Parameter(name="--hv.initial-peers", consume_multiple=True, negative="", help=(
+        "Multiaddrs of DHT peers of the run, each ending in /p2p/ and the peer id, as `diloco dht` prints them."
+    ))] = [],  # noqa: B006
+    run_id: Annotated[str, Parameter(name="--hv.run-id", help=(
+        "The run's swarm name (its groups' --hv.run-id)."
+    ))] = _DEFAULT_RUN_ID,
+    watch: Annotated[float | None, Parameter(help="Redraw every SECONDS until Ctrl+C (then exit 0).")] = None,
+    as_json: Annotated[bool, Parameter(name="--json", negative="", help=(
+        "One JSON object (run_id, time, groups) instead of the table; with --watch, one per line."
+    ))] = False,
+) -> int:  # fmt: skip
+    """Show the worker groups of a run, one row each: step, outer step, tokens/s, last round, when last heard.
+
+    Joins the DHT as a client (no training, no averaging) and reads the status records the groups publish.
+
+    Exit codes:
+      0  shown (or --watch ended by Ctrl+C)
+      1  no DHT peer answered at --hv.initial-peers
+      2  bad flags
+      3  no worker group of --hv.run-id published a status in the last 3 minutes"""
+    from diloco.swarm import monitor  # plain Python: hivemind only once the flags are valid
+
+    _HvFlags(hv={"initial_peers": initial_peers, "run_id": run_id})
+    if watch is not None and watch <= 0:
+        raise UsageError(f"--watch {watch:g}: give a positive number of seconds")
+    try:
+        return monitor.show(initial_peers, run_id, watch, as_json)
+    except monitor.StatusError as e:
+        print(f"error: {_one_line(as_flags(e.within('hv')))}", file=sys.stderr)
+        return e.exit_code
+    except FieldError as e:
+        raise e.within("hv") from None
+
+
 def launch(
     *train_args: Annotated[str, Parameter(help="Flags for every worker group's `diloco.train`, after `--`.")],
     workers: Annotated[int, Parameter(help="Worker groups to start (the galaxy size).")] = 2,
@@ -70,6 +116,25 @@ def launch(
     seen[0].grad_accumulation(nproc_per_worker)
     _setup_logging(0)
     return launcher.launch(seen[0], list(train_args), workers, nproc_per_worker)
+
+
+def plot(
+    *run_dirs: Annotated[Path, Parameter(help="Run folders; each folder under them holding a metrics.jsonl is one "
+                                              "worker group (runs/<name>/worker-0, worker-1, ...).")],  # fmt: skip
+    output: Annotated[Path | None, Parameter(name=["--output", "-o"], help="PNG to write [default: "
+                                             "<first RUN_DIR>/loss.png].")] = None,  # fmt: skip
+) -> int:
+    """Train and eval loss of every worker group against inner step and wall-clock, outer steps marked, in one
+    PNG: `diloco plot runs/<name> -o loss.png`."""
+    from diloco.plot import plot_runs  # plain Python until the folders are read: matplotlib only to draw
+
+    if not run_dirs:
+        raise UsageError("plot needs at least one RUN_DIR (a run folder holding metrics.jsonl files)")
+    if output is not None and output.suffix.lower() != ".png":
+        raise UsageError(f"--output {output}: must be a .png file")
+    _setup_logging(0)
+    plot_runs(list(run_dirs), output)
+    return 0
 
 
 BENCH_OUT = Path("docs/bench")
@@ -152,6 +217,8 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
         "exit_on_error": False,
         "result_action": "return_value",
         "default_parameter": Parameter(allow_repeating=True),  # argparse habit: a repeated flag's last value wins
+        # plain text: markdown would swallow `<run name>` in "runs/<run name>/worker-<...>" as an HTML tag
+        "help_format": "plaintext",
     }
     if train_only:
         return App(name="diloco.train", default_command=train_command, help=train.__doc__, **common)
@@ -159,7 +226,9 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
     app = App(name="diloco", help=about, **common)
     app.command(train_command, name="train")
     app.command(dht)
+    app.command(status)
     app.command(launch)
+    app.command(plot)
     bench = App(name="bench", help="Measure the trainer; write JSON and append a dated table to a document.")
     for name in BENCH_HELP:
         bench.command(_bench_command(name), name=name)

@@ -203,6 +203,7 @@ class Data:
     train: BatchSource
     eval_batches: list[torch.Tensor]  # this rank's held-out batches; empty when there is no eval split
     tokens_per_batch: int
+    about: str = ""  # one line for the start-up banner: what the data is and how much of it
 
 
 def build_data(
@@ -223,14 +224,16 @@ def build_data(
     if dataset is None:
         fake = FakeBatches(vocab_size, seq_length, shard, batch_size, seed)
         held_out = FakeBatches(vocab_size, seq_length, eval_shard, batch_size, seed + 1_000_003)
-        return Data(fake, [held_out.next_batch() for _ in range(eval_steps)], tokens_per_batch)
+        about = f"fake (random tokens of {vocab_size}, seed {seed})"
+        return Data(fake, [held_out.next_batch() for _ in range(eval_steps)], tokens_per_batch, about)
 
     tokenizer = build_tokenizer(tokenizer_spec)
     if tokenizer.vocab_size > vocab_size:
         raise FieldError(
             f"{{tokenizer}} has {tokenizer.vocab_size} tokens but the model in {{path_model}} only {vocab_size}"
         )
-    train_blocks, eval_blocks = pack(tokenize_corpus(dataset, tokenizer), seq_length)
+    tokens = tokenize_corpus(dataset, tokenizer)
+    train_blocks, eval_blocks = pack(tokens, seq_length)
     needed = shard.count * batch_size
     if len(train_blocks) < needed:
         raise FieldError(
@@ -238,7 +241,11 @@ def build_data(
             f"{shard.count} ranks × {{per_device_train_batch_size}} {batch_size} need at least {needed}"
         )
     train = BlockBatches(train_blocks, shard, batch_size, seed)
-    return Data(train, _eval_batches(eval_blocks, eval_shard, batch_size, eval_steps), tokens_per_batch)
+    about = (
+        f"{dataset.name}: {len(tokens):,} tokens, {len(train_blocks):,} train / {len(eval_blocks):,} held-out blocks "
+        f"of {seq_length} ({len(train.blocks):,} train blocks for this rank)"
+    )
+    return Data(train, _eval_batches(eval_blocks, eval_shard, batch_size, eval_steps), tokens_per_batch, about)
 
 
 def _eval_batches(blocks: np.ndarray, shard: Shard, batch_size: int, eval_steps: int) -> list[torch.Tensor]:

@@ -100,7 +100,8 @@ def launch(config: Config, train_args: Sequence[str], workers: int, nproc_per_wo
         peers = visible_maddrs(dht)
         log.info("DHT up: --hv.initial-peers %s", " ".join(peers))
         if config.run_dir is None and config.run_name is None:
-            train_args = [*train_args, "--run-name", time.strftime("%Y%m%d-%H%M%S")]
+            config = config.model_copy(update={"run_name": time.strftime("%Y%m%d-%H%M%S")})
+            train_args = [*train_args, "--run-name", config.run_name]
         for rank in range(workers):
             args = worker_args(config, train_args, rank, workers, peers)
             group.start(f"worker-{rank}", worker_command(nproc_per_worker, args))
@@ -110,6 +111,7 @@ def launch(config: Config, train_args: Sequence[str], workers: int, nproc_per_wo
             log.info("stopping %d worker groups", workers)
         group.stop(STOP_GRACE_S)
         log.info("worker groups ended with exit codes %s", [p.returncode for p in group.procs])
+        report(run_root(config), workers)
         return 130 if stop.is_set() else group.exit_code()
     finally:
         group.stop(0)
@@ -117,6 +119,29 @@ def launch(config: Config, train_args: Sequence[str], workers: int, nproc_per_wo
         log.info("DHT stopped")
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run_root(config: Config) -> Path:
+    """The folder holding every group's run folder (`worker-<world rank>`), as `worker_args` and the trainer
+    name them."""
+    return config.run_dir if config.run_dir is not None else Path("runs") / str(config.run_name)
+
+
+def report(root: Path, workers: int) -> None:
+    """The verdict table over the groups' run folders, and a loss plot beside them (a plot that fails is a warning:
+    the runs themselves are done and written)."""
+    from diloco.console import read_group, verdict
+
+    folders = [root / f"worker-{rank}" for rank in range(workers)]
+    print(verdict([read_group(folder) for folder in folders]), flush=True)
+    if not any((folder / "metrics.jsonl").is_file() for folder in folders):
+        return
+    try:
+        from diloco.plot import plot_runs
+
+        log.info("loss plot: %s", plot_runs([root], root / "loss.png"))
+    except Exception as e:  # noqa: BLE001 - matplotlib or a half-written file must not turn a good run into a failure
+        log.warning("could not draw the loss plot: %s", e)
 
 
 def _second_signal_kills(stop: threading.Event) -> None:

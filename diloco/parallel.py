@@ -22,6 +22,13 @@ def pick_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
+def describe_device(device: torch.device) -> str:
+    """For the start-up banner: the accelerator's name, or the CPU."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} torch threads)"
+
+
 def init_process_group(env: DistEnv, device: torch.device, timeout_s: float = 600) -> None:
     """nccl for accelerator tensors plus gloo for CPU-side objects; plain gloo on CPU."""
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -30,6 +37,11 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float = 60
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:  # a plain `python -m diloco.train`: a group of one, no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def backend() -> str:
+    """The process group's backend (gloo, or cpu:gloo,cuda:nccl)."""
+    return str(dist.get_backend())
 
 
 def barrier() -> None:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
-from diloco import checkpoint, parallel, preflight
+from diloco import checkpoint, console, parallel, preflight
 from diloco.config import Config, FieldError, UsageError
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
@@ -137,15 +137,15 @@ def train_loop(run: Run) -> str:
             if not math.isfinite(run.last_loss):
                 raise FloatingPointError(f"loss is {run.last_loss} at step {run.step}: stopping this group")
             elapsed, tick = time.perf_counter() - tick, time.perf_counter()
-            run.metrics.log(
-                {
-                    "step": run.step,
-                    "loss": run.last_loss,
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_step * cfg.log_interval / elapsed,
-                    "peak_memory_mb": peak_memory_mb(run.device),
-                }
-            )
+            row = {
+                "step": run.step,
+                "loss": run.last_loss,
+                "lr": lr,
+                "tokens_per_s": tokens_per_step * cfg.log_interval / elapsed,
+                "peak_memory_mb": peak_memory_mb(run.device),
+            }
+            run.metrics.log(row)
+            run.outer.progress(row)  # the swarm's status heartbeat; never waits for the network
         if parallel.any_rank(run.stop.requested, run.device):  # agreed, and before a possibly long outer round
             return "interrupted"
         outer = run.outer.after_inner_step(run.step)
@@ -217,7 +217,8 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     metrics = Metrics.build(
         enabled=env.is_main,
         run_dir=run_dir,
-        logger_type=config.metric_logger_type,
+        extra_sinks=config.metric_sinks,
+        max_steps=config.max_steps,
         project=config.project,
         run_name=run_dir.parent.name if config.run_dir is None else run_dir.name,
         config=config.model_dump(mode="json"),
@@ -256,7 +257,10 @@ def build_outer(
     )
     shards = parallel.local_shards(model)
     try:
-        return swarm.join(config.hv, env, shards, group, stop=lambda: stop.requested, final_step=config.max_steps)
+        return swarm.join(
+            config.hv, env, shards, group, stop=lambda: stop.requested, final_step=config.max_steps,
+            sharding=config.sharding_strategy,
+        )  # fmt: skip
     except FieldError as e:
         raise e.within("hv") from None
 
@@ -338,6 +342,33 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
     return summary
 
 
+def describe(run: Run) -> dict[str, str]:
+    """What the start-up banner says about this group: where it writes, what it trains, how, and with whom."""
+    cfg, hv = run.config, run.config.hv
+    parameters = sum(p.numel() for p in run.model.parameters())
+    tokens_per_step = run.data.tokens_per_batch * run.grad_accum * run.env.world_size
+    if hv.galaxy_size == 1:
+        swarm = "none (galaxy size 1: plain torch.distributed, no DHT)"
+    else:
+        swarm = (
+            f"galaxy size {hv.galaxy_size}, world rank {hv.world_rank}, H = {hv.local_steps} inner steps, outer lr "
+            f"{hv.outer_lr:g} momentum {hv.outer_momentum:g}, {hv.compression} over {hv.transport}"
+        )
+    return {
+        "run dir": str(run.run_dir),
+        "ranks": f"{run.env.world_size} ({cfg.sharding_strategy}, {parallel.backend()}, {cfg.precision})",
+        "device": parallel.describe_device(run.device),
+        "model": f"{cfg.path_model}: {console.count(parameters)} parameters",
+        "data": run.data.about,
+        "batch": (
+            f"{cfg.per_device_train_batch_size} × {cfg.seq_length} tokens per rank, {run.grad_accum} accumulation "
+            f"step(s): {console.count(tokens_per_step)} tokens per inner step"
+        ),
+        "schedule": f"{cfg.max_steps} inner steps from step {run.step}, lr {cfg.lr:g}, {cfg.warmup_steps} warm-up",
+        "swarm": swarm,
+    }
+
+
 # ---------------------------------------------------------------- lifecycle
 
 
@@ -367,10 +398,14 @@ def main(config: Config, env: DistEnv) -> int:
         run = build_run(config, env, device, run_dir, stop)
         if resume_path is not None:
             resume(run, resume_path)
+        if env.is_main:
+            log.info("worker group %d starting:\n%s", config.hv.world_rank, console.banner(describe(run)))
         joined = run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers)
         jump_to(run, joined.step)
         if joined.row is not None:
             run.metrics.log(joined.row)
+        if config.eval_interval and run.step == 0:
+            log_eval(run)  # where the curve starts (about ln(vocabulary) for a fresh model)
         status = train_loop(run)
         summary = finish(run, status, started)
     except KeyboardInterrupt:  # a second signal: no more collectives, just record what is known

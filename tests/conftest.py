@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from diloco import procs
+from diloco.corpus import TINYSHAKESPEARE
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "tests" / "models" / "llama-2m-fresh"
-CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS = TINYSHAKESPEARE  # real text shipped with the package: the tests need nothing beside the checkout
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 # Small, fast defaults every trainer test starts from (flags win when repeated later on the line).

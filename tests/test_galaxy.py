@@ -165,8 +165,13 @@ def test_launch_three_groups_with_fp16(tmp_path: Path) -> None:
     finally:
         kill_group(proc)
     assert proc.returncode == 0, output[-4000:]
-    assert all(f"[worker-{i}] step 9 | loss" in output for i in range(3))
+    assert all(f"[worker-{i}] step 9/9 | loss" in output for i in range(3))
     assert_trained_together([run_dir / f"worker-{i}" for i in range(3)], groups=3, outer_steps=3)
+    # the verdict: a row per group, then one line on the final models; and where the loss plot is
+    table = output[output.index("group    | status"):]
+    assert all(re.search(rf"^worker-{i} +\| ok +\| 9 +\| \d ", table, re.M) for i in range(3)), table
+    assert "✓ all 3 worker groups ended with the same model" in table
+    assert f"loss plot: {run_dir / 'loss.png'}" in output and (run_dir / "loss.png").stat().st_size > 10_000
 
 
 def test_launch_ctrl_c_stops_everything(tmp_path: Path) -> None:
@@ -175,7 +180,7 @@ def test_launch_ctrl_c_stops_everything(tmp_path: Path) -> None:
                   "--max-steps", "100000", "--hv.local-steps", "5", "--hv.matchmaking-time", "3",
                   "--run-dir", str(run_dir), "--ckpt.path", str(tmp_path / "ckpt")])  # fmt: skip
     try:
-        read_until(proc, r"\[worker-1\] step 2 \| loss", timeout=120)
+        read_until(proc, r"\[worker-1\] step 2/\d+ \| loss", timeout=120)
         children = descendants(proc.pid)
         assert sum(c.name() == "p2pd" for c in children) >= 3  # launch's DHT and one per worker rank
         assert interrupt(proc, children, within_s=15) == 130

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
 from diloco.model import params_sha256
@@ -61,13 +63,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
 
 def test_two_ranks_train_and_write_every_output(reference: Reference) -> None:
     result, run_dir = reference.result, reference.run_dir
-    assert "step 4 | loss" in result.stdout  # rank 0's progress line
+    assert "step 4/4 | loss" in result.stdout  # rank 0's progress line
     rows = metrics(run_dir)
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     assert all(r["tokens_per_s"] > 0 and r["peak_memory_mb"] > 0 for r in train_rows)
     assert [r["lr"] for r in train_rows][:3] == pytest.approx([0.0, 5e-3, 1e-2])  # linear warm-up over 2 steps
-    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]  # every interval, and at the last step
+    assert [r["step"] for r in rows if "eval_loss" in r] == [0, 2, 4]  # the start, every interval, the last step
     done = summary(run_dir)
     assert done["status"] == "ok" and done["steps"] == 4 and done["wall_s"] > 0
     assert done["final_loss"] == train_rows[-1]["loss"] and done["final_eval_loss"] == rows[-1]["eval_loss"]
@@ -156,15 +158,28 @@ def test_real_text_loss_falls_and_is_evaluated(run_dir: Path) -> None:
     losses = [r["loss"] for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     assert losses[-1] < losses[0] - 1.5  # byte-level text is learnable fast; random init sits near ln(1024)
-    assert [r["step"] for r in evals] == [15, 30] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
-    assert evals[1]["eval_perplexity"] == pytest.approx(2.718281828 ** evals[1]["eval_loss"], rel=1e-6)
+    assert [r["step"] for r in evals] == [0, 15, 30]  # the curve starts before the first step
+    assert evals[2]["eval_loss"] < evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(1024), abs=0.3)  # a fresh model: about uniform
+    assert evals[2]["eval_perplexity"] == pytest.approx(2.718281828 ** evals[2]["eval_loss"], rel=1e-6)
 
 
-def test_wandb_offline(run_dir: Path) -> None:
-    assert_ok(python_train([*FAKE, "--max-steps", "2", "--metric-logger-type", "wandb", "--project", "t",
-                            "--run-dir", str(run_dir)]))  # fmt: skip
+def test_tensorboard_and_wandb_offline_together(run_dir: Path) -> None:
+    assert_ok(python_train([*FAKE, "--max-steps", "3", "--eval-interval", "2", "--eval-steps", "1", "--project", "t",
+                            "--metric-logger-type", "tensorboard,wandb", "--run-dir", str(run_dir)]))  # fmt: skip
     offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
+    rows = metrics(run_dir)
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows if "loss" in r], rel=1e-6)
+    assert [e.wall_time for e in loss] == pytest.approx([r["time"] for r in rows if "loss" in r])
+    eval_steps = [r["step"] for r in rows if "eval_loss" in r]
+    assert [e.step for e in events.Scalars("eval/loss")] == eval_steps and {2, 3} <= set(eval_steps)
+    tags = set(events.Tags()["scalars"])
+    assert {"train/lr", "train/tokens_per_s", "train/peak_memory_mb", "eval/perplexity"} <= tags
 
 
 def test_sigterm_stops_with_checkpoint_and_summary(run_dir: Path) -> None:
