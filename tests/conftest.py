@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +67,22 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 180, extra: list[
 
 def python_train(args: list[str], timeout: float = 120, cwd: Path = ROOT) -> Result:
     return run_cmd([sys.executable, "-m", "diloco.train", *args], timeout, cwd)
+
+
+def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60) -> re.Match[str]:
+    """Read `proc`'s stdout line by line until one matches `pattern`; on failure the assertion shows what it said
+    (its stderr too, when that is a pipe of its own and it has exited)."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if match := re.search(pattern, line):
+            return match
+    stderr = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
+    raise AssertionError(f"no {pattern!r} in output:\n{''.join(seen)}{stderr}")
 
 
 def summary(run_dir: Path) -> dict:

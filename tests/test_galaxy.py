@@ -14,7 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .conftest import CORPUS, FAST, ROOT, TORCHRUN, assert_ok, child_env, metrics, run_cmd, summary
+from .conftest import (
+    CORPUS, FAST, ROOT, TORCHRUN, assert_ok, child_env, metrics, read_until, run_cmd, summary,
+)  # fmt: skip
 
 pytestmark = pytest.mark.slow
 
@@ -27,19 +29,6 @@ TEXT = [*FAST, "--dataset", str(CORPUS), "--seq-length", "64", "--per-device-tra
 def spawn(cmd: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
-
-
-def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60) -> re.Match[str]:
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        seen.append(line)
-        if match := re.search(pattern, line):
-            return match
-    raise AssertionError(f"no {pattern!r} in output:\n{''.join(seen)}")
 
 
 def descendants(pid: int) -> list[psutil.Process]:

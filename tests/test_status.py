@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -29,7 +30,7 @@ from diloco.swarm.memory import Member, MemorySwarm, Report
 from diloco.swarm.monitor import NO_GROUPS_EXIT, UNREACHABLE_EXIT, render, table
 from diloco.swarm.status import Status
 
-from .conftest import FAST, ROOT, child_env, metrics
+from .conftest import FAST, ROOT, child_env, metrics, read_until
 
 DILOCO = Path(sys.executable).parent / "diloco"
 NOW = 1_800_000_000.0
@@ -255,19 +256,6 @@ def socket_nobody_listens_on() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def read_line(proc: subprocess.Popen[str], contains: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        seen.append(line)
-        if contains in line:
-            return line
-    raise AssertionError(f"no {contains!r} in output:\n{''.join(seen)}{proc.stderr.read() if proc.poll() else ''}")
-
-
 class Watched:
     """A status command run to its end: when it answered (its first line on stdout), its output, and every process
     it started, seen while it ran."""
@@ -344,7 +332,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]
     dht = spawn([str(DILOCO), "dht", "--identity", str(tmp / "id.pem"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"])
     started: list[subprocess.Popen[str]] = [dht]
     try:
-        peers = read_line(dht, "--hv.initial-peers", timeout=60).split()[1:]
+        peers = read_until(dht, "--hv.initial-peers", timeout=60).string.split()[1:]
         run_dirs, logs = [tmp / f"w{i}" for i in range(2)], [tmp / f"w{i}.log" for i in range(2)]
         for world_rank, run_dir in enumerate(run_dirs):
             args = [*FAST, "--fake-data", "--total-batch-size", "2", "--max-steps", "100000", "--hv.local-steps",
@@ -430,8 +418,8 @@ def test_a_run_id_without_groups_exits_3_with_one_line(swarm: SimpleNamespace) -
 def test_watch_redraws_until_ctrl_c_then_exits_0_leaving_no_p2pd(swarm: SimpleNamespace) -> None:
     proc = spawn([str(DILOCO), "status", "--hv.initial-peers", *swarm.peers, "--watch", "0.5"])
     try:
-        first = read_line(proc, "run diloco: 2 worker group(s)", timeout=30)
-        read_line(proc, "run diloco: 2 worker group(s)", timeout=10)
+        first = read_until(proc, re.escape("run diloco: 2 worker group(s)"), timeout=30).string
+        read_until(proc, re.escape("run diloco: 2 worker group(s)"), timeout=10)
         assert first
         children = procs.family(proc.pid)[1:]
         assert any(_name(c) == "p2pd" for c in children)
