@@ -26,22 +26,34 @@ def train(config: Config) -> int:
     env = DistEnv.from_environ()
     _setup_logging(env.rank)
     preflight.check_run(config, env.world_size)  # before torch: bad input fails in a fraction of a second
+    if (unused := config.hv.unused_alone()) and env.rank == 0:
+        logging.getLogger("diloco").warning(
+            "%s ignored: with --hv.galaxy-size 1 this group trains alone (plain torch.distributed, no DHT); give "
+            "--hv.galaxy-size N for a swarm", ", ".join(flag(f"hv.{name}") for name in unused),
+        )  # fmt: skip
     from diloco import train as training
 
     return training.main(config, env)
 
 
+# hivemind-dht's spellings work too, so its users' scripts run unchanged
+_DHT_IDENTITY = Parameter(
+    name=["--identity", "--identity-path", "--identity_path"],
+    help="Private key file; created with mode 0600 when missing.",
+)
+_DHT_HOSTS = Parameter(
+    name=["--host-maddrs", "--host_maddrs"], consume_multiple=True, help="Multiaddrs to listen on."
+)
+_DHT_ANNOUNCE = Parameter(
+    name=["--announce-maddrs", "--announce_maddrs"], consume_multiple=True, help="Multiaddrs to announce to peers."
+)
+
+
 def dht(
     *,
-    identity: Annotated[Path, Parameter(help="Private key file; created with mode 0600 when missing.")] = Path(
-        "keys/id.pem"
-    ),
-    host_maddrs: Annotated[list[str], Parameter(consume_multiple=True, help="Multiaddrs to listen on.")] = [  # noqa: B006
-        "/ip4/0.0.0.0/tcp/0"
-    ],
-    announce_maddrs: Annotated[
-        list[str], Parameter(consume_multiple=True, help="Multiaddrs to announce to peers.")
-    ] = [],  # noqa: B006
+    identity: Annotated[Path, _DHT_IDENTITY] = Path("keys/id.pem"),
+    host_maddrs: Annotated[list[str], _DHT_HOSTS] = ["/ip4/0.0.0.0/tcp/0"],  # noqa: B006
+    announce_maddrs: Annotated[list[str], _DHT_ANNOUNCE] = [],  # noqa: B006
 ) -> int:
     """Run a hivemind DHT bootstrap peer with a stable peer id until SIGINT/SIGTERM."""
     from diloco.config import HvConfig

@@ -159,6 +159,13 @@ class HvConfig(_Strict):
                 raise ValueError(f"{value!r}: announce an explicit port, not port 0")
         return values
 
+    def unused_alone(self) -> list[str]:
+        """The fields set explicitly that a lone group (galaxy size 1: no DHT, no averaging) does not use; the
+        world rank still names its run folder."""
+        if self.galaxy_size != 1:
+            return []
+        return [name for name in type(self).model_fields if name in self.model_fields_set - {"galaxy_size", "world_rank"}]
+
     @model_validator(mode="after")
     def _rank_in_galaxy(self) -> HvConfig:
         if self.world_rank >= self.galaxy_size:
@@ -180,6 +187,9 @@ class Config(_Strict):
     per_device_train_batch_size: int = Field(32, gt=0, description="Sequences per rank per micro-batch.")
     total_batch_size: int = Field(512, gt=0, description="Sequences per inner step over all ranks of this group.")
     lr: float = Field(4e-4, gt=0, description="Peak inner (AdamW) learning rate.")
+    weight_decay: float = Field(0.1, ge=0, description="Inner AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="Inner AdamW betas (two numbers in [0, 1)).")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the gradient's global L2 norm to this; 0: no clipping.")
     warmup_steps: int = Field(1000, ge=0, description="Linear warm-up steps before the cosine decay.")
     max_steps: Annotated[int, Parameter(alias="--total-steps")] = Field(
         88_000, ge=0, description="Inner steps to train for."
@@ -214,6 +224,13 @@ class Config(_Strict):
                 f"unknown metric sink {unknown[0]!r}: choose from {', '.join(METRIC_SINKS)}, comma-separated to combine"
             )
         return ",".join(dict.fromkeys(names))
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in value):
+            raise ValueError("each beta must be in [0, 1)")
+        return value
 
     @property
     def metric_sinks(self) -> list[str]:

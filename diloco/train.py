@@ -36,10 +36,6 @@ from diloco.outer import NoOuter, OuterLoop
 
 log = logging.getLogger("diloco")
 
-GRAD_CLIP = 1.0
-ADAMW_BETAS = (0.9, 0.95)
-WEIGHT_DECAY = 0.1
-
 
 class StopRequest:
     """Set by SIGINT/SIGTERM; the loop stops at the next step boundary. A second signal exits at once, unless
@@ -101,7 +97,8 @@ def inner_step(run: Run) -> torch.Tensor:
         run.scaler.scale(loss).backward()
         total += loss.detach()
     run.scaler.unscale_(run.optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    if run.config.max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), run.config.max_grad_norm)
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.scheduler.step()
@@ -208,7 +205,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     mesh = parallel.build_mesh(config.sharding_strategy, env, device)
     parallel.shard_model(model, layers, mesh, config.sharding_strategy, config.precision, config.cpu_offload)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY, foreach=True
+        model.parameters(), lr=config.lr, betas=config.adam_betas, weight_decay=config.weight_decay, foreach=True
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(config.max_steps, 1))
     # joining the swarm can fail on bad input: nothing is written before it

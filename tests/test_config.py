@@ -107,3 +107,49 @@ def test_a_field_error_is_spelled_by_the_command_line() -> None:
     assert isinstance(spelled, RankUsageError)
     assert str(spelled) == "--hv.world-rank 4 is taken; ask --hv.ckpt.resume or --hv.run-dir ({not a field})"
     assert type(as_flags(FieldError("{dataset} x"))) is UsageError
+
+
+def test_inner_optimizer_flags_default_to_todays_values_and_parse() -> None:
+    default = parse(["--path-model", "m", "--fake-data"])
+    assert default.max_grad_norm == 1.0 and default.weight_decay == 0.1 and default.adam_betas == (0.9, 0.95)
+    seed_004 = parse("--path-model m --fake-data --max-grad-norm 0.3 --weight-decay 0 --adam-betas 0.8 0.99".split())
+    assert seed_004.max_grad_norm == 0.3 and seed_004.weight_decay == 0.0 and seed_004.adam_betas == (0.8, 0.99)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        ("--adam-betas 0.9 1.0", "--adam-betas"),
+        ("--adam-betas 0.9", "--adam-betas"),
+        ("--max-grad-norm -1", "--max-grad-norm"),
+        ("--weight-decay -0.1", "--weight-decay"),
+    ],
+)
+def test_bad_optimizer_flags_are_one_line_naming_the_flag(
+    argv: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = build_app(train_only=True, train_fn=lambda config: 0)
+    with pytest.raises(SystemExit) as exited:
+        run_app(app, ["--path-model", "m", "--fake-data", *argv.split()])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and flag in err, err
+
+
+def test_swarm_flags_a_lone_group_does_not_use_are_named() -> None:
+    lone = parse("--path-model m --fake-data --hv.local-steps 5 --hv.compression fp16 --hv.world-rank 0".split())
+    assert lone.hv.unused_alone() == ["local_steps", "compression"]  # the world rank still names the run folder
+    assert parse(["--path-model", "m", "--fake-data"]).hv.unused_alone() == []
+    swarm = parse("--path-model m --fake-data --hv.galaxy-size 2 --hv.local-steps 5".split())
+    assert swarm.hv.unused_alone() == []
+
+
+def test_dht_takes_hivemind_dht_spellings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hivemind-dht --identity_path ... --host_maddrs ... --announce_maddrs ...` scripts work with `diloco dht`."""
+    from diloco.swarm import dht
+
+    served = []
+    monkeypatch.setattr(dht, "serve_dht", lambda *args: served.append(args) or 0)
+    argv = ["dht", "--identity_path", str(tmp_path / "id.pem"), "--host_maddrs", "/ip4/127.0.0.1/tcp/3101",
+            "--announce_maddrs", "/ip4/10.0.0.1/tcp/3101"]  # fmt: skip
+    assert run_app(build_app(), argv) == 0
+    assert served == [(tmp_path / "id.pem", ["/ip4/127.0.0.1/tcp/3101"], ["/ip4/10.0.0.1/tcp/3101"])]

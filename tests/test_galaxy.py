@@ -207,11 +207,15 @@ def test_bootstrap_from_stock_hivemind_dht(tmp_path: Path) -> None:
 
 
 def test_galaxy_size_one_never_imports_hivemind(tmp_path: Path) -> None:
-    """No DHT, no p2pd: the swarm module (the only one importing hivemind) is not even loaded."""
+    """No DHT, no p2pd: the swarm module (the only one importing hivemind) is not even loaded, also when swarm flags
+    are given; one warning names those it ignores."""
     result = run_cmd([sys.executable, "-X", "importtime", "-m", "diloco.train", *FAST, "--fake-data",
-                      "--total-batch-size", "2", "--max-steps", "1", "--run-dir", str(tmp_path / "solo")])  # fmt: skip
+                      "--total-batch-size", "2", "--max-steps", "1", "--run-dir", str(tmp_path / "solo"),
+                      "--hv.local-steps", "5", "--hv.compression", "int8"])  # fmt: skip
     assert_ok(result)
     assert "hivemind" not in result.stderr and "diloco.train" in result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "--hv.local-steps, --hv.compression ignored" in warnings[0], warnings
 
 
 def test_demo_learns_shakespeare_and_ends_with_a_verdict_and_a_plot(tmp_path: Path) -> None:

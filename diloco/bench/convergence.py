@@ -36,12 +36,16 @@ from transformers import get_cosine_schedule_with_warmup
 
 from diloco.bench import BenchError, machine_line
 from diloco.bench.models import model_folder
-from diloco.config import FieldError
+from diloco.config import Config, FieldError
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
 from diloco.membership import DiLoCo, solo_group
 from diloco.model import load_model
 from diloco.swarm.memory import MemorySwarm
-from diloco.train import ADAMW_BETAS, GRAD_CLIP, WEIGHT_DECAY
+
+# the trainer's inner-optimizer defaults (its flags), so the bench's arms train as `diloco train` does
+ADAMW_BETAS = Config.model_fields["adam_betas"].default
+WEIGHT_DECAY = Config.model_fields["weight_decay"].default
+GRAD_CLIP = Config.model_fields["max_grad_norm"].default
 
 MODEL = "llama-1m-bytes"  # in `bench.models`
 TARGET_GAP = 0.02  # DiLoCo at H = 25 within 2% of DDP's eval loss
