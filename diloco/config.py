@@ -194,6 +194,9 @@ class Config(_Strict):
     max_steps: Annotated[int, Parameter(alias="--total-steps")] = Field(
         88_000, ge=0, description="Inner steps to train for."
     )
+    epochs: int | None = Field(
+        None, gt=0, description="Train for N passes over this group's share of --dataset instead of --max-steps."
+    )
     precision: Precision = Field("bf16-mixed", description="Parameter/compute precision.")
     sharding_strategy: ShardingStrategy = Field("FULL_SHARD", description="How FSDP shards the model over ranks.")
     cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
@@ -243,6 +246,10 @@ class Config(_Strict):
             raise ValueError("pass either --fake-data or --dataset, not both")
         if not self.fake_data and self.dataset is None:
             raise ValueError("no data: pass --dataset PATH (a .txt/.jsonl/.parquet file or folder) or --fake-data")
+        if self.epochs is not None and "max_steps" in self.model_fields_set:
+            raise ValueError("pass either --epochs or --max-steps (--total-steps), not both")
+        if self.epochs is not None and self.fake_data:
+            raise ValueError("--epochs needs --dataset: fake data has no end to count passes by (use --max-steps)")
         return self
 
     def grad_accumulation(self, world_size: int) -> int:

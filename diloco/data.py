@@ -204,6 +204,11 @@ class Data:
     eval_batches: list[torch.Tensor]  # this rank's held-out batches; empty when there is no eval split
     tokens_per_batch: int
     about: str = ""  # one line for the start-up banner: what the data is and how much of it
+    batches_per_epoch: int | None = None  # micro-batches in one pass over this rank's share; None: fake data
+
+    def steps_per_epoch(self, grad_accum: int) -> int | None:
+        """Inner steps in one pass over the share (the same on every rank of every group: shards are equal)."""
+        return None if self.batches_per_epoch is None else self.batches_per_epoch // grad_accum
 
 
 def build_data(
@@ -245,7 +250,8 @@ def build_data(
         f"{dataset.name}: {len(tokens):,} tokens, {len(train_blocks):,} train / {len(eval_blocks):,} held-out blocks "
         f"of {seq_length} ({len(train.blocks):,} train blocks for this rank)"
     )
-    return Data(train, _eval_batches(eval_blocks, eval_shard, batch_size, eval_steps), tokens_per_batch, about)
+    held_out = _eval_batches(eval_blocks, eval_shard, batch_size, eval_steps)
+    return Data(train, held_out, tokens_per_batch, about, batches_per_epoch=train.batches_per_epoch)
 
 
 def _eval_batches(blocks: np.ndarray, shard: Shard, batch_size: int, eval_steps: int) -> list[torch.Tensor]:

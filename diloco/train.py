@@ -74,6 +74,8 @@ class Run:
     scaler: ShardedGradScaler
     data: Data
     grad_accum: int
+    max_steps: int  # --max-steps, or --epochs × steps_per_epoch
+    steps_per_epoch: int | None  # one pass over this group's share of the data; None on fake data
     metrics: Metrics
     outer: OuterLoop
     stop: StopRequest
@@ -125,11 +127,11 @@ def train_loop(run: Run) -> str:
     cfg = run.config
     tokens_per_step = run.data.tokens_per_batch * run.grad_accum * run.env.world_size
     tick = time.perf_counter()
-    while run.step < cfg.max_steps:
+    while run.step < run.max_steps:
         lr = run.scheduler.get_last_lr()[0]  # the rate this step uses
         loss = inner_step(run)
         run.step += 1
-        if run.step % cfg.log_interval == 0 or run.step == cfg.max_steps:
+        if run.step % cfg.log_interval == 0 or run.step == run.max_steps:
             run.last_loss = parallel.all_reduce_mean(loss.item(), run.device)
             if not math.isfinite(run.last_loss):
                 raise FloatingPointError(f"loss is {run.last_loss} at step {run.step}: stopping this group")
@@ -141,6 +143,8 @@ def train_loop(run: Run) -> str:
                 "tokens_per_s": tokens_per_step * cfg.log_interval / elapsed,
                 "peak_memory_mb": peak_memory_mb(run.device),
             }
+            if run.steps_per_epoch:
+                row["epoch"] = round(run.step / run.steps_per_epoch, 4)  # passes over this group's share so far
             run.metrics.log(row)
             run.outer.progress(row)  # the swarm's status heartbeat; never waits for the network
         if parallel.any_rank(run.stop.requested, run.device):  # agreed, and before a possibly long outer round
@@ -150,13 +154,21 @@ def train_loop(run: Run) -> str:
             if outer.row is not None:
                 run.metrics.log(outer.row)
             jump_to(run, outer.step)  # a group that was behind continues where the swarm is
-        if cfg.eval_interval and run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps:
+        evaluated = eval_due(run)
+        if evaluated and run.step < run.max_steps:  # the last step is evaluated once, at the end
             log_eval(run)
         if cfg.ckpt.interval and run.step % cfg.ckpt.interval == 0:
             save_checkpoint(run)
-        if outer is not None or (cfg.eval_interval and run.step % cfg.eval_interval == 0):
+        if outer is not None or evaluated:
             tick = time.perf_counter()  # keep outer steps and evals out of the inner throughput
     return "ok"
+
+
+def eval_due(run: Run) -> bool:
+    """Every --eval-interval steps, and at the end of every epoch when training by --epochs."""
+    every = run.config.eval_interval
+    epoch_end = run.config.epochs is not None and run.step % run.steps_per_epoch == 0
+    return bool(every and run.step % every == 0) or epoch_end
 
 
 def jump_to(run: Run, step: int) -> None:
@@ -207,15 +219,17 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=config.adam_betas, weight_decay=config.weight_decay, foreach=True
     )
-    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(config.max_steps, 1))
+    steps_per_epoch = data.steps_per_epoch(grad_accum)
+    max_steps = total_steps(config, steps_per_epoch)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(max_steps, 1))
     # joining the swarm can fail on bad input: nothing is written before it
-    outer = build_outer(config, env, model, device, stop)
+    outer = build_outer(config, env, model, device, stop, max_steps)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = Metrics.build(
         enabled=env.is_main,
         run_dir=run_dir,
         extra_sinks=config.metric_sinks,
-        max_steps=config.max_steps,
+        max_steps=max_steps,
         project=config.project,
         run_name=run_dir.parent.name if config.run_dir is None else run_dir.name,
         config=config.model_dump(mode="json"),
@@ -231,14 +245,28 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         scaler=ShardedGradScaler(device=device.type, enabled=config.precision == "fp16-mixed"),
         data=data,
         grad_accum=grad_accum,
+        max_steps=max_steps,
+        steps_per_epoch=steps_per_epoch,
         metrics=metrics,
         outer=outer,
         stop=stop,
     )
 
 
+def total_steps(config: Config, steps_per_epoch: int | None) -> int:
+    """--max-steps, or --epochs passes over this group's share of the data (the same count in every group)."""
+    if config.epochs is None:
+        return config.max_steps
+    if not steps_per_epoch:  # a share smaller than one inner step's batch
+        raise FieldError(
+            "{epochs}: one pass over this group's share of {dataset} is less than one inner step of "
+            "{total_batch_size} sequences; use {max_steps}"
+        )
+    return config.epochs * steps_per_epoch
+
+
 def build_outer(
-    config: Config, env: DistEnv, model: torch.nn.Module, device: torch.device, stop: StopRequest
+    config: Config, env: DistEnv, model: torch.nn.Module, device: torch.device, stop: StopRequest, max_steps: int
 ) -> OuterLoop:
     """Galaxy size 1: nothing (no DHT, no p2pd). Otherwise this group joins the swarm (``diloco.swarm.join``)."""
     if config.hv.galaxy_size == 1:
@@ -255,7 +283,7 @@ def build_outer(
     shards = parallel.local_shards(model)
     try:
         return swarm.join(
-            config.hv, env, shards, group, stop=lambda: stop.requested, final_step=config.max_steps,
+            config.hv, env, shards, group, stop=lambda: stop.requested, final_step=max_steps,
             sharding=config.sharding_strategy,
         )  # fmt: skip
     except FieldError as e:
@@ -361,7 +389,11 @@ def describe(run: Run) -> dict[str, str]:
             f"{cfg.per_device_train_batch_size} × {cfg.seq_length} tokens per rank, {run.grad_accum} accumulation "
             f"step(s): {console.count(tokens_per_step)} tokens per inner step"
         ),
-        "schedule": f"{cfg.max_steps} inner steps from step {run.step}, lr {cfg.lr:g}, {cfg.warmup_steps} warm-up",
+        "schedule": (
+            f"{run.max_steps} inner steps from step {run.step}"
+            + (f" ({cfg.epochs} epochs of {run.steps_per_epoch})" if cfg.epochs else "")
+            + f", lr {cfg.lr:g}, {cfg.warmup_steps} warm-up"
+        ),
         "swarm": swarm,
     }
 
