@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -117,6 +118,35 @@ def test_hybrid_shard_across_two_nodes(tmp_path: Path, reference: Reference) -> 
                 os.killpg(p.pid, signal.SIGKILL)
     assert all(p.returncode == 0 for p in procs), outputs
     assert summary(run_dir)["params_sha256"] == reference.sha
+
+
+def test_seed_000s_torchrun_line_trains_one_group_over_three_nodes(run_dir: Path) -> None:
+    """Seed 000's launch, three machines with one GPU each, as three torchrun 'nodes' on loopback: they must meet
+    in one rendezvous and train one group of 3 ranks, not three groups of one. Every node's endpoint address is
+    its own here, so each tries to host the c10d store; the first to bind hosts it, the others connect to it. c10d
+    ignores --node_rank (torchrun warns): ranks follow (host name, pid), so here the first node started is rank 0."""
+    port = free_port()
+    flags = [*FAST, "--fake-data", "--total-batch-size", "6", "--max-steps", "4", "--sharding-strategy", "FULL_SHARD",
+             "--run-dir", str(run_dir)]  # fmt: skip
+    procs = []
+    try:
+        for node in range(3):
+            cmd = [str(TORCHRUN), "--nnodes=3", "--nproc_per_node=1", "--rdzv_id=100", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint=127.0.0.1:{port}", f"--node_rank={node}", "-m", "diloco.train",
+                   *flags]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    # Only rank 0 of a group prints the banner: one banner, and it counts 3 ranks (three groups would print three).
+    assert re.findall(r"^ +ranks +: (\d+) \(", "".join(outputs), re.MULTILINE) == ["3"], outputs
+    done = summary(run_dir)
+    assert done["status"] == "ok" and done["steps"] == 4 and len(done["params_sha256"]) == 64
+    assert [r["step"] for r in metrics(run_dir) if "loss" in r] == [1, 2, 3, 4]
 
 
 def test_mixed_precision_trains(tmp_path: Path, reference: Reference) -> None:
