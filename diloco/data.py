@@ -1,4 +1,4 @@
-"""Training data: fake tokens or local text files, tokenized, packed into fixed blocks, sharded, resumable.
+"""Training data: fake tokens, local text files or a hub dataset, tokenized, packed into blocks, sharded, resumable.
 
 Every rank of every worker group reads a disjoint shard: shard index = world_rank × ranks + rank. A batch is a
 pure function of (seed, shard, position), so the data position is one integer and resuming is exact.
@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from diloco import hub
 from diloco.config import FieldError, first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -40,13 +41,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A tokenizer from a local Hugging Face folder."""
+    """A tokenizer from a local Hugging Face folder, or a hub id's snapshot in the Hugging Face cache."""
 
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
+        folder = hub.local_folder("tokenizer", path, hub.TOKENIZER_FILES)
         try:
-            self.inner = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.inner = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         except (OSError, ValueError) as e:
             raise FieldError(f"{{tokenizer}} {path}: not a loadable tokenizer folder ({first_line(e)})") from None
         if self.inner.eos_token_id is None:
@@ -117,14 +119,41 @@ def _text_field(record: object, where: str) -> str:
     return record["text"]
 
 
+def hub_documents(name: str) -> Iterator[str]:
+    """The `text` column of a hub dataset's train split, through `datasets` (imported only here: it is slow to
+    import). A snapshot in the hub cache (`hf download --repo-type dataset`) is read as a local folder, since
+    `datasets` does not look there offline; otherwise `datasets` finds its own prepared cache, or downloads."""
+    import datasets
+
+    datasets.disable_progress_bars()  # a bar per rank and file only clutters the run's log
+    snapshot = hub.cached_snapshot(name, "dataset")
+    try:
+        table = datasets.load_dataset(str(snapshot) if snapshot is not None else name, split="train")
+    except Exception as e:  # datasets, huggingface_hub, httpx and pyarrow each raise their own types
+        if snapshot is None and not hub.in_datasets_cache(name):
+            raise hub.not_found("dataset", name, first_line(e)) from None
+        raise FieldError(f"{{dataset}} {name}: could not load its train split ({first_line(e)})") from None
+    if "text" not in table.column_names:
+        raise FieldError(f"{{dataset}} {name}: no 'text' column (columns: {', '.join(table.column_names)})")
+    yield from (text for text in table["text"] if text)
+
+
+def documents(dataset: Path) -> Iterator[str]:
+    """A local file or folder keeps priority over a hub dataset id of the same spelling."""
+    if hub.is_hub_id(str(dataset)):
+        yield from hub_documents(str(dataset))
+        return
+    for file in dataset_files(dataset):
+        yield from read_documents(file)
+
+
 def tokenize_corpus(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     """All documents as one token stream, each followed by EOS (EOS is trained on, never masked)."""
     pieces: list[np.ndarray] = []
     eos = np.array([tokenizer.eos_token_id], dtype=np.int32)
     try:
-        for file in dataset_files(path):
-            for text in read_documents(file):
-                pieces += [tokenizer.encode(text), eos]
+        for text in documents(path):
+            pieces += [tokenizer.encode(text), eos]
     except (OSError, json.JSONDecodeError, UnicodeError) as e:
         raise FieldError(f"{{dataset}} {path}: could not read it ({first_line(e)})") from None
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)

@@ -1,4 +1,5 @@
-"""Hugging Face causal LMs from a local folder: fresh initialisation or weights, and export."""
+"""Hugging Face causal LMs from a local folder or a hub id (through the cache): fresh initialisation or weights,
+and export."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from diloco import hub
 from diloco.config import FieldError, UsageError, first_line
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -17,20 +19,22 @@ def has_weights(path: Path) -> bool:
     return any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS)
 
 
-def load_model(path: Path, seed: int) -> PreTrainedModel:
-    """Load weights when the folder has them; with only config.json, initialise from `seed`.
+def load_model(name: Path | str, seed: int) -> PreTrainedModel:
+    """Load weights when the folder has them; with only config.json, initialise from `seed`. A hub id is its
+    snapshot folder in the Hugging Face cache, under the same rule.
 
     Master weights are float32 whatever the folder holds: mixed precision is FSDP's job.
     """
+    path = hub.local_folder("path_model", str(name), hub.MODEL_FILES)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise FieldError(f"{{path_model}} {path}: not a readable Hugging Face model config ({first_line(e)})") from None
+        raise FieldError(f"{{path_model}} {name}: not a readable Hugging Face model config ({first_line(e)})") from None
     if has_weights(path):
         try:
             return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
         except Exception as e:  # safetensors, torch and transformers each raise their own types
-            raise FieldError(f"{{path_model}} {path}: could not load the weights ({first_line(e)})") from None
+            raise FieldError(f"{{path_model}} {name}: could not load the weights ({first_line(e)})") from None
     torch.manual_seed(seed)  # every rank builds the same initial model, so no broadcast is needed
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

@@ -30,8 +30,9 @@ FAST = [
 
 
 def child_env() -> dict[str, str]:
-    """One torch thread per process (the 2 cores are shared by every process a test starts); wandb offline."""
-    return procs.child_env(threads=1, WANDB_MODE="offline")
+    """One torch thread per process (the 2 cores are shared by every process a test starts); wandb and the Hugging
+    Face hub offline (a test never downloads: hub ids resolve in a cache the test builds, or fail at once)."""
+    return procs.child_env(threads=1, WANDB_MODE="offline", HF_HUB_OFFLINE="1")
 
 
 @dataclass
@@ -45,10 +46,11 @@ class Result:
         return self.stdout + self.stderr
 
 
-def run_cmd(cmd: list[str], timeout: float = 180, cwd: Path = ROOT) -> Result:
-    """Run in a new process group; on timeout kill the whole group (torchrun and its ranks)."""
+def run_cmd(cmd: list[str], timeout: float = 180, cwd: Path = ROOT, env: dict[str, str] | None = None) -> Result:
+    """Run in a new process group; on timeout kill the whole group (torchrun and its ranks). `env`: variables to
+    set besides `child_env()`'s."""
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd, cwd=cwd, env=child_env() | (env or {}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
     try:
@@ -65,8 +67,10 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 180, extra: list[
     return run_cmd(cmd, timeout)
 
 
-def python_train(args: list[str], timeout: float = 120, cwd: Path = ROOT) -> Result:
-    return run_cmd([sys.executable, "-m", "diloco.train", *args], timeout, cwd)
+def python_train(
+    args: list[str], timeout: float = 120, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> Result:
+    return run_cmd([sys.executable, "-m", "diloco.train", *args], timeout, cwd, env)
 
 
 def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60) -> re.Match[str]:

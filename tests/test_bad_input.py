@@ -94,7 +94,7 @@ def assert_one_line_exit_2(result: Result, expected: str, work: Path) -> None:
 CASES = {
     "indivisible batch": (lambda t: ["--total-batch-size", "5"], "--total-batch-size 5"),
     "missing model folder": (lambda t: ["--path-model", str(t / "nope")], "--path-model"),
-    "hub id": (lambda t: ["--path-model", "meta-llama/Llama-3-8B"], "local Hugging Face folders only"),
+    "uncached hub id": (lambda t: ["--path-model", "meta-llama/Llama-3-8B"], "not in the Hugging Face cache"),
     "folder without config": (lambda t: ["--path-model", str(t)], "no config.json"),
     "missing dataset": (lambda t: ["--no-fake-data", "--dataset", str(t / "none.txt")], "--dataset"),
     "empty dataset": (lambda t: ["--no-fake-data", "--dataset", str(empty_dataset(t))], "the dataset is empty"),
