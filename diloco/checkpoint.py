@@ -2,6 +2,9 @@
 own small state (scheduler, data position, RNG, outer state) and a meta.json written last.
 
 Layout of `<ckpt.path>/step-N/`: DCP's `.metadata` and `__*.distcp` shards, `rank-R.pt` per rank, `meta.json`.
+Under ZERO1 the AdamW state is split by ZeroRedundancyOptimizer's own partition (not a DCP-visible sharding), so each
+rank's partition goes into its `rank-R.pt`, like its RNG: bit-exact on resume with the same number of ranks (which
+`check_layout` requires anyway), without gathering the whole optimizer state onto one rank.
 A checkpoint is written to `step-N.tmp/` and renamed once every rank has finished, so a folder named
 `step-N` is always complete.
 
@@ -23,26 +26,53 @@ if TYPE_CHECKING:
     import torch
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+RANK_STATE = "sharded_rank_state"  # the key of `ModelAndOptimizer.rank_state()` in each rank-R.pt
 
 
 class ModelAndOptimizer:
-    """DCP Stateful view of a sharded model and its optimizer (each rank saves and loads its own shards)."""
+    """DCP Stateful view of a sharded model and its optimizer (each rank saves and loads its own shards). A ZeRO-1
+    optimizer's partition is no DCP state: `rank_state` hands it to the rank's own file instead."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         self.model, self.optimizer = model, optimizer
+        self.partitioned = isinstance(optimizer, ZeroRedundancyOptimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        if self.partitioned:
+            return {"model": get_model_state_dict(self.model)}
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        if self.partitioned:
+            set_model_state_dict(self.model, state["model"])
+            return
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
+
+    def rank_state(self) -> dict[str, Any]:
+        """What only this rank holds: its ZeRO-1 partition's AdamW state, and the hyper-parameters of the
+        wrapper's param groups (the LR schedule writes the learning rate there); empty for other optimizers."""
+        if not self.partitioned:
+            return {}
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        return {"partition": self.optimizer.optim.state_dict(), "param_groups": groups}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        if not self.partitioned:
+            return
+        if not state:
+            raise ValueError("no ZERO1 optimizer partition in it: resume with the strategy it was saved with")
+        self.optimizer.optim.load_state_dict(state["partition"])
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            group.update(saved)
 
 
 def save(
@@ -60,7 +90,7 @@ def save(
         tmp.mkdir(parents=True)
     dist.barrier()
     dcp.save({"app": sharded}, checkpoint_id=str(tmp))
-    torch.save(local_state, tmp / f"rank-{rank}.pt")
+    torch.save(local_state | {RANK_STATE: sharded.rank_state()}, tmp / f"rank-{rank}.pt")
     dist.barrier()
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size}) + "\n")
@@ -126,6 +156,8 @@ def load(path: Path, sharded: ModelAndOptimizer, rank: int) -> dict[str, Any]:
 
     try:
         dcp.load({"app": sharded}, checkpoint_id=str(path))
-        return torch.load(path / f"rank-{rank}.pt", weights_only=False)
+        local_state = torch.load(path / f"rank-{rank}.pt", weights_only=False)
+        sharded.load_rank_state(local_state.pop(RANK_STATE, {}))
+        return local_state
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise FieldError(f"{{ckpt.resume}} {path}: corrupt checkpoint ({first_line(e)})") from None

@@ -66,7 +66,7 @@ def first_line(error: BaseException) -> str:
 
 
 Precision = Literal["fp16-mixed", "bf16-mixed", "32-true"]
-ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]
+ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "DDP", "ZERO1"]
 Compression = Literal["none", "fp16", "int8"]
 Transport = Literal["tcp", "p2pd"]
 METRIC_SINKS = ("dummy", "tensorboard", "wandb")  # what --metric-logger-type may list; dummy adds no sink
@@ -179,10 +179,12 @@ class HvConfig(_Strict):
 class Config(_Strict):
     """One training run of one worker group."""
 
-    path_model: Path = Field(description="Local Hugging Face model folder (config.json alone: fresh init).")
+    path_model: Path = Field(
+        description="Hugging Face model folder, or hub id read through the cache (config.json alone: fresh init)."
+    )
     fake_data: bool = Field(False, description="Train on random tokens (deterministic by --seed, no I/O).")
-    dataset: Path | None = Field(None, description="A .txt, .jsonl or .parquet file, or a folder of them.")
-    tokenizer: str | None = Field(None, description="Local Hugging Face tokenizer folder [default: byte-level].")
+    dataset: Path | None = Field(None, description="A .txt, .jsonl or .parquet file or a folder of them, or a hub id.")
+    tokenizer: str | None = Field(None, description="Hugging Face tokenizer folder or hub id [default: byte-level].")
     seq_length: int = Field(1024, gt=1, description="Tokens per packed sequence.")
     per_device_train_batch_size: int = Field(32, gt=0, description="Sequences per rank per micro-batch.")
     total_batch_size: int = Field(512, gt=0, description="Sequences per inner step over all ranks of this group.")
@@ -198,7 +200,11 @@ class Config(_Strict):
         None, gt=0, description="Train for N passes over this group's share of --dataset instead of --max-steps."
     )
     precision: Precision = Field("bf16-mixed", description="Parameter/compute precision.")
-    sharding_strategy: ShardingStrategy = Field("FULL_SHARD", description="How FSDP shards the model over ranks.")
+    sharding_strategy: ShardingStrategy = Field(
+        "FULL_SHARD",
+        description="How the model is spread over the group's ranks: FSDP2 (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
+        "HYBRID_SHARD) or torch DDP (DDP; ZERO1: DDP with the AdamW state partitioned over ranks).",
+    )
     cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     torch_compile: bool = Field(True, description="Compile each decoder layer with torch.compile.")
@@ -252,6 +258,13 @@ class Config(_Strict):
             raise ValueError("--epochs needs --dataset: fake data has no end to count passes by (use --max-steps)")
         return self
 
+    @model_validator(mode="after")
+    def _offload_needs_fsdp(self) -> Config:
+        if self.cpu_offload and self.sharding_strategy in ("DDP", "ZERO1"):
+            raise ValueError(f"--cpu-offload needs an FSDP --sharding-strategy; {self.sharding_strategy} keeps the "
+                             "model and optimizer state on the device")  # fmt: skip
+        return self
+
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per inner step: total ÷ (per-device × ranks), which must be a whole number."""
         per_step = self.per_device_train_batch_size * world_size
@@ -263,15 +276,21 @@ class Config(_Strict):
         return self.total_batch_size // per_step
 
     def check_files(self) -> None:
-        """Fail before any work starts when a named file or folder is missing."""
-        if not self.path_model.is_dir():
-            raise UsageError(
-                f"--path-model {self.path_model}: no such local folder (models are loaded from local Hugging Face "
-                "folders only; download it first, e.g. with `huggingface-cli download`)"
-            )
-        if not (self.path_model / "config.json").is_file():
+        """Fail before any work starts when a named file or folder is missing, or a hub id is in no cache while
+        the hub is off or unreachable (one connection attempt at most: see ``diloco.hub``)."""
+        from diloco import hub
+
+        if hub.is_hub_id(str(self.path_model)):
+            hub.check_name("path_model", str(self.path_model))
+        elif not self.path_model.is_dir():
+            raise UsageError(f"--path-model {self.path_model}: no such local folder, nor a Hugging Face hub id")
+        elif not (self.path_model / "config.json").is_file():
             raise UsageError(f"--path-model {self.path_model}: no config.json in that folder")
-        if self.dataset is not None and not self.dataset.exists():
+        if self.dataset is not None and hub.is_hub_id(str(self.dataset)):
+            hub.check_name("dataset", str(self.dataset), "dataset")
+        elif self.dataset is not None and not self.dataset.exists():
             raise UsageError(f"--dataset {self.dataset}: no such file or folder")
-        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+        if self.tokenizer is not None and hub.is_hub_id(self.tokenizer):
+            hub.check_name("tokenizer", self.tokenizer)
+        elif self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise UsageError(f"--tokenizer {self.tokenizer}: no such local tokenizer folder")

@@ -1,4 +1,5 @@
-"""Device detection, process groups and FSDP2 wrapping: the only module that knows about meshes."""
+"""Device detection, process groups, and wrapping the model for data parallelism (FSDP2 on a device mesh, or
+torch DDP with an optional ZeRO-1 optimizer): the only module that knows about meshes and wrappers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import FieldError, Precision, ShardingStrategy
 from diloco.distenv import DistEnv
@@ -51,6 +54,70 @@ def barrier() -> None:
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def uses_ddp(strategy: ShardingStrategy) -> bool:
+    """DDP and ZERO1 wrap the model in torch DDP (every rank holds the full model); the others are FSDP2."""
+    return strategy in ("DDP", "ZERO1")
+
+
+def parallelize(
+    model: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    strategy: ShardingStrategy,
+    env: DistEnv,
+    device: torch.device,
+    precision: Precision,
+    cpu_offload: bool,
+) -> torch.nn.Module:
+    """The model the loop trains: the same module sharded in place (FSDP2), or a `DataParallel` around it."""
+    if uses_ddp(strategy):
+        assert not cpu_offload, "Config rejects --cpu-offload with DDP and ZERO1"
+        return DataParallel(model, device, precision)
+    mesh = build_mesh(strategy, env, device)
+    shard_model(model, layers, mesh, strategy, precision, cpu_offload)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a DDP wrapper (its parameter names carry no `module.` prefix)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+class DataParallel(DistributedDataParallel):
+    """torch DDP with what the loop asks of an FSDP2 model: `set_requires_gradient_sync` (accumulate without
+    an all-reduce on all but the last micro-batch, like `no_sync()`), and mixed precision.
+
+    DDP has no parameter-dtype policy, so bf16-mixed/fp16-mixed mean `torch.autocast` around the forward:
+    master weights, gradients and their all-reduce stay float32, matmuls run in the low precision, and
+    autocast keeps precision-sensitive ops (norms, softmax, the loss) in float32. FSDP2's policy instead
+    casts every parameter, so the two strategies' mixed-precision runs differ slightly; in 32-true they agree.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, precision: Precision) -> None:
+        super().__init__(module, device_ids=[device] if device.type == "cuda" else None)
+        self.autocast_device = device.type
+        self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "32-true": None}[precision]
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        self.require_backward_grad_sync = sync  # what `no_sync()` toggles; read by the next forward
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        if self.autocast_dtype is None:
+            return super().forward(*args, **kwargs)
+        with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
+            return super().forward(*args, **kwargs)
+
+
+def build_optimizer(
+    model: torch.nn.Module, strategy: ShardingStrategy, lr: float, betas: tuple[float, float], weight_decay: float
+) -> torch.optim.Optimizer:
+    """AdamW; under ZERO1 each rank keeps and steps the AdamW state of a 1/n partition of the parameters only
+    (ZeroRedundancyOptimizer), then broadcasts its updated partition. Elementwise, so float32 results match."""
+    kwargs = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "foreach": True}
+    if strategy == "ZERO1":
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(model.parameters(), **kwargs)
 
 
 def build_mesh(strategy: ShardingStrategy, env: DistEnv, device: torch.device) -> DeviceMesh:
@@ -107,7 +174,9 @@ def all_reduce_mean(value: float, device: torch.device) -> float:
 
 
 def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
-    """This rank's part of every parameter (a view: writing to it writes the parameter)."""
+    """This rank's part of every parameter (a view: writing to it writes the parameter). Under NO_SHARD, DDP
+    and ZERO1 that is the whole parameter: every rank averages the full model with its peer rank in the other
+    groups, so a group of n ranks sends n times the model per round (each rank's copy, redundantly)."""
     return [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+from transformers import get_cosine_schedule_with_warmup
 
 from diloco import checkpoint, console, parallel, preflight
 from diloco.config import Config, FieldError, UsageError
@@ -68,7 +68,7 @@ class Run:
     env: DistEnv
     device: torch.device
     run_dir: Path
-    model: PreTrainedModel
+    model: torch.nn.Module  # the Hugging Face model sharded in place (FSDP2), or a DDP wrapper around it
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: ShardedGradScaler
@@ -93,7 +93,7 @@ def inner_step(run: Run) -> torch.Tensor:
     total = torch.zeros((), device=run.device)
     for micro in range(run.grad_accum):
         batch = batches.next_batch().to(run.device, non_blocking=True)
-        model.set_requires_gradient_sync(micro == run.grad_accum - 1)  # reduce-scatter once per step
+        model.set_requires_gradient_sync(micro == run.grad_accum - 1)  # reduce once per step, not per micro-batch
         # use_cache=False: a KV cache is for generation; building one per forward costs memory and recompiles
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss / run.grad_accum
         run.scaler.scale(loss).backward()
@@ -214,10 +214,11 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         for layer in layers:
             layer.compile()
     model.to(device)
-    mesh = parallel.build_mesh(config.sharding_strategy, env, device)
-    parallel.shard_model(model, layers, mesh, config.sharding_strategy, config.precision, config.cpu_offload)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=config.adam_betas, weight_decay=config.weight_decay, foreach=True
+    model = parallel.parallelize(
+        model, layers, config.sharding_strategy, env, device, config.precision, config.cpu_offload
+    )
+    optimizer = parallel.build_optimizer(
+        model, config.sharding_strategy, lr=config.lr, betas=config.adam_betas, weight_decay=config.weight_decay
     )
     steps_per_epoch = data.steps_per_epoch(grad_accum)
     max_steps = total_steps(config, steps_per_epoch)
@@ -337,7 +338,7 @@ def sha_of(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None
     """params_sha256 of a full state dict (rank 0), None on the ranks that hold none."""
     if not state:
         return None
-    return params_sha256([(name, state[name]) for name, _ in model.named_parameters()])
+    return params_sha256([(name, state[name]) for name, _ in parallel.unwrap(model).named_parameters()])
 
 
 def finish(run: Run, status: str, started: float) -> dict[str, Any]:
@@ -359,7 +360,7 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
     }
     if run.env.is_main:
         summary["params_sha256"] = sha
-        save_hf(run.model, state, run.run_dir / "final")
+        save_hf(parallel.unwrap(run.model), state, run.run_dir / "final")
     summary["wall_s"] = time.perf_counter() - started
     # every rank tears gloo down together: a rank that destroyed its group while rank 0 was still exporting
     # was seen aborting ("terminate called without an active exception")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -29,17 +30,21 @@ def assert_measured(arm: dict) -> None:
 def assert_table(doc: str, title: str, arms: list[str]) -> None:
     assert f"## {title} (quick): " in doc
     assert "- machine: " in doc and "torch " in doc
-    assert f"- command: `diloco bench {title} --quick --out " in doc
-    assert "| arm | tokens/s (median) |" in doc
+    assert re.search(rf"- command: `diloco bench {title} --quick (--\S+ \S+ )*--out ", doc)  # the bench's own flags
+    assert "| arm | " in doc and " | tokens/s (median) |" in doc
     for name in arms:
         assert f"| {name} | " in doc
 
 
 @pytest.mark.slow
 def test_strategies_quick(tmp_path: Path) -> None:
-    data, doc = bench("strategies", tmp_path)
-    names = ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "FULL_SHARD+cpu-offload", "FULL_SHARD+grad-ckpt"]
+    data, doc = bench("strategies", tmp_path, "--model", "llama-2m-fresh")
+    names = ["ZERO1", "FULL_SHARD", "FULL_SHARD+cpu-offload"]  # --quick: three of the seven (QUICK_ARMS)
     assert [arm["name"] for arm in data["arms"]] == names
+    stages = [arm["deepspeed"].split(" +")[0] for arm in data["arms"]]
+    assert stages == ["stage 1", "stage 3", "stage 3"]
+    assert "| arm | DeepSpeed ZeRO | tokens/s (median) |" in doc and "| ZERO1 | stage 1 | " in doc
+    assert "--model llama-2m-fresh" in data["command"] and data["workload"]["model"].endswith("llama-2m-fresh")
     for arm in data["arms"]:
         assert_measured(arm)
         assert "--nproc_per_node=2" in arm["command"]
@@ -97,6 +102,18 @@ def test_convergence_without_a_data_file_is_one_line(tmp_path: Path) -> None:
         imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
         assert "diloco" in imported and not imported & {"torch", "transformers", "hivemind"}, sorted(imported)
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_strategy_arms_name_their_deepspeed_stage() -> None:
+    """All seven arms of the full bench (--quick runs three) and the ZeRO stage each corresponds to."""
+    from diloco.bench.strategies import QUICK_ARMS, strategy_arms
+
+    arms = strategy_arms(gpu=False)
+    assert [(a.name, a.deepspeed.split(" +")[0]) for a in arms] == [
+        ("DDP", "stage 0"), ("ZERO1", "stage 1"), ("NO_SHARD", "stage 0"), ("SHARD_GRAD_OP", "stage 2"),
+        ("FULL_SHARD", "stage 3"), ("FULL_SHARD+cpu-offload", "stage 3"), ("FULL_SHARD+grad-ckpt", "stage 3"),
+    ]  # fmt: skip
+    assert set(QUICK_ARMS) <= {a.name for a in arms}
 
 
 def test_other_benches_take_no_data_flag() -> None:

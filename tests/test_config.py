@@ -98,6 +98,15 @@ def test_world_rank_must_be_below_galaxy_size() -> None:
         Config(path_model=TINY_MODEL, fake_data=True, hv={"galaxy_size": 2, "world_rank": 2})
 
 
+def test_ddp_strategies_parse_and_refuse_cpu_offload() -> None:
+    from pydantic import ValidationError
+
+    assert parse(["--path-model", str(TINY_MODEL), "--fake-data", "--sharding-strategy", "ZERO1"]).sharding_strategy \
+        == "ZERO1"  # fmt: skip
+    with pytest.raises(ValidationError, match="--cpu-offload needs an FSDP --sharding-strategy; DDP keeps"):
+        Config(path_model=TINY_MODEL, fake_data=True, sharding_strategy="DDP", cpu_offload=True)
+
+
 def test_a_field_error_is_spelled_by_the_command_line() -> None:
     """Lower layers name config fields; the layer that handed out a slice prefixes it; the CLI spells flags."""
     error = FieldError("{world_rank} 4 is taken; ask {ckpt.resume} or {run_dir} ({not a field})", per_rank=True)

@@ -144,6 +144,25 @@ def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Pa
     assert_trained_together(run_dirs, groups=2, outer_steps=3)
 
 
+def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Path, dht_peer: list[str]) -> None:
+    """Under DDP and ZERO1 every rank's local shards are the whole model (as under NO_SHARD): rank r averages its
+    full replica with rank r of the other group, and both groups end on one model."""
+    procs = []
+    run_dirs = [tmp_path / f"w{i}" for i in range(2)]
+    for world_rank, (run_dir, strategy) in enumerate(zip(run_dirs, ("DDP", "ZERO1"))):
+        args = [*TEXT, "--total-batch-size", "8", "--max-steps", "8", "--hv.local-steps", "4",
+                "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank), "--hv.initial-peers", *dht_peer,
+                "--sharding-strategy", strategy, "--run-dir", str(run_dir)]  # fmt: skip
+        procs.append(spawn([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *args]))
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    assert_trained_together(run_dirs, groups=2, outer_steps=2)
+
+
 def test_launch_three_groups_with_fp16(tmp_path: Path) -> None:
     run_dir = tmp_path / "launched"
     proc = spawn([str(DILOCO), "launch", "--workers", "3", "--nproc-per-worker", "1", "--", *TEXT,

@@ -59,6 +59,7 @@ class Arm:
     flags: tuple[str, ...]
     nproc: int
     note: str = ""
+    deepspeed: str = ""  # the DeepSpeed ZeRO setting it corresponds to ("stage 2"), when there is one
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Measured:
     wall_s: float
     note: str = ""
     step_tokens_per_s: list[float] = field(default_factory=list)
+    deepspeed: str = ""
 
 
 # ---------------------------------------------------------------- running one arm
@@ -159,6 +161,7 @@ def run_arm(arm: Arm, workload: Workload, work_dir: Path, timeout_s: float = ARM
         wall_s=wall,
         note=arm.note,
         step_tokens_per_s=measured,
+        deepspeed=arm.deepspeed,
     )
 
 
@@ -214,13 +217,17 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     if "ratio" in result:
         lines.append(f"- {result['repetitions']} repetitions per arm, alternating (A B A B ...)")
-    header = f"| arm | tokens/s (median) | tokens/s (p25–p75) | {memory} | process tree peak RSS (MB) | note |"
-    lines += ["", header, "|---|---:|---:|---:|---:|---|"]
+    deepspeed = any(arm.get("deepspeed") for arm in result["arms"])  # a column only where arms map to ZeRO stages
+    header = ["arm", *(["DeepSpeed ZeRO"] if deepspeed else []), "tokens/s (median)", "tokens/s (p25–p75)", memory,
+              "process tree peak RSS (MB)", "note"]  # fmt: skip
+    align = ["---", *(["---"] if deepspeed else []), "---:", "---:", "---:", "---:", "---"]
+    lines += ["", row(header), "|" + "|".join(align) + "|"]
     for arm in result["arms"]:
         low, high = arm["tokens_per_s_iqr"]
         lines.append(
-            f"| {arm['name']} | {arm['tokens_per_s']:.0f} | {low:.0f}–{high:.0f} | {arm['peak_memory_mb']:.0f} | "
-            f"{arm['tree_peak_rss_mb']:.0f} | {arm['note']} |"
+            row([arm["name"], *([arm.get("deepspeed") or "-"] if deepspeed else []), f"{arm['tokens_per_s']:.0f}",
+                 f"{low:.0f}–{high:.0f}", f"{arm['peak_memory_mb']:.0f}", f"{arm['tree_peak_rss_mb']:.0f}",
+                 arm["note"]])  # fmt: skip
         )
     if "ratio" in result:
         verdict = "meets" if result["ratio"] >= result["target"] else "misses"
@@ -230,3 +237,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def row(cells: list[str]) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(cells) + " |"
