@@ -24,6 +24,7 @@ USAGE_EXIT = 2
 def train(config: Config) -> int:
     """Train one worker group (under torchrun for several ranks)."""
     env = DistEnv.from_environ()
+    env.export()  # an srun step without torchrun: the variables torch's env:// rendezvous (and rank 0 gating) read
     _setup_logging(env.rank)
     preflight.check_run(config, env.world_size)  # before torch: bad input fails in a fraction of a second
     if (unused := config.hv.unused_alone()) and env.rank == 0:
@@ -130,6 +131,51 @@ def launch(
     return launcher.launch(seen[0], list(train_args), workers, nproc_per_worker)
 
 
+def slurm(
+    *train_args: Annotated[str, Parameter(help="Flags for every worker group's `diloco.train`, after `--`.")],
+    groups: Annotated[int, Parameter(help="Worker groups (the galaxy size), one srun step each.")] = 2,
+    nodes_per_group: Annotated[int, Parameter(help="Nodes per worker group (one torchrun on each).")] = 1,
+    groups_per_node: Annotated[int, Parameter(help="One-node groups packed on one node (CPU runs).")] = 1,
+    ranks_per_node: Annotated[int | None, Parameter(help=(
+        "Ranks of a group on one node [default: --gpus-per-node ÷ --groups-per-node, or 1]."
+    ))] = None,
+    gpus_per_node: Annotated[int, Parameter(help="GPUs to ask for on each node (0: CPU only).")] = 0,
+    cpus_per_task: Annotated[int, Parameter(help="CPUs per rank.")] = 1,
+    time: Annotated[str | None, Parameter(help="sbatch --time, e.g. 24:00:00.")] = None,
+    partition: Annotated[str | None, Parameter(help="sbatch --partition.")] = None,
+    account: Annotated[str | None, Parameter(help="sbatch --account.")] = None,
+    job_name: Annotated[str, Parameter(help="sbatch --job-name; also names the log files.")] = "diloco",
+    output: Annotated[Path, Parameter(help=(
+        "Folder for sbatch's log and, per job, the DHT's and each group's log (created now: Slurm does not)."
+    ))] = Path("runs/slurm"),
+    script_file: Annotated[Path | None, Parameter(name=["--script", "-o"], help="Write the script here "
+                                                  "instead of printing it.")] = None,
+    submit: Annotated[bool, Parameter(negative="", help="Submit it with sbatch and print the job id.")] = False,
+) -> int:  # fmt: skip
+    """Write an sbatch script for GROUPS worker groups, each one srun step of torchrun, plus a DHT step unless
+    --hv.initial-peers is among the train flags: `diloco slurm --groups 2 -- <train flags>`."""
+    from diloco import slurm as slurm_script
+
+    per_node = ranks_per_node if ranks_per_node is not None else max(1, gpus_per_node // groups_per_node)
+    layout = slurm_script.Layout(groups, nodes_per_group, groups_per_node, per_node, cpus_per_task, gpus_per_node)
+    job = slurm_script.Job(job_name, output, time, partition, account)
+    seen: list[Config] = []
+    checked = [*train_args, "--hv.galaxy-size", str(groups), "--hv.world-rank", str(groups - 1)]
+    run_app(build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0), checked)
+    seen[0].check_files()  # here, not in the job an hour later (the cluster's nodes see the same files)
+    seen[0].grad_accumulation(nodes_per_group * per_node)
+    text = slurm_script.script(layout, job, seen[0], list(train_args), Path.cwd())
+    (Path.cwd() / output).mkdir(parents=True, exist_ok=True)
+    if script_file is None and not submit:
+        print(text, end="")
+        return 0
+    path = script_file or Path.cwd() / output / f"{job_name}.sbatch"
+    path.write_text(text)
+    if submit:
+        print(slurm_script.submit(path))
+    return 0
+
+
 def plot(
     *run_dirs: Annotated[Path, Parameter(help="Run folders; each folder under them holding a metrics.jsonl is one "
                                               "worker group (runs/<name>/worker-0, worker-1, ...).")],  # fmt: skip
@@ -171,11 +217,14 @@ _OUT = Parameter(help="Folder for the result JSON (strategies.json, overhead-qui
 _DOC = Parameter(help="Markdown file the dated table is appended to.")
 _DATA = Parameter(help="Text to train and evaluate on: a .txt, .jsonl or .parquet file, byte-tokenized, its last "
                   "10% held out (e.g. tinyshakespeare.txt). Required.")  # fmt: skip
+_MODEL = Parameter(help="The model every arm trains: a bench model's name (e.g. llama-14m-fresh; an unknown name "
+                   "lists them) or a local model folder. Default: llama-2m-fresh with --quick, else "
+                   "llama-14m-fresh.")  # fmt: skip
 
 
 BENCH_HELP = {
-    "strategies": "NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, CPU offload, gradient checkpointing: tokens/s and peak "
-    "memory, 2 ranks.",
+    "strategies": "DDP, ZERO1, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, CPU offload, gradient checkpointing: tokens/s "
+    "and peak memory, 2 ranks, each arm beside its DeepSpeed ZeRO stage.",
     "overhead": "Inner-step tokens/s of a DiLoCo worker (DHT and averager running) against galaxy size 1, "
     "alternating.",
     "convergence": "Held-out loss at equal tokens: one group, DDP, DiLoCo over H and outer lr/momentum, on real "
@@ -190,7 +239,7 @@ BENCH_HELP = {
 
 def _bench_command(name: str) -> Callable[..., int]:
     """`diloco bench <name>`: cyclopts reads the flags from the signature and the help from the docstring. Only
-    convergence reads data (`--data`): the others train on fake data."""
+    convergence reads data (`--data`): the others train on fake data. strategies takes a `--model`."""
 
     def command(
         *,
@@ -212,9 +261,31 @@ def _bench_command(name: str) -> Callable[..., int]:
             raise UsageError(why)
         return _bench(name, quick, out, doc, data=data)
 
-    chosen = with_data if name == "convergence" else command
+    def with_model(
+        *,
+        model: Annotated[str | None, _MODEL] = None,
+        quick: Annotated[bool, _QUICK] = False,
+        out: Annotated[Path, _OUT] = BENCH_OUT,
+        doc: Annotated[Path, _DOC] = BENCH_DOC,
+    ) -> int:
+        if model is None:
+            return _bench(name, quick, out, doc)
+        return _bench(name, quick, out, doc, model=_bench_model(model))
+
+    chosen = {"convergence": with_data, "strategies": with_model}.get(name, command)
     chosen.__doc__ = BENCH_HELP[name]
     return chosen
+
+
+def _bench_model(model: str) -> str | Path:
+    """A bench model's name as it is, a local folder as a Path; anything else is a usage error (before torch)."""
+    from diloco.bench.models import MODELS
+
+    if model in MODELS:
+        return model
+    if Path(model).is_dir():
+        return Path(model)
+    raise UsageError(f"--model {model}: neither a model folder nor one of {', '.join(MODELS)}")
 
 
 def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = train) -> App:
@@ -240,6 +311,7 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
     app.command(dht)
     app.command(status)
     app.command(launch)
+    app.command(slurm)
     app.command(plot)
     bench = App(name="bench", help="Measure the trainer; write JSON and append a dated table to a document.")
     for name in BENCH_HELP:
