@@ -89,6 +89,17 @@ def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60) -
     raise AssertionError(f"no {pattern!r} in output:\n{''.join(seen)}{stderr}")
 
 
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """`python -m diloco.train argv`'s flag checks, in process: they must exit 2 with one `error:` line; returns it."""
+    from diloco.cli import build_app, run_app
+
+    with pytest.raises(SystemExit) as exited:
+        run_app(build_app(train_only=True, train_fn=lambda config: 0), argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 

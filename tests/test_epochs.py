@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.cli import build_app, run_app
-
-from .conftest import FAST, assert_ok, metrics, python_train, summary
+from .conftest import FAST, assert_ok, metrics, python_train, summary, usage_error
 
 
 def test_epochs_set_the_steps_log_the_epoch_and_evaluate_at_every_epoch_end(tmp_path: Path) -> None:
@@ -41,11 +39,7 @@ def test_epochs_set_the_steps_log_the_epoch_and_evaluate_at_every_epoch_end(tmp_
 def test_epochs_with_a_step_count_or_fake_data_is_a_usage_error(
     argv: str, said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    app = build_app(train_only=True, train_fn=lambda config: 0)
-    with pytest.raises(SystemExit) as exited:
-        run_app(app, ["--path-model", "m", *argv.split()])
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.count("\n") == 1 and said in err, err
+    assert said in usage_error(["--path-model", "m", *argv.split()], capsys)
 
 
 def test_an_epoch_shorter_than_one_step_is_one_line(tmp_path: Path) -> None:

@@ -127,13 +127,14 @@ def assert_trained_together(run_dirs: list[Path], groups: int, outer_steps: int)
         assert losses[-1] < losses[0] - 0.5  # from ln(1024) ≈ 6.9 at the start
 
 
-def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Path, dht_peer: list[str]) -> None:
-    procs = []
-    run_dirs = [tmp_path / f"w{i}" for i in range(2)]
-    for world_rank, run_dir in enumerate(run_dirs):
-        args = [*TEXT, "--total-batch-size", "8", "--max-steps", "12", "--hv.local-steps", "4",
+def train_two_groups(tmp_path: Path, dht_peer: list[str], steps: int, *flags: list[str]) -> list[Path]:
+    """Two worker groups of two ranks under torchrun against `dht_peer`, H = 4; `flags[i]` are group i's own.
+    Returns their run folders once both ended with exit code 0."""
+    procs, run_dirs = [], [tmp_path / f"w{i}" for i in range(2)]
+    for world_rank, (run_dir, own) in enumerate(zip(run_dirs, flags)):
+        args = [*TEXT, "--total-batch-size", "8", "--max-steps", str(steps), "--hv.local-steps", "4",
                 "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank), "--hv.initial-peers", *dht_peer,
-                "--hv.compression", "int8", "--run-dir", str(run_dir)]  # fmt: skip
+                *own, "--run-dir", str(run_dir)]  # fmt: skip
         procs.append(spawn([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *args]))
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
@@ -141,26 +142,19 @@ def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Pa
         for p in procs:
             kill_group(p)
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
-    assert_trained_together(run_dirs, groups=2, outer_steps=3)
+    return run_dirs
+
+
+def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Path, dht_peer: list[str]) -> None:
+    int8 = ["--hv.compression", "int8"]
+    assert_trained_together(train_two_groups(tmp_path, dht_peer, 12, int8, int8), groups=2, outer_steps=3)
 
 
 def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Path, dht_peer: list[str]) -> None:
     """Under DDP and ZERO1 every rank's local shards are the whole model (as under NO_SHARD): rank r averages its
     full replica with rank r of the other group, and both groups end on one model."""
-    procs = []
-    run_dirs = [tmp_path / f"w{i}" for i in range(2)]
-    for world_rank, (run_dir, strategy) in enumerate(zip(run_dirs, ("DDP", "ZERO1"))):
-        args = [*TEXT, "--total-batch-size", "8", "--max-steps", "8", "--hv.local-steps", "4",
-                "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank), "--hv.initial-peers", *dht_peer,
-                "--sharding-strategy", strategy, "--run-dir", str(run_dir)]  # fmt: skip
-        procs.append(spawn([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *args]))
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            kill_group(p)
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
-    assert_trained_together(run_dirs, groups=2, outer_steps=2)
+    ddp, zero1 = ["--sharding-strategy", "DDP"], ["--sharding-strategy", "ZERO1"]
+    assert_trained_together(train_two_groups(tmp_path, dht_peer, 8, ddp, zero1), groups=2, outer_steps=2)
 
 
 def test_launch_three_groups_with_fp16(tmp_path: Path) -> None:
