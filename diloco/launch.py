@@ -21,17 +21,22 @@ log = logging.getLogger("diloco")
 STOP_GRACE_S = 15.0  # how long workers get to checkpoint and write their summary after a stop signal
 
 
-def worker_args(
-    config: Config, train_args: Sequence[str], world_rank: int, workers: int, peers: list[str]
-) -> list[str]:
-    """The user's train flags plus this group's place in the galaxy (a repeated flag's last value wins)."""
-    args = [*train_args, "--hv.galaxy-size", str(workers), "--hv.world-rank", str(world_rank)]
-    args += ["--hv.initial-peers", *peers]
+def group_flags(config: Config, world_rank: int, workers: int) -> list[str]:
+    """What a launcher adds to the user's train flags for one group (a repeated flag's last value wins): its place
+    in the galaxy, and its own `worker-<world rank>` run and checkpoint folders under the ones given."""
+    args = ["--hv.galaxy-size", str(workers), "--hv.world-rank", str(world_rank)]
     if config.run_dir is not None:
         args += ["--run-dir", str(config.run_dir / f"worker-{world_rank}")]
     if config.ckpt.path is not None:  # each group checkpoints its own ranks' state
         args += ["--ckpt.path", str(config.ckpt.path / f"worker-{world_rank}")]
     return args
+
+
+def worker_args(
+    config: Config, train_args: Sequence[str], world_rank: int, workers: int, peers: list[str]
+) -> list[str]:
+    """The user's train flags plus this group's place in the galaxy and the DHT started here."""
+    return [*train_args, *group_flags(config, world_rank, workers), "--hv.initial-peers", *peers]
 
 
 def worker_command(nproc: int, args: list[str]) -> list[str]:

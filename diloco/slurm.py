@@ -18,6 +18,7 @@ from pathlib import Path
 
 from diloco.config import Config, FieldError, UsageError
 from diloco.distenv import SLURM_PORT_BASE, SLURM_PORT_SPAN, SLURM_PORTS_PER_JOB
+from diloco.launch import group_flags
 
 DHT_WAIT_S = 120  # how long the script waits for the DHT's --hv.initial-peers line before giving up
 
@@ -154,13 +155,9 @@ def _dht_step(bin_dir: Path) -> list[str]:
 def _group_args(config: Config, group: int, groups: int) -> list[str]:
     """This group's place in the galaxy and its own run and checkpoint folders (a repeated flag's last value
     wins); every group gets the same run name, so they land side by side as runs/<name>/worker-<i>."""
-    args = ["--hv.galaxy-size", str(groups), "--hv.world-rank", str(group)]
-    if config.run_dir is not None:
-        args += ["--run-dir", shlex.quote(str(config.run_dir / f"worker-{group}"))]
-    elif config.run_name is None:
-        args += ["--run-name", '"slurm-$SLURM_JOB_ID"']
-    if config.ckpt.path is not None:
-        args += ["--ckpt.path", shlex.quote(str(config.ckpt.path / f"worker-{group}"))]
+    args = [shlex.quote(arg) for arg in group_flags(config, group, groups)]
+    if config.run_dir is None and config.run_name is None:
+        args += ["--run-name", '"slurm-$SLURM_JOB_ID"']  # left for the shell to expand
     return args
 
 
