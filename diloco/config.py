@@ -98,6 +98,12 @@ class HvConfig(_Strict):
     galaxy_size: int = Field(1, ge=1, description="Number of worker groups expected in the swarm.")
     world_rank: int = Field(0, ge=0, description="Index of this worker group, 0 <= world rank < galaxy size.")
     local_steps: int = Field(500, gt=0, description="H: inner steps between two outer steps.")
+    target_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Instead of H: the swarm takes an outer step once its groups together trained N tokens since "
+        "the last one; fast groups run more inner steps than slow ones, each weighted by its tokens.",
+    )
     outer_lr: float = Field(
         0.7, gt=0, description="Learning rate of the outer SGD (the paper's 0.7; for small H, 1.0 measured best)."
     )
@@ -165,6 +171,13 @@ class HvConfig(_Strict):
         if self.galaxy_size != 1:
             return []
         return [name for name in type(self).model_fields if name in self.model_fields_set - {"galaxy_size", "world_rank"}]
+
+    @model_validator(mode="after")
+    def _one_pace(self) -> HvConfig:
+        if self.target_tokens is not None and "local_steps" in self.model_fields_set:
+            raise ValueError("pass either --hv.local-steps (H inner steps per group) or --hv.target-tokens (the "
+                             "swarm's tokens per outer step), not both")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _rank_in_galaxy(self) -> HvConfig:

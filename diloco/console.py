@@ -61,7 +61,7 @@ class ProgressLine:
     def format(self, row: dict[str, Any], now: float) -> str:
         if "outer_step" in row:
             return outer_line(row)
-        step = row.get("step")
+        step = row.get("swarm_step", row.get("step"))  # under a token budget the run ends at the swarm's step
         if "eval_loss" in row:
             return f"step {step}/{self.max_steps} | eval loss {row['eval_loss']:.4f} | ppl {row['eval_perplexity']:.4g}"
         if "loss" not in row:
@@ -86,6 +86,10 @@ def outer_line(row: dict[str, Any]) -> str:
         if peers:
             megabytes = (row.get("bytes_sent", 0) + row.get("bytes_received", 0)) / 1e6
             parts += [f"{row['averaging_s']:.2f} s", f"{megabytes:.3g} MB"]
+        if row.get("swarm_tokens") is not None:  # a token budget: what this group brought to the round
+            parts.append(f"{count(row['tokens'])} of {count(row['swarm_tokens'])} tokens")
+        if row.get("wait_s", 0.0) >= 0.05:
+            parts.append(f"waited {row['wait_s']:.2f} s")
         if row.get("rejected"):
             parts.append(f"rejected {row['rejected']}")
         if row.get("transport"):

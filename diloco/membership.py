@@ -29,7 +29,9 @@ import torch
 
 from diloco.config import FieldError
 from diloco.outer import OuterOptimizer, OuterReport
+from diloco.pace import FixedSteps, Pace
 from diloco.screening import all_finite
+from diloco.swarm.budget import RoundTokens
 from diloco.swarm.progress import Progress, sources
 from diloco.swarm.status import DIGEST_CHARS, HEARTBEAT_S, Status
 
@@ -48,6 +50,7 @@ class RoundResult(Protocol):
     bytes_sent: int
     bytes_received: int
     ok: bool  # False: the round failed (or was stopped) and the tensors were left as they were
+    allreduce_seconds: float  # of `seconds`, from the group's forming to the result (the rest: waiting for it)
     rejected: int  # contributions of other groups this rank rejected (non-finite, or an outlier norm)
     transport: str  # what carried the bytes: "tcp", "p2pd", or "" (no group formed)
 
@@ -77,6 +80,16 @@ class Swarm(Protocol):
     def publish_status(self, record: Status) -> None:
         """Store this group's status record for onlookers (rank 0 calls it); returns without waiting for the
         network, and never raises."""
+        ...
+
+    def publish_tokens(self, record: RoundTokens) -> None:
+        """Store this group's round-token record (rank 0, with ``--hv.target-tokens``); like `publish_status`
+        it returns at once and never raises."""
+        ...
+
+    def token_records(self) -> list[RoundTokens]:
+        """The groups' round-token records as last read; returns at once (a read of the DHT may go on in the
+        background)."""
         ...
 
     def alive(self, peer_id: str) -> bool:
@@ -122,7 +135,7 @@ class DiLoCo:
     :param swarm: carries the bytes and the progress records.
     :param group: collectives over the ranks of this group.
     :param world_rank: this group's index in the swarm (the config's `hv.world_rank`).
-    :param local_steps: H, inner steps between outer steps.
+    :param local_steps: H, inner steps between outer steps (unless `pace` is given).
     :param outer_lr: outer SGD learning rate.
     :param outer_momentum: Nesterov momentum of the outer SGD; 0 means plain SGD.
     :param stop: true once the run was asked to stop; an averaging round then gives up.
@@ -133,6 +146,9 @@ class DiLoCo:
     :param settle_timeout: seconds a finished group waits for live groups that do not hold its final state yet
         (one still in its last round, or one whose last round failed and must download).
     :param sharding: the group's FSDP sharding strategy, as its status record tells onlookers.
+    :param pace: when outer steps are due and where the LR schedule stands (`diloco.pace`); default:
+        `FixedSteps(local_steps, final_step)`.
+    :param tokens_per_step: tokens of one inner step of this group (all ranks), for the round rows.
     """
 
     def __init__(
@@ -150,10 +166,15 @@ class DiLoCo:
         final_step: int | None = None,
         settle_timeout: float = 30.0,
         sharding: str = "",
+        pace: Pace | None = None,
+        tokens_per_step: int = 0,
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum)
+        self.pace = pace or FixedSteps(local_steps, final_step)
+        self.tokens_per_step = tokens_per_step
+        self.round_start = 0  # the inner step at which this group's current round began
         self.swarm, self.group, self.world_rank = swarm, group, world_rank
-        self.local_steps, self.stop, self.join_timeout = local_steps, stop, join_timeout
+        self.stop, self.join_timeout = stop, join_timeout
         self.final_step, self.settle_timeout = final_step, settle_timeout
         self.step = 0  # inner steps done, as last seen; served with the state
         self.tainted = False
@@ -224,12 +245,13 @@ class DiLoCo:
             loaded = self._load_on_join()
             if loaded is not None:
                 self.step = step = loaded
-                if self._in_round(step):  # the swarm is averaging right now: take part, adding no weight
+                if self.pace.in_round(step, self.outer_step):  # the swarm is averaging now: take part, no weight
                     zeros = torch.zeros_like(self.outer)
                     row = self._average_and_apply(step, zeros, weight=0.0, source=self.loaded_from)
         elif self.group.is_main:
             log.info("not loading the swarm's state (as asked): starting from this group's own state")
         self.settled = True
+        self.pace.new_round(self.outer_step)  # (a resumed group keeps its round's start from the checkpoint)
         self.swarm.serve_state(self._current_state)
         self._publish()
         self._publish_status("training")
@@ -266,23 +288,24 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ rounds
 
-    def _boundary(self, step: int) -> bool:
-        """Whether an outer step follows inner step `step`."""
-        return step % self.local_steps == 0 or step == self.final_step
+    def position(self, step: int) -> int:
+        """Where the LR schedule and the end of the run stand after inner step `step` (see `diloco.pace`)."""
+        return self.pace.position(step, self.outer_step)
 
-    def _round(self, step: int) -> int:
-        """Index of the round after inner step `step`: the same in every group (a last, shorter round after a
-        final step that is not a multiple of H gets the next index)."""
-        return -(-step // self.local_steps)
+    def _tokens(self, step: int) -> int:
+        """Tokens this group trained since its last outer step."""
+        return (step - self.round_start) * self.tokens_per_step
 
-    def _in_round(self, step: int) -> bool:
-        """Whether a group at inner step `step` with this outer step is in the round of that boundary."""
-        return self._boundary(step) and self._round(step) > self.outer_step
+    def _new_round(self, step: int) -> None:
+        """The outer parameters changed (an outer step, a loaded state): the model was reset to them."""
+        self.round_start = step
+        self.pace.new_round(self.outer_step)
 
     def after_inner_step(self, step: int) -> OuterReport | None:
         """Collective: at a boundary, catch up with the swarm if this group is behind, then average and apply."""
         self.step = step
-        if not self._boundary(step):
+        tokens = self._tokens(step)
+        if not self.pace.due(step, self.outer_step, tokens):
             return None
         pseudo_gradient = self.params.pseudo_gradient()
         if self.group.sum(0.0 if all_finite(pseudo_gradient) else 1.0):
@@ -295,20 +318,22 @@ class DiLoCo:
             source = self.loaded_from
             if self.outer_step > outer_before:  # it was behind: go on where the swarm is
                 self.step = step = loaded
-                if not self._in_round(step):
+                if not self.pace.in_round(step, self.outer_step):
                     return OuterReport(step, self._row(step, source=source))
         if self.outer_step == outer_before:
-            return OuterReport(step, self._average_and_apply(step, pseudo_gradient, 1.0, source))
+            weight = self.pace.weight(tokens)
+            return OuterReport(step, self._average_and_apply(step, pseudo_gradient, weight, source, tokens))
         # a group that was behind brings nothing current: it takes the others' average and adds nothing (zeros,
         # not its stale pseudo-gradient, which reducers could rightly reject as an outlier)
         return OuterReport(step, self._average_and_apply(step, pseudo_gradient.zero_(), 0.0, source))
 
     def _average_and_apply(
-        self, step: int, pseudo_gradient: torch.Tensor, weight: float, source: int | None
+        self, step: int, pseudo_gradient: torch.Tensor, weight: float, source: int | None, tokens: int = 0
     ) -> dict[str, Any] | None:
         """Collective: the round of boundary `step`, then the outer step. None when stopped during the round."""
-        log.info("outer step %d: averaging (round %d)", self.outer_step + 1, self._round(step))
-        report = self.swarm.average([pseudo_gradient], round_index=self._round(step), weight=weight, stop=self.stop)
+        index = self.pace.round_index(step, self.outer_step)
+        log.info("outer step %d: averaging (round %d)", self.outer_step + 1, index)
+        report = self.swarm.average([pseudo_gradient], round_index=index, weight=weight, stop=self.stop)
         if self.group.sum(1.0 if self.stop() else 0.0):
             log.warning("outer step %d: stopped during averaging; not applied", self.outer_step + 1)
             return None
@@ -318,6 +343,7 @@ class DiLoCo:
         if all_ok and self.group.sum(float(num_peers)) != num_peers * ranks:
             log.warning("outer step %d: the ranks of this group averaged with different peers", self.outer_step + 1)
             all_ok, num_peers = False, 0
+        outer_before = self.outer_step
         if all_ok and num_peers > 1:
             self.params.step(pseudo_gradient)
             self.tainted = False
@@ -332,11 +358,14 @@ class DiLoCo:
                 "outer step %d: %s; nothing applied, the inner steps carry over to the next round",
                 self.outer_step + 1, "averaging failed" if not all_ok else "missed the swarm's round",
             )  # fmt: skip
+        if self.outer_step > outer_before:
+            self._new_round(step)
         self._update_digest()
         self._publish()
         self.last_round = (num_peers, time.time())
         self._publish_status("training")
-        return self._row(step, source=source, report=report, num_peers=num_peers, pseudo_gradient=pseudo_gradient)
+        row = self._row(step, source=source, report=report, num_peers=num_peers, pseudo_gradient=pseudo_gradient)
+        return row | {"tokens": tokens, "weight": weight} | self.pace.summary(tokens)
 
     def _row(
         self,
@@ -357,6 +386,7 @@ class DiLoCo:
             row |= {
                 "num_peers": num_peers,
                 "averaging_s": report.seconds,
+                "wait_s": report.seconds - report.allreduce_seconds,  # idle until the round's group formed
                 "bytes_sent": int(self.group.sum(float(report.bytes_sent))),  # all ranks of the group
                 "bytes_received": int(self.group.sum(float(report.bytes_received))),
                 "rejected": int(self.group.sum(float(report.rejected))),
@@ -430,8 +460,12 @@ class DiLoCo:
                     )  # fmt: skip
                 # a group that was behind adopts the inner step count; one that diverged at the same outer step
                 # keeps its own (it did the same number of inner steps). Never backwards: a source that finished
-                # the round this group failed may not have reached this group's next boundary yet
-                return max(meta["step"], self.step) if meta["outer_step"] > outer_before else self.step
+                # the round this group failed may not have reached this group's next boundary yet. Under a token
+                # budget every group keeps its own count
+                ahead = meta["outer_step"] > outer_before and self.pace.adopts_step
+                step = max(meta["step"], self.step) if ahead else self.step
+                self._new_round(step)  # the model holds the loaded outer parameters: the inner steps since are gone
+                return step
         return None
 
     def _valid(self, got: State | None) -> dict[str, Any] | None:
@@ -474,7 +508,7 @@ class DiLoCo:
             ranks=len(self.peers),
             sharding=self.sharding,
             state=state,
-            step=self.step if step is None else step,
+            step=self.position(self.step if step is None else step),
             max_steps=self.final_step,
             outer_step=self.outer_step,
             tokens_per_s=self.tokens_per_s,
@@ -488,10 +522,11 @@ class DiLoCo:
     # ------------------------------------------------------------------ checkpoints and the end
 
     def state_dict(self) -> dict[str, Any]:
-        return self.params.state_dict()
+        return self.params.state_dict() | {"round_start": self.round_start}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.params.load_state_dict(state)
+        self.round_start = state.get("round_start", 0)  # 0: a checkpoint from before token budgets
         self._update_digest()
 
     def finish(self) -> dict[str, Any] | None:

@@ -43,6 +43,11 @@ class OuterLoop(Protocol):
         """Run the outer step when one is due (its report always has a row); None when none was due."""
         ...
 
+    def position(self, step: int) -> int:
+        """Where the LR schedule and the end of the run stand after inner step `step`: `step` itself, or under a
+        swarm-wide token budget the swarm's progress in inner steps of an average group (``diloco.pace``)."""
+        ...
+
     def progress(self, row: dict[str, Any]) -> None:
         """After each metrics row of the inner loop (``step``, ``tokens_per_s``, ...): what the outer loop may
         tell others about this group's training; must return at once (no network waits)."""
@@ -70,6 +75,9 @@ class NoOuter:
 
     def after_inner_step(self, step: int) -> OuterReport | None:
         return None
+
+    def position(self, step: int) -> int:
+        return step
 
     def progress(self, row: dict[str, Any]) -> None:
         pass

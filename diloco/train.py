@@ -123,11 +123,12 @@ def evaluate(run: Run) -> float | None:
 
 
 def train_loop(run: Run) -> str:
-    """Inner steps until max_steps or a stop request; the outer loop runs after each. Returns the status."""
+    """Inner steps until max_steps or a stop request; the outer loop runs after each. Returns the status.
+    Under a swarm-wide token budget the end and the LR follow the swarm's position, not this group's steps."""
     cfg = run.config
     tokens_per_step = run.data.tokens_per_batch * run.grad_accum * run.env.world_size
     tick = time.perf_counter()
-    while run.step < run.max_steps:
+    while run.outer.position(run.step) < run.max_steps:
         lr = run.scheduler.get_last_lr()[0]  # the rate this step uses
         loss = inner_step(run)
         run.step += 1
@@ -145,6 +146,8 @@ def train_loop(run: Run) -> str:
             }
             if run.steps_per_epoch:
                 row["epoch"] = round(run.step / run.steps_per_epoch, 4)  # passes over this group's share so far
+            if cfg.hv.target_tokens:
+                row["swarm_step"] = run.outer.position(run.step)  # the swarm's, in steps of an average group
             run.metrics.log(row)
             run.outer.progress(row)  # the swarm's status heartbeat; never waits for the network
         if parallel.any_rank(run.stop.requested, run.device):  # agreed, and before a possibly long outer round
@@ -153,9 +156,10 @@ def train_loop(run: Run) -> str:
         if outer is not None:
             if outer.row is not None:
                 run.metrics.log(outer.row)
-            jump_to(run, outer.step)  # a group that was behind continues where the swarm is
+            run.step = outer.step  # a group that was behind continues where the swarm is
+        follow_schedule(run)
         evaluated = eval_due(run)
-        if evaluated and run.step < run.max_steps:  # the last step is evaluated once, at the end
+        if evaluated and run.outer.position(run.step) < run.max_steps:  # the last step: evaluated at the end
             log_eval(run)
         if cfg.ckpt.interval and run.step % cfg.ckpt.interval == 0:
             save_checkpoint(run)
@@ -171,14 +175,15 @@ def eval_due(run: Run) -> bool:
     return bool(every and run.step % every == 0) or epoch_end
 
 
-def jump_to(run: Run, step: int) -> None:
-    """Continue at inner step `step` (the swarm's, after loading its state): the LR schedule follows."""
-    if step == run.step:
+def follow_schedule(run: Run) -> None:
+    """Set the LR schedule to where the run stands (``OuterLoop.position``): the inner steps themselves, so a
+    no-op, unless the group just took the swarm's step count or trains under a swarm-wide token budget."""
+    at = run.outer.position(run.step)
+    if at == run.scheduler.last_epoch:
         return
-    run.step = step
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
         warnings.simplefilter("ignore", UserWarning)
-        run.scheduler.last_epoch = step - 1
+        run.scheduler.last_epoch = at - 1
         run.scheduler.step()
 
 
@@ -224,7 +229,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     max_steps = total_steps(config, steps_per_epoch)
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(max_steps, 1))
     # joining the swarm can fail on bad input: nothing is written before it
-    outer = build_outer(config, env, model, device, stop, max_steps)
+    outer = build_outer(config, env, model, device, stop, max_steps, data.tokens_per_batch * grad_accum)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = Metrics.build(
         enabled=env.is_main,
@@ -267,7 +272,13 @@ def total_steps(config: Config, steps_per_epoch: int | None) -> int:
 
 
 def build_outer(
-    config: Config, env: DistEnv, model: torch.nn.Module, device: torch.device, stop: StopRequest, max_steps: int
+    config: Config,
+    env: DistEnv,
+    model: torch.nn.Module,
+    device: torch.device,
+    stop: StopRequest,
+    max_steps: int,
+    rank_tokens_per_step: int,
 ) -> OuterLoop:
     """Galaxy size 1: nothing (no DHT, no p2pd). Otherwise this group joins the swarm (``diloco.swarm.join``)."""
     if config.hv.galaxy_size == 1:
@@ -285,7 +296,7 @@ def build_outer(
     try:
         return swarm.join(
             config.hv, env, shards, group, stop=lambda: stop.requested, final_step=max_steps,
-            sharding=config.sharding_strategy,
+            sharding=config.sharding_strategy, tokens_per_step=rank_tokens_per_step * env.world_size,
         )  # fmt: skip
     except FieldError as e:
         raise e.within("hv") from None
@@ -376,8 +387,13 @@ def describe(run: Run) -> dict[str, str]:
     if hv.galaxy_size == 1:
         swarm = "none (galaxy size 1: plain torch.distributed, no DHT)"
     else:
+        pace = (
+            f"an outer step per {console.count(hv.target_tokens)} swarm tokens"
+            if hv.target_tokens
+            else f"H = {hv.local_steps} inner steps"
+        )
         swarm = (
-            f"galaxy size {hv.galaxy_size}, world rank {hv.world_rank}, H = {hv.local_steps} inner steps, outer lr "
+            f"galaxy size {hv.galaxy_size}, world rank {hv.world_rank}, {pace}, outer lr "
             f"{hv.outer_lr:g} momentum {hv.outer_momentum:g}, {hv.compression} over {hv.transport}"
         )
     return {
@@ -431,7 +447,8 @@ def main(config: Config, env: DistEnv) -> int:
         if env.is_main:
             log.info("worker group %d starting:\n%s", config.hv.world_rank, console.banner(describe(run)))
         joined = run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers)
-        jump_to(run, joined.step)
+        run.step = joined.step
+        follow_schedule(run)
         if joined.row is not None:
             run.metrics.log(joined.row)
         if config.eval_interval and run.step == 0:

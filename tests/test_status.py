@@ -230,7 +230,7 @@ def test_a_status_that_cannot_be_stored_is_logged_once_and_never_raises(caplog: 
     for _ in range(4):
         peer.publish_status(record())
     assert dht.calls == 4
-    warnings = [r.getMessage() for r in caplog.records if "status record" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "could not publish" in r.getMessage()]
     assert len(warnings) == 1 and "no DHT peer stored it" in warnings[0], warnings
 
 

@@ -7,7 +7,7 @@ One module per concept:
 - ``dht``: starting, serving (``diloco dht``) and stopping DHT peers; the rendezvous of groups at start;
 - ``addresses``: multiaddrs to listen hosts, announced hosts and per-rank ports;
 - ``progress``: the progress record each group publishes (schema, DHT key, publish, read) and which group holds
-  the swarm's state; ``status``: the status record onlookers read (``diloco status``), and ``monitor``, that
+  the swarm's state; ``budget``: the round-token records of ``--hv.target-tokens``; ``status``: the status record onlookers read (``diloco status``), and ``monitor``, that
   command's table; ``peer``: one rank's ``SwarmPeer`` (DHT + averager + records);
 - ``averager``: the swarm averager (rounds with whoever is ready, bit-identical results);
 - ``codecs``: the ``--hv.compression`` wire formats on both transports;
@@ -45,6 +45,7 @@ def join(
     stop: Callable[[], bool],
     final_step: int | None,
     sharding: str = "",
+    tokens_per_step: int = 0,
 ) -> DiLoCo:
     """Collective over the ranks of this worker group: start this rank's DHT peer and averager, claim the group's
     world rank, and wait (at most ``hv.averaging_timeout``) until the other groups are there. Returns the group's
@@ -60,14 +61,17 @@ def join(
     :param stop: true once the run was asked to stop.
     :param final_step: the run's last inner step (it always ends with an outer step).
     :param sharding: the group's FSDP sharding strategy (``Config.sharding_strategy``), for its status record.
+    :param tokens_per_step: tokens of one inner step of the group (all ranks): its weight under a token budget.
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
         holds), naming the ``HvConfig`` field; nothing is left running.
     """
     import torch
 
     from diloco.membership import DiLoCo
+    from diloco.pace import FixedSteps, TokenBudget
     from diloco.swarm.addresses import listen_host, offset_port
     from diloco.swarm.averager import SwarmAverager
+    from diloco.swarm.budget import tokens_key
     from diloco.swarm.dht import rendezvous, start_dht
     from diloco.swarm.peer import SwarmPeer
     from diloco.swarm.progress import progress_key
@@ -96,9 +100,17 @@ def join(
         dht.shutdown()
         raise
     peer = SwarmPeer(
-        dht, averager, progress_key(hv.run_id, env.world_size), REQUEST_TIMEOUT_S, status_key=status_key(hv.run_id)
-    )
+        dht, averager, progress_key(hv.run_id, env.world_size), REQUEST_TIMEOUT_S, status_key=status_key(hv.run_id),
+        tokens_key=tokens_key(hv.run_id),
+    )  # fmt: skip
     try:
+        if hv.target_tokens and final_step:
+            pace = TokenBudget(
+                peer, group, world_rank=hv.world_rank, target_tokens=hv.target_tokens, galaxy_size=hv.galaxy_size,
+                tokens_per_step=tokens_per_step, max_steps=final_step,
+            )  # fmt: skip
+        else:
+            pace = FixedSteps(hv.local_steps, final_step)
         outer = DiLoCo(
             shards,
             peer,
@@ -112,6 +124,8 @@ def join(
             final_step=final_step,
             settle_timeout=hv.matchmaking_time + hv.averaging_timeout + 5,  # a group still in the last round
             sharding=sharding,
+            pace=pace,
+            tokens_per_step=tokens_per_step,
         )
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all

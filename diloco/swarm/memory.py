@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from diloco.swarm.budget import RoundTokens
 from diloco.swarm.progress import Progress
 from diloco.swarm.status import Status
 
@@ -29,6 +30,7 @@ class Report:
     num_peers: int
     ok: bool = True
     seconds: float = 0.0
+    allreduce_seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
     rejected: int = 0
@@ -47,6 +49,7 @@ class MemorySwarm:
         self.inbox: dict[str, tuple[list[torch.Tensor], float]] = {}
         self.records: dict[int, Progress] = {}
         self.statuses: dict[int, Status] = {}
+        self.tokens: dict[int, RoundTokens] = {}
         self.providers: dict[str, Callable[[], State]] = {}
         self.failed: list[str] = []  # errors of group threads (see `guard`)
 
@@ -97,6 +100,12 @@ class Member:
 
     def publish_status(self, record: Status) -> None:
         self.swarm.statuses[record.world_rank] = record
+
+    def publish_tokens(self, record: RoundTokens) -> None:
+        self.swarm.tokens[record.world_rank] = record
+
+    def token_records(self) -> list[RoundTokens]:
+        return list(self.swarm.tokens.values())
 
     def alive(self, peer_id: str) -> bool:
         return peer_id in self.swarm.providers

@@ -15,14 +15,16 @@ import hivemind
 import torch
 from hivemind.p2p import PeerID
 
-from diloco.swarm import progress, status
+from diloco.swarm import budget, progress, status
 from diloco.swarm.averager import RoundReport, SwarmAverager
+from diloco.swarm.budget import RoundTokens
 from diloco.swarm.progress import Progress
 from diloco.swarm.status import Status
 
 log = logging.getLogger("diloco")
 
 LAST_STATUS_WAIT_S = 1.0  # at shutdown, seconds to wait for status stores under way (the group's last record)
+TOKENS_READ_S = 0.5  # round-token records are read again at most this often
 
 State = tuple[dict, list[torch.Tensor]]
 
@@ -36,13 +38,24 @@ class SwarmPeer:
     :param progress_key: DHT key of the groups' progress records (``progress.progress_key``).
     :param request_timeout: seconds to wait for a peer's answer (a ping, each message of a state download).
     :param status_key: DHT key of the groups' status records (``status.status_key``).
+    :param tokens_key: DHT key of the groups' round-token records (``budget.tokens_key``).
     """
 
     def __init__(
-        self, dht: hivemind.DHT, averager: SwarmAverager, progress_key: str, request_timeout: float, status_key: str
+        self,
+        dht: hivemind.DHT,
+        averager: SwarmAverager,
+        progress_key: str,
+        request_timeout: float,
+        status_key: str,
+        tokens_key: str = "",
     ):
         self.dht, self.averager = dht, averager
         self.progress_key, self.request_timeout, self.status_key = progress_key, request_timeout, status_key
+        self.tokens_key = tokens_key
+        self._tokens: list[RoundTokens] = []  # the last round-token records read
+        self._reading: Future | None = None  # a read of them under way
+        self._read_at = -float("inf")
         self.peer_id = averager.peer_id
         self._storing: set[Future] = set()  # status stores under way (a future nobody holds drops its result)
         self._status_failed = False  # one warning, not one per heartbeat
@@ -60,10 +73,34 @@ class SwarmPeer:
 
     def publish_status(self, record: Status) -> None:
         """Returns at once: the DHT process stores it while training goes on; a failure is logged once."""
+        self._store_later(lambda: status.publish(self.dht, self.status_key, record, return_future=True))
+
+    def publish_tokens(self, record: RoundTokens) -> None:
+        self._store_later(lambda: budget.publish(self.dht, self.tokens_key, record, return_future=True))
+
+    def token_records(self) -> list[RoundTokens]:
+        """The records of the last read that finished; starts the next read when none is under way and the last
+        one is older than ``TOKENS_READ_S`` (so the caller, an inner step, never waits for the network)."""
+        if self._reading is not None and self._reading.done():
+            try:
+                self._tokens = budget.parse(self._reading.result())
+            except Exception:  # noqa: BLE001 - a failed read: keep the last records, try again
+                pass
+            self._reading = None
+        now = time.monotonic()
+        if self._reading is None and now - self._read_at >= TOKENS_READ_S:
+            try:
+                self._reading = self.dht.get(self.tokens_key, latest=True, return_future=True)
+                self._read_at = now
+            except Exception:  # noqa: BLE001 - a DHT that is shutting down
+                pass
+        return self._tokens
+
+    def _store_later(self, store: Callable[[], Future]) -> None:
         try:
-            future = status.publish(self.dht, self.status_key, record, return_future=True)
+            future = store()
         except Exception as e:  # noqa: BLE001 - a DHT that is shutting down (its pipe closed): never stop training
-            self._status_not_stored(e)
+            self._not_stored(e)
             return
         self._storing.add(future)
         future.add_done_callback(self._stored)
@@ -73,12 +110,12 @@ class SwarmPeer:
         self._storing.discard(future)
         error = None if future.cancelled() else future.exception()
         if future.cancelled() or error is not None or not future.result():
-            self._status_not_stored(error or "no DHT peer stored it")
+            self._not_stored(error or "no DHT peer stored it")
 
-    def _status_not_stored(self, why: object) -> None:
+    def _not_stored(self, why: object) -> None:
         if not self._status_failed:
             self._status_failed = True
-            log.warning("could not publish this group's status record (%s); training goes on", why)
+            log.warning("could not publish a record of this group in the DHT (%s); training goes on", why)
 
     def alive(self, peer_id: str) -> bool:
         try:

@@ -1,0 +1,128 @@
+"""The swarm-wide token budget (`--hv.target-tokens`): the round-token records, the estimate, and groups of
+different speeds taking outer steps together through the in-memory swarm."""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from diloco.config import HvConfig
+from diloco.membership import DiLoCo, solo_group
+from diloco.pace import FixedSteps, TokenBudget
+from diloco.swarm import budget
+from diloco.swarm.budget import HORIZON_S, RoundTokens
+from diloco.swarm.memory import MemorySwarm
+
+# ---------------------------------------------------------------- the records and the estimate
+
+
+def test_other_groups_are_extrapolated_by_their_rate_and_a_closed_one_is_not() -> None:
+    mine = RoundTokens(world_rank=0, outer_step=3, tokens=100, tokens_per_s=50.0, at=1000.0)
+    others = [
+        RoundTokens(1, 3, 40, 10.0, at=998.0),  # 2 s old: 40 + 2 × 10
+        RoundTokens(2, 3, 70, 99.0, at=990.0, closed=True),  # waits in the round: as it is
+        RoundTokens(3, 2, 500, 10.0, at=999.0),  # still in an older round: not this one's tokens
+        RoundTokens(0, 3, 1, 1.0, at=0.0),  # this group's own, older record: its exact count wins
+    ]
+    assert budget.swarm_tokens(others, mine, now=1000.0) == pytest.approx(100 + 60 + 70)
+    assert not budget.ahead(others, mine)
+    assert budget.ahead([RoundTokens(1, 4, 0, 0.0, at=999.0)], mine)
+
+
+def test_a_silent_group_stops_adding_tokens_after_the_horizon() -> None:
+    record = RoundTokens(1, 0, 10, 2.0, at=0.0)
+    assert record.now(HORIZON_S * 10) == pytest.approx(10 + 2.0 * HORIZON_S)
+    assert record.now(-5.0) == 10  # a clock behind the writer's: no negative extrapolation
+
+
+@pytest.mark.parametrize(
+    "data",
+    [None, "x", {"world_rank": 0}, {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "tokens": -1},
+     {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "tokens_per_s": math.inf},
+     {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "world_rank": "0"}],
+)  # fmt: skip
+def test_what_is_not_a_round_token_record_is_skipped(data: Any) -> None:
+    found = SimpleNamespace(value={"0": SimpleNamespace(value=data), "1": SimpleNamespace(value=RoundTokens(1, 0, 5, 1.0, 2.0).to_dict())})
+    assert budget.parse(found) == [RoundTokens(1, 0, 5, 1.0, 2.0)]
+
+
+def test_target_tokens_and_local_steps_together_are_refused() -> None:
+    with pytest.raises(ValueError, match="either --hv.local-steps .* or --hv.target-tokens"):
+        HvConfig(galaxy_size=2, local_steps=10, target_tokens=1000)
+    assert HvConfig(galaxy_size=2, target_tokens=1000).target_tokens == 1000
+
+
+def test_the_schedule_follows_the_swarm_and_ends_at_the_same_outer_step_everywhere() -> None:
+    hub = MemorySwarm(1)
+    pace = TokenBudget(
+        hub.member("g0"), solo_group(), world_rank=0, target_tokens=600, galaxy_size=3, tokens_per_step=20,
+        max_steps=25,
+    )  # fmt: skip
+    assert pace.steps_per_round == 10 and pace.final_outer_step == 3  # ⌈25 / 10⌉
+    hub.tokens[1] = RoundTokens(1, 0, 200, 0.0, at=time.time(), closed=True)
+    assert not pace.due(step=5, outer_step=0, tokens=100)  # 300 of 600
+    assert pace.position(5, 0) == 5  # half a round of 10 average steps
+    hub.tokens[1] = RoundTokens(1, 2, 0, 0.0, at=time.time())
+    assert pace.due(step=9, outer_step=1, tokens=0) is True  # another group is past outer step 1: catch up
+    pace.new_round(outer_step=2)
+    assert pace.position(0, 2) == 20 and pace.position(0, 3) == 25  # the end, wherever this group's steps are
+    assert FixedSteps(10, 25).position(7, 0) == 7
+
+
+# ---------------------------------------------------------------- groups of different speeds, in threads
+
+
+def test_groups_of_different_speeds_step_together_and_weights_follow_tokens() -> None:
+    """Group 0 takes an inner step every 2 ms, group 1 every 10 ms: under a token budget the fast one trains more
+    inner steps per round, every round's weights are the groups' tokens, and they end bit-identical at the same
+    outer step with the same schedule position."""
+    torch.manual_seed(0)
+    hub, tokens_per_step, delays = MemorySwarm(2), 10, {0: 0.002, 1: 0.010}
+    nets = {g: torch.nn.Linear(4, 4) for g in (0, 1)}
+    for net in nets.values():
+        net.load_state_dict(nets[0].state_dict())
+    outers = {
+        g: DiLoCo(
+            [p.data for p in nets[g].parameters()], hub.member(f"g{g}"), solo_group(), world_rank=g, local_steps=1,
+            outer_lr=0.7, outer_momentum=0.9, tokens_per_step=tokens_per_step,
+            pace=TokenBudget(
+                hub.member(f"g{g}"), solo_group(), world_rank=g, target_tokens=400, galaxy_size=2,
+                tokens_per_step=tokens_per_step, max_steps=60,
+            ),
+        )  # fmt: skip
+        for g in (0, 1)
+    }
+    rows: dict[int, list[dict]] = {0: [], 1: []}
+
+    def run_group(g: int) -> int:
+        outers[g].join(0)
+        step = 0
+        while outers[g].position(step) < 60:
+            with torch.no_grad():
+                for p in nets[g].parameters():
+                    p.add_(torch.randn_like(p), alpha=1e-3)  # an "inner step"
+            time.sleep(delays[g])
+            step += 1
+            report = outers[g].after_inner_step(step)
+            if report is not None and report.row is not None:
+                rows[g].append(report.row)
+        return step
+
+    with ThreadPoolExecutor(2) as pool:
+        steps = list(pool.map(run_group, (0, 1)))
+    assert [[r["outer_step"] for r in rows[g]] for g in (0, 1)] == [[1, 2, 3]] * 2, rows
+    assert steps[0] > 2 * steps[1], steps
+    for fast, slow in zip(rows[0], rows[1], strict=True):
+        assert fast["num_peers"] == slow["num_peers"] == 2
+        assert fast["tokens"] > slow["tokens"] > 0
+        assert fast["weight"] == fast["tokens"] and slow["weight"] == slow["tokens"]
+        assert fast["outer_digest"] == slow["outer_digest"]
+        assert 0.5 * 400 <= fast["tokens"] + slow["tokens"] <= 2 * 400  # about the budget, from estimates
+    assert all(torch.equal(p, q) for p, q in zip(nets[0].parameters(), nets[1].parameters()))
+    assert outers[0].position(steps[0]) == outers[1].position(steps[1]) == 60
