@@ -19,6 +19,8 @@ from diloco.swarm import budget
 from diloco.swarm.budget import HORIZON_S, RoundTokens
 from diloco.swarm.memory import MemorySwarm
 
+from .conftest import FAST, usage_error
+
 # ---------------------------------------------------------------- the records and the estimate
 
 
@@ -52,10 +54,13 @@ def test_what_is_not_a_round_token_record_is_skipped(data: Any) -> None:
     assert budget.parse(found) == [RoundTokens(1, 0, 5, 1.0, 2.0)]
 
 
-def test_target_tokens_and_local_steps_together_are_refused() -> None:
+def test_target_tokens_and_local_steps_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="either --hv.local-steps .* or --hv.target-tokens"):
         HvConfig(galaxy_size=2, local_steps=10, target_tokens=1000)
     assert HvConfig(galaxy_size=2, target_tokens=1000).target_tokens == 1000
+    both = ["--hv.galaxy-size", "2", "--hv.local-steps", "10", "--hv.target-tokens", "1000"]
+    assert "--hv.target-tokens" in usage_error([*FAST, "--fake-data", *both], capsys)
+    assert "--hv.target-tokens" in usage_error([*FAST, "--fake-data", "--hv.target-tokens", "0"], capsys)
 
 
 def test_the_schedule_follows_the_swarm_and_ends_at_the_same_outer_step_everywhere() -> None:
