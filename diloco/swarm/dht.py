@@ -3,11 +3,12 @@
 Each trainer rank runs one hivemind DHT peer in a background process that owns one p2pd daemon; ``diloco dht``
 runs one as the swarm's bootstrap peer. hivemind is pinned to 1.1.12; this module relies on these private names
 of ``hivemind.DHT``: ``run`` (overridden), ``_parent_pid`` and ``_inner_pipe`` (its request pipe, read by
-``DHT.run``).
+``DHT.run``), and ``DHTNode.p2p._client.connect`` (p2pd's connect command, for the rendezvous).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -17,10 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
+from functools import partial
 from pathlib import Path
 
 import hivemind
+from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
+from multiaddr import Multiaddr
 
 from diloco.config import FieldError, first_line
 from diloco.procs import exit_with_parent
@@ -242,18 +246,44 @@ def _install_stop_handlers(stop: threading.Event) -> dict[int, object]:
 def rendezvous(
     dht: hivemind.DHT, key: str, member: str, expected: int, timeout: float, stop: Callable[[], bool] = lambda: False
 ) -> int:
-    """Announce `member` under `key` and wait until `expected` distinct members are there, `timeout` seconds
-    passed, or `stop()` is true.
+    """Announce `member` (with this peer's addresses) under `key` and wait until `expected` distinct members are
+    there, `timeout` seconds passed, or `stop()` is true; then connect to the members seen.
 
     Worker groups start seconds apart (imports, data loading); meeting here first lets their first outer
-    round find each other. Returns how many members were seen.
+    round find each other. Connecting matters too: matchmaking opens streams to other groups' peers by peer id,
+    and p2pd finds their addresses through libp2p's own DHT, which was seen not to know them for whole runs
+    (under Slurm: "routing: not found" in every round). A connection puts them in p2pd's peerstore. Returns how
+    many members were seen.
     """
     deadline = time.monotonic() + timeout
-    seen = 0
+    mine = {"peer_id": dht.peer_id.to_base58(), "maddrs": [_without_p2p(m) for m in visible_maddrs(dht)]}
+    seen: dict = {}
     while True:
-        dht.store(key, subkey=member, value=True, expiration_time=get_dht_time() + timeout + 60)
+        dht.store(key, subkey=member, value=mine, expiration_time=get_dht_time() + timeout + 60)
         found = dht.get(key, latest=True)
-        seen = len(found.value) if found is not None and isinstance(found.value, dict) else 0
-        if seen >= expected or time.monotonic() >= deadline or stop():
-            return seen
+        seen = found.value if found is not None and isinstance(found.value, dict) else {}
+        if len(seen) >= expected or time.monotonic() >= deadline or stop():
+            break
         time.sleep(0.5)
+    others = [entry.value for name, entry in seen.items() if name != member and isinstance(entry.value, dict)]
+    dht.run_coroutine(partial(_connect, others))
+    return len(seen)
+
+
+def _without_p2p(maddr: str) -> str:
+    """The transport part of a multiaddr (p2pd's connect takes the peer id apart)."""
+    return maddr.split("/p2p/")[0]
+
+
+async def _connect(peers: list[dict], dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
+    """Runs in the DHT process: connect p2pd to each peer (entries a member of another version wrote, or that
+    do not answer, are skipped: matchmaking then falls back on libp2p's routing)."""
+
+    async def connect(peer: dict) -> None:
+        try:
+            maddrs = [Multiaddr(m) for m in peer["maddrs"]]
+            await asyncio.wait_for(node.p2p._client.connect(PeerID.from_base58(peer["peer_id"]), maddrs), 5.0)
+        except Exception as e:  # noqa: BLE001 - best effort
+            logger.debug(f"could not connect to {peer}: {type(e).__name__}: {e}")
+
+    await asyncio.gather(*(connect(peer) for peer in peers))
