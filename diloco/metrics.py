@@ -136,6 +136,14 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def peak_reserved_mb(device: torch.device) -> float | None:
+    """Peak accelerator memory reserved by torch's caching allocator (what the device really gave up); None on
+    CPU, where there is no such pool."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    return None
+
+
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write-then-rename, so a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")

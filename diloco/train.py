@@ -30,7 +30,7 @@ from diloco.config import Config, FieldError, UsageError
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
 from diloco.membership import Group, JoinError
-from diloco.metrics import Metrics, peak_memory_mb, write_json_atomic
+from diloco.metrics import Metrics, peak_memory_mb, peak_reserved_mb, write_json_atomic
 from diloco.model import decoder_layers, load_model, params_sha256, save_hf
 from diloco.outer import NoOuter, OuterLoop
 
@@ -362,13 +362,18 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
         save_checkpoint(run)
     state = full_state_dict(run.model)
     sha = sha_of(run.model, state)
+    peaks = parallel.all_gather_object((peak_memory_mb(run.device), peak_reserved_mb(run.device)))
     summary: dict[str, Any] = {
         "status": status,
         "steps": run.step,
         "final_loss": run.last_loss,
         "final_eval_loss": run.last_eval_loss,
         **run.outer.summary(),
+        # per rank: peak allocated accelerator memory (peak RSS on CPU), and on a GPU the allocator's peak reserve
+        "peak_memory_mb_per_rank": [round(allocated, 1) for allocated, _ in peaks],
     }
+    if peaks[0][1] is not None:
+        summary["peak_reserved_mb_per_rank"] = [round(reserved, 1) for _, reserved in peaks]
     if run.env.is_main:
         summary["params_sha256"] = sha
         save_hf(parallel.unwrap(run.model), state, run.run_dir / "final")

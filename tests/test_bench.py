@@ -48,6 +48,7 @@ def test_strategies_quick(tmp_path: Path) -> None:
     for arm in data["arms"]:
         assert_measured(arm)
         assert "--nproc_per_node=2" in arm["command"]
+        assert len(arm["rank_peak_mb"]) == 2 and all(peak > 50 for peak in arm["rank_peak_mb"])  # both ranks' RSS
     assert data["quick"] is True and data["machine"]["cores"] >= 1
     assert_table(doc, "strategies", names)
     if not data["machine"]["gpus"]:
@@ -162,5 +163,12 @@ def test_table_and_quartiles() -> None:
               "command": "diloco bench overhead", "workload": workload, "arms": [arm, arm | {"name": "B"}],
               "repetitions": 1, "ratio": 1.0, "target": 0.98}  # fmt: skip
     text = arms.markdown(result)
-    assert "## overhead: D" in text and "| A | 10 | 9–11 | 100 | 200 | n |" in text
+    assert "## overhead: D" in text and "| A | 10 | 9–11 | 100 | - | 200 | n |" in text
     assert "**1.000** (meets the 0.98 target)" in text and "GPU: none" in text
+    # per rank, from each run's summary.json: peak RSS on CPU; allocated/reserved on a GPU
+    cpu_arm = arm | {"rank_peak_mb": [100.0, 96.4]}
+    assert "| A | 10 | 9–11 | 100 | 100, 96 | 200 | n |" in arms.markdown(result | {"arms": [cpu_arm]})
+    gpu = result | {"machine": machine | {"gpus": ["H100"]}, "arms": [cpu_arm | {"rank_reserved_mb": [128.0, 130.0]}]}
+    text = arms.markdown(gpu)
+    assert "per rank: peak allocated / reserved GPU memory (MB)" in text and "| 100, 96/128, 130 |" not in text
+    assert "| 100/128, 96/130 |" in text

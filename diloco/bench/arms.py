@@ -65,9 +65,10 @@ class Arm:
 @dataclass
 class Measured:
     """One arm's run. tokens_per_s: median over the measured steps (all ranks together); peak_memory_mb: rank
-    0's peak RSS on CPU (peak allocated accelerator memory on GPU), from metrics.jsonl; tree_peak_rss_mb: the
-    largest summed RSS of the whole process tree (launcher, ranks, DHT/averager children), sampled every
-    SAMPLE_S seconds, so a lower bound."""
+    0's peak RSS on CPU (peak allocated accelerator memory on GPU), from metrics.jsonl; rank_peak_mb and
+    rank_reserved_mb: every rank's peak (and on a GPU its allocator's peak reserve), from summary.json;
+    tree_peak_rss_mb: the largest summed RSS of the whole process tree (launcher, ranks, DHT/averager children),
+    sampled every SAMPLE_S seconds, so a lower bound."""
 
     name: str
     command: str
@@ -80,6 +81,8 @@ class Measured:
     note: str = ""
     step_tokens_per_s: list[float] = field(default_factory=list)
     deepspeed: str = ""
+    rank_peak_mb: list[float] = field(default_factory=list)
+    rank_reserved_mb: list[float] | None = None
 
 
 # ---------------------------------------------------------------- running one arm
@@ -148,6 +151,7 @@ def run_arm(arm: Arm, workload: Workload, work_dir: Path, timeout_s: float = ARM
         raise BenchError(f"arm {arm.name} exited with code {code}:\n{tail}")
     rows = read_steps(run_dir)
     measured = [row["tokens_per_s"] for row in rows[workload.skip :]]
+    summary = json.loads((run_dir / "summary.json").read_text())
     if not measured:
         raise BenchError(f"arm {arm.name} logged {len(rows)} steps, none after the {workload.skip} warm-up steps")
     return Measured(
@@ -162,6 +166,8 @@ def run_arm(arm: Arm, workload: Workload, work_dir: Path, timeout_s: float = ARM
         note=arm.note,
         step_tokens_per_s=measured,
         deepspeed=arm.deepspeed,
+        rank_peak_mb=summary["peak_memory_mb_per_rank"],
+        rank_reserved_mb=summary.get("peak_reserved_mb_per_rank"),
     )
 
 
@@ -177,6 +183,10 @@ def pooled(arm: Arm, runs: list[Measured]) -> dict[str, Any]:
         "steps_measured": len(steps),
         "peak_memory_mb": max(r.peak_memory_mb for r in runs),
         "tree_peak_rss_mb": max(r.tree_peak_rss_mb for r in runs),
+        "rank_peak_mb": [max(peaks) for peaks in zip(*(r.rank_peak_mb for r in runs))],
+        "rank_reserved_mb": (
+            [max(peaks) for peaks in zip(*(r.rank_reserved_mb for r in runs))] if runs[0].rank_reserved_mb else None
+        ),
         "note": arm.note,
     }
 
@@ -218,16 +228,17 @@ def markdown(result: dict[str, Any]) -> str:
     if "ratio" in result:
         lines.append(f"- {result['repetitions']} repetitions per arm, alternating (A B A B ...)")
     deepspeed = any(arm.get("deepspeed") for arm in result["arms"])  # a column only where arms map to ZeRO stages
+    per_rank = "per rank: peak allocated / reserved GPU memory (MB)" if gpu else "per rank: peak RSS (MB)"
     header = ["arm", *(["DeepSpeed ZeRO"] if deepspeed else []), "tokens/s (median)", "tokens/s (p25–p75)", memory,
-              "process tree peak RSS (MB)", "note"]  # fmt: skip
-    align = ["---", *(["---"] if deepspeed else []), "---:", "---:", "---:", "---:", "---"]
+              per_rank, "process tree peak RSS (MB)", "note"]  # fmt: skip
+    align = ["---", *(["---"] if deepspeed else []), "---:", "---:", "---:", "---:", "---:", "---"]
     lines += ["", row(header), "|" + "|".join(align) + "|"]
     for arm in result["arms"]:
         low, high = arm["tokens_per_s_iqr"]
         lines.append(
             row([arm["name"], *([arm.get("deepspeed") or "-"] if deepspeed else []), f"{arm['tokens_per_s']:.0f}",
-                 f"{low:.0f}–{high:.0f}", f"{arm['peak_memory_mb']:.0f}", f"{arm['tree_peak_rss_mb']:.0f}",
-                 arm["note"]])  # fmt: skip
+                 f"{low:.0f}–{high:.0f}", f"{arm['peak_memory_mb']:.0f}", rank_memory(arm),
+                 f"{arm['tree_peak_rss_mb']:.0f}", arm["note"]])  # fmt: skip
         )
     if "ratio" in result:
         verdict = "meets" if result["ratio"] >= result["target"] else "misses"
@@ -235,6 +246,14 @@ def markdown(result: dict[str, Any]) -> str:
         ratio = f"Ratio DiLoCo ÷ alone: **{result['ratio']:.3f}** ({verdict} the {result['target']} target)."
         lines += ["", f"{ratio} Per-run medians: {medians}."]
     return "\n".join(lines) + "\n"
+
+
+def rank_memory(arm: dict[str, Any]) -> str:
+    """Each rank's peak, `allocated/reserved` on a GPU; `-` for results from before per-rank figures."""
+    allocated, reserved = arm.get("rank_peak_mb") or [], arm.get("rank_reserved_mb")
+    if reserved:
+        return ", ".join(f"{a:.0f}/{r:.0f}" for a, r in zip(allocated, reserved))
+    return ", ".join(f"{a:.0f}" for a in allocated) or "-"
 
 
 def row(cells: list[str]) -> str:
