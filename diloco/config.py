@@ -197,6 +197,11 @@ class Config(_Strict):
     )
     fake_data: bool = Field(False, description="Train on random tokens (deterministic by --seed, no I/O).")
     dataset: Path | None = Field(None, description="A .txt, .jsonl or .parquet file or a folder of them, or a hub id.")
+    dataset_config: Annotated[str | None, Parameter(alias=["--dataset-config-name", "--dataset_config_name"])] = Field(
+        None,
+        description="The configuration of a hub --dataset, as load_dataset(ID, NAME) takes it (e.g. wikitext with "
+        "wikitext-2-raw-v1).",
+    )
     tokenizer: str | None = Field(None, description="Hugging Face tokenizer folder or hub id [default: byte-level].")
     seq_length: int = Field(1024, gt=1, description="Tokens per packed sequence.")
     per_device_train_batch_size: int = Field(32, gt=0, description="Sequences per rank per micro-batch.")
@@ -265,6 +270,8 @@ class Config(_Strict):
             raise ValueError("pass either --fake-data or --dataset, not both")
         if not self.fake_data and self.dataset is None:
             raise ValueError("no data: pass --dataset PATH (a .txt/.jsonl/.parquet file or folder) or --fake-data")
+        if self.dataset_config is not None and self.dataset is None:
+            raise ValueError("--dataset-config names a configuration of a hub --dataset: pass --dataset ID too")
         if self.epochs is not None and "max_steps" in self.model_fields_set:
             raise ValueError("pass either --epochs or --max-steps (--total-steps), not both")
         if self.epochs is not None and self.fake_data:
@@ -301,6 +308,9 @@ class Config(_Strict):
             raise UsageError(f"--path-model {self.path_model}: no config.json in that folder")
         if self.dataset is not None and hub.is_hub_id(str(self.dataset)):
             hub.check_name("dataset", str(self.dataset), "dataset")
+        elif self.dataset_config is not None:
+            raise UsageError(f"--dataset-config {self.dataset_config}: --dataset {self.dataset} is a local path, not a "
+                             "hub dataset with configurations")  # fmt: skip
         elif self.dataset is not None and not self.dataset.exists():
             raise UsageError(f"--dataset {self.dataset}: no such file or folder")
         if self.tokenizer is not None and hub.is_hub_id(self.tokenizer):

@@ -119,40 +119,49 @@ def _text_field(record: object, where: str) -> str:
     return record["text"]
 
 
-def hub_documents(name: str) -> Iterator[str]:
-    """The `text` column of a hub dataset's train split, through `datasets` (imported only here: it is slow to
-    import). A snapshot in the hub cache (`hf download --repo-type dataset`) is read as a local folder, since
-    `datasets` does not look there offline; otherwise `datasets` finds its own prepared cache, or downloads."""
+def hub_documents(name: str, config: str | None = None) -> Iterator[str]:
+    """The `text` column of a hub dataset's train split (of configuration `config`), through `datasets` (imported
+    only here: it is slow to import). A snapshot in the hub cache (`hf download --repo-type dataset`) is read as a
+    local folder, since `datasets` does not look there offline (a configuration is then its subfolder, as hub
+    repos such as wikitext lay them out); otherwise `datasets` finds its own prepared cache, or downloads."""
     import datasets
 
     datasets.disable_progress_bars()  # a bar per rank and file only clutters the run's log
     snapshot = hub.cached_snapshot(name, "dataset")
+    if snapshot is None:
+        source, options = name, {"name": config}
+    elif config is not None and (snapshot / config).is_dir():
+        source, options = str(snapshot), {"data_dir": config}
+    else:
+        source, options = str(snapshot), {"name": config}
     try:
-        table = datasets.load_dataset(str(snapshot) if snapshot is not None else name, split="train")
+        table = datasets.load_dataset(source, split="train", **options)
     except Exception as e:  # datasets, huggingface_hub, httpx and pyarrow each raise their own types
         if snapshot is None and not hub.in_datasets_cache(name):
             raise hub.not_found("dataset", name, first_line(e)) from None
-        raise FieldError(f"{{dataset}} {name}: could not load its train split ({first_line(e)})") from None
+        which = f"the train split of configuration {config}" if config else "its train split"
+        raise FieldError(f"{{dataset}} {name}: could not load {which} ({first_line(e)})") from None
     if "text" not in table.column_names:
         raise FieldError(f"{{dataset}} {name}: no 'text' column (columns: {', '.join(table.column_names)})")
     yield from (text for text in table["text"] if text)
 
 
-def documents(dataset: Path) -> Iterator[str]:
+def documents(dataset: Path, config: str | None = None) -> Iterator[str]:
     """A local file or folder keeps priority over a hub dataset id of the same spelling."""
     if hub.is_hub_id(str(dataset)):
-        yield from hub_documents(str(dataset))
+        yield from hub_documents(str(dataset), config)
         return
     for file in dataset_files(dataset):
         yield from read_documents(file)
 
 
-def tokenize_corpus(path: Path, tokenizer: Tokenizer) -> np.ndarray:
-    """All documents as one token stream, each followed by EOS (EOS is trained on, never masked)."""
+def tokenize_corpus(path: Path, tokenizer: Tokenizer, config: str | None = None) -> np.ndarray:
+    """All documents as one token stream, each followed by EOS (EOS is trained on, never masked). `config`: the
+    configuration of a hub dataset."""
     pieces: list[np.ndarray] = []
     eos = np.array([tokenizer.eos_token_id], dtype=np.int32)
     try:
-        for text in documents(path):
+        for text in documents(path, config):
             pieces += [tokenizer.encode(text), eos]
     except (OSError, json.JSONDecodeError, UnicodeError) as e:
         raise FieldError(f"{{dataset}} {path}: could not read it ({first_line(e)})") from None
@@ -243,6 +252,7 @@ class Data:
 def build_data(
     *,
     dataset: Path | None,
+    dataset_config: str | None = None,
     tokenizer_spec: str | None,
     vocab_size: int,
     seq_length: int,
@@ -266,7 +276,7 @@ def build_data(
         raise FieldError(
             f"{{tokenizer}} has {tokenizer.vocab_size} tokens but the model in {{path_model}} only {vocab_size}"
         )
-    tokens = tokenize_corpus(dataset, tokenizer)
+    tokens = tokenize_corpus(dataset, tokenizer, dataset_config)
     train_blocks, eval_blocks = pack(tokens, seq_length)
     needed = shard.count * batch_size
     if len(train_blocks) < needed:
@@ -276,7 +286,7 @@ def build_data(
         )
     train = BlockBatches(train_blocks, shard, batch_size, seed)
     about = (
-        f"{dataset.name}: {len(tokens):,} tokens, {len(train_blocks):,} train / {len(eval_blocks):,} held-out blocks "
+        f"{dataset.name}{f' ({dataset_config})' if dataset_config else ''}: {len(tokens):,} tokens, {len(train_blocks):,} train / {len(eval_blocks):,} held-out blocks "
         f"of {seq_length} ({len(train.blocks):,} train blocks for this rank)"
     )
     held_out = _eval_batches(eval_blocks, eval_shard, batch_size, eval_steps)

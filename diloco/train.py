@@ -203,6 +203,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     model = load_model(config.path_model, config.seed)
     data = build_data(
         dataset=config.dataset,
+        dataset_config=config.dataset_config,
         tokenizer_spec=config.tokenizer,
         vocab_size=model.config.vocab_size,
         seq_length=config.seq_length,

@@ -63,6 +63,18 @@ def cache_dataset(hf_home: Path, repo_id: str, column: str = "text") -> None:
     pq.write_table(pa.table({column: [TEXT] * 200}), data / "train-00000-of-00001.parquet")
 
 
+def cache_dataset_configs(hf_home: Path, repo_id: str) -> None:
+    """A dataset of two configurations, each a subfolder of parquet files, as wikitext lays them out on the hub:
+    `small` has the text column, `other` does not."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = snapshot(hf_home, "dataset", repo_id)
+    for config, column in (("small", "text"), ("other", "words")):
+        (folder / config).mkdir()
+        pq.write_table(pa.table({column: [TEXT] * 50}), folder / config / "train-00000-of-00001.parquet")
+
+
 def prepare_dataset(hf_home: Path, repo_id: str, work: Path) -> None:
     """A dataset as `datasets` keeps it once prepared (what `load_dataset(ID)` reads offline):
     datasets/ORG___NAME/default/0.0.0/<hash>/{dataset_info.json, NAME-train.arrow}. Prepared from a local folder
@@ -99,6 +111,31 @@ def test_cached_ids_resolve_to_their_snapshots(tmp_path: Path, monkeypatch: pyte
     assert params_sha256(list(load_model("tiny-org/llama", seed=0).named_parameters())) == saved
     tokens = tokenize_corpus(Path("tiny-org/hamlet"), HFTokenizer("tiny-org/words"))
     assert len(tokens) == 200 * 23  # 22 words and EOS per document
+
+
+def test_a_hub_dataset_configuration_is_its_subfolder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--dataset ID --dataset-config NAME`, as seed 003's load_dataset('wikitext', 'wikitext-2-raw-v1')."""
+    from diloco import hub
+    from diloco.config import FieldError
+    from diloco.data import HFTokenizer, tokenize_corpus
+
+    monkeypatch.setattr(hub, "hub_cache", lambda: tmp_path / "hf" / "hub")
+    cache_tokenizer(tmp_path / "hf", "tiny-org/words")
+    cache_dataset_configs(tmp_path / "hf", "tiny-org/wiki")
+    tokens = tokenize_corpus(Path("tiny-org/wiki"), HFTokenizer("tiny-org/words"), "small")
+    assert len(tokens) == 50 * 23
+    with pytest.raises(FieldError, match="tiny-org/wiki: no 'text' column \\(columns: words\\)"):
+        tokenize_corpus(Path("tiny-org/wiki"), HFTokenizer("tiny-org/words"), "other")
+
+
+def test_a_dataset_configuration_needs_a_hub_dataset(capsys: pytest.CaptureFixture[str]) -> None:
+    from .conftest import usage_error
+
+    alone = usage_error([*FAST, "--fake-data", "--dataset-config", "wikitext-2-raw-v1"], capsys)
+    assert "--dataset-config" in alone and "--dataset ID" in alone
+    local = python_train([*FAST, "--dataset", str(CORPUS), "--dataset_config_name", "x"], timeout=60)
+    assert local.returncode == 2 and local.stderr.count("\n") == 1, local.output  # checked before torch loads
+    assert "--dataset-config x: --dataset" in local.stderr and "local path" in local.stderr
 
 
 @pytest.mark.slow
