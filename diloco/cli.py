@@ -234,6 +234,8 @@ BENCH_HELP = {
     "allreduce": "One averaging round (diloco tcp vs hivemind p2pd transport) for 10M-150M parameters, 2 and 4 "
     "peers, against a socket, a p2pd stream and gloo, on loopback and a shaped 1 Gbit/s link (that part needs root "
     "and ip/tc; without them, loopback only).",
+    "hetero": "Three worker groups throttled to 1, 0.5 and 0.25 core (cgroup quota; needs root): fixed H vs "
+    "--hv.target-tokens, tokens/s alone and together, idle time, eval loss.",
 }
 
 
