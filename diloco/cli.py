@@ -418,3 +418,5 @@ def _setup_logging(rank: int) -> None:
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    for chatty in ("httpx", "httpx2", "httpcore"):  # huggingface_hub's HTTP clients log every request at INFO
+        logging.getLogger(chatty).setLevel(logging.WARNING)

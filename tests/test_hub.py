@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import CORPUS, FAST, TINY_MODEL, assert_ok, python_train, summary
+from .conftest import CORPUS, FAST, TINY_MODEL, TORCHRUN, assert_ok, python_train, run_cmd, summary
+from .fakehub import FakeHub
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TEXT = "to be or not to be that is the question whether tis nobler in the mind to suffer the slings and arrows"
@@ -161,6 +162,46 @@ def test_a_cached_config_alone_trains_a_fresh_model_on_a_prepared_dataset(tmp_pa
                           env=hub_env(hf_home))  # fmt: skip
     assert_ok(result)
     assert summary(run_dir)["steps"] == 2 and summary(run_dir)["status"] == "ok"
+
+
+def online_env(hf_home: Path, endpoint: str) -> dict[str, str]:
+    """A hub that answers (the loopback FakeHub), an empty cache, nothing offline; no proxy in the way."""
+    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_ENDPOINT": endpoint}
+    return env | {name: "" for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")}
+
+
+@pytest.mark.slow
+def test_ids_missing_from_the_cache_are_downloaded_once_per_machine(tmp_path: Path) -> None:
+    """Online, with an empty cache: both ranks of a group need the model, the tokenizer and the dataset; the first
+    downloads each under a lock in the cache, the other finds the files, and the weights are the hub's."""
+    source = tmp_path / "published"  # what the hub serves: repositories laid out as folders
+    saved = cache_model(source, "tiny-org/llama", weights=True)
+    cache_tokenizer(source, "tiny-org/words")
+    cache_dataset(source, "tiny-org/hamlet")
+    served = {f"{kind}s/{repo}": source / "hub" / f"{kind}s--{repo.replace('/', '--')}" / "snapshots" / COMMIT
+              for kind, repo in (("model", "tiny-org/llama"), ("model", "tiny-org/words"), ("dataset", "tiny-org/hamlet"))}  # fmt: skip
+    run_dir = tmp_path / "run"
+    names = ["--path-model", "tiny-org/llama", "--tokenizer", "tiny-org/words", "--dataset", "tiny-org/hamlet"]
+    train = [*train_args(run_dir, *names), "--max-steps", "0", "--total-batch-size", "4"]
+    with FakeHub(served) as hub:
+        command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *train]
+        result = run_cmd(command, timeout=180, env=online_env(tmp_path / "hf", hub.url))
+    assert_ok(result)
+    assert summary(run_dir)["params_sha256"] == saved  # the hub's weights, not a fresh init
+    weights = [name for name in hub.downloads if name.startswith("tiny-org/llama/") and "safetensors" in name]
+    assert weights and hub.downloads["tiny-org/llama/config.json"] == 1
+    assert all(count == 1 for count in hub.downloads.values()), hub.downloads  # one download per file
+    assert hub.downloads["tiny-org/words/tokenizer.json"] == 1
+    assert (tmp_path / "hf" / "hub" / "models--tiny-org--llama" / "snapshots").is_dir()
+
+
+def test_an_id_the_hub_does_not_have_is_one_line(tmp_path: Path) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    with FakeHub({}) as hub:
+        line = one_line_exit_2([*FAST, "--fake-data", "--path-model", "tiny-org/nope"],
+                               online_env(tmp_path / "hf", hub.url), work)  # fmt: skip
+    assert "--path-model tiny-org/nope: not a local path, and no such repository on the Hugging Face hub" in line
 
 
 def one_line_exit_2(args: list[str], env: dict[str, str], cwd: Path) -> str:
