@@ -67,7 +67,9 @@ def test_hetero_quick(tmp_path: Path) -> None:
             assert g["tokens"] == g["inner_steps"] * setup["tokens_per_step"]
             assert sum(g["steps_per_round"]) == g["inner_steps"] and g["outer_steps"] == len(g["steps_per_round"])
             assert g["tokens_per_s"] > 0 and g["averaging_s"] >= 0 and len(g["evals"]) >= 2
+            assert g["step_tokens_per_s"] > g["tokens_per_s"]  # it also sat in rounds and evaluations
         assert len({g["outer_steps"] for g in arm["groups"]}) == 1  # every group ends at the same outer step
+        assert sum(g["eval_s"] for g in arm["groups"]) > 0
     fixed = data["arms"][0]
     for g in fixed["groups"]:
         assert g["inner_steps"] == setup["steps"] and g["steps_per_round"] == [setup["local_steps"]] * 2
@@ -116,7 +118,8 @@ def test_a_failed_phase_leaves_no_cgroup_and_no_process(tmp_path: Path, monkeypa
 def group(steps: int, rounds: list[int], start: float, end: float, sha: str = "ab", loss: float = 3.0) -> dict:
     """What `group_figures` returns for a group with one step per second from `start`, 100 tokens a step."""
     return {
-        "step_starts": [start + i for i in range(steps)], "end": end, "inner_steps": steps, "tokens": 100 * steps,
+        "steps": [(start + i, 1.0) for i in range(steps)], "eval_spans": [(start + 1.5, start + 1.75)], "end": end,
+        "inner_steps": steps, "tokens": 100 * steps,
         "tokens_counted_by_trainer": 100 * steps, "outer_steps": len(rounds), "steps_per_round": rounds,
         "num_peers": [3] * len(rounds), "weights": None, "wait_s": 1.5, "averaging_s": 2.0,
         "outer_digests": ["d"] * len(rounds), "evals": [(start, 5.5), (end, loss)], "final_eval_loss": loss,
@@ -163,6 +166,7 @@ def test_arm_figures_count_only_steps_under_every_quota() -> None:
     assert arm["swarm_tokens"] == 3000 and arm["swarm_tokens_per_s"] == pytest.approx(2100 / 10)
     assert arm["ratio_to_solo_sum"] == pytest.approx(2100 / 10 / 300) and arm["same_model"] is False
     assert arm["groups"][0]["evals"] == [(0.0, 5.5), (12.5, 3.0)]
+    assert arm["groups"][0]["step_tokens_per_s"] == 100 and arm["groups"][0]["eval_s"] == 0.25
 
 
 def test_rounds_are_counted_from_the_rows_in_order() -> None:
@@ -176,7 +180,7 @@ def test_markdown_reports_targets_met_and_missed() -> None:
     assert "Token budget: 1.14 (target ≥ 0.9: **met**)" in met
     assert "final eval loss +0.00% against fixed H (target ≤ +1%: **met**)" in met
     assert "after 2.00× the fixed arm's tokens" in met
-    assert "| fixed-H | 0 | 1 | 300 | 50 | 0.17 | 10 | 5, 5 | 1.5 | 2.0 | 1.0 | 5/10 |" in met
+    assert "| fixed-H | 0 | 1 | 300 | 50 | 0.17 | 100 | 10 | 5, 5 | 1.5 | 2.0 | 0.2 | 1.0 | 5/10 |" in met
     assert "(expected about 3 × slowest ÷ sum = 0.43)" in met and "mixed-shape" in met
     missed = hetero.markdown(synthetic(token_steps=30, token_loss=3.1))
     assert "Token budget: 0.57 (target ≥ 0.9: **missed**)" in missed and "+3.33% against fixed H" in missed

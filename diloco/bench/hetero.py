@@ -250,7 +250,9 @@ def group_figures(run_dir: Path, setup: HeteroSetup) -> dict[str, Any]:
     waits = [row["wait_s"] for row in outer if "wait_s" in row]
     counted = [row["tokens"] for row in outer if "tokens" in row]
     return {
-        "step_starts": [step_start(row, setup.tokens_per_step) for row in inner],
+        "steps": [(step_start(row, setup.tokens_per_step), setup.tokens_per_step / row["tokens_per_s"])
+                  for row in inner],  # (unix start, seconds) of each inner step  # fmt: skip
+        "eval_spans": [(before["time"], row["time"]) for before, row in zip(rows, rows[1:]) if "eval_loss" in row],
         "end": outer[-1]["time"],
         "inner_steps": len(inner),
         "tokens": len(inner) * setup.tokens_per_step,
@@ -276,15 +278,22 @@ def arm_figures(
     """An arm's swarm figures from its groups' (see `group_figures`) and the solo tokens/s.
 
     Its wall time runs from the first inner step of any group to the last outer step of any group. Throughput is
-    measured over the part of it after every quota was set (`engage_when_ready`): the steps that began then."""
-    start, end = min(g["step_starts"][0] for g in groups), max(g["end"] for g in groups)
+    measured over the part of it after every quota was set (`engage_when_ready`): the steps that began then.
+    Where a group's time went: its step speed (its tokens ÷ the time inside its inner steps, the first step
+    left out as warm-up; below solo when the machine or the group's own DHT and averager take CPU), and its
+    evaluations (from the row before each eval row to it)."""
+    start, end = min(g["steps"][0][0] for g in groups), max(g["end"] for g in groups)
     measured_from = max(start, *(c["engaged_at"] for c in cgroups))
     window, tokens_per_step = end - measured_from, groups[0]["tokens"] // groups[0]["inner_steps"]
     if window <= 0:
         raise BenchError(f"{arm}: no step began after every CPU quota was set")
     for g in groups:
-        g["measured_tokens"] = sum(t >= measured_from for t in g.pop("step_starts")) * tokens_per_step
+        first, *rest = g.pop("steps")
+        g["measured_tokens"] = sum(t >= measured_from for t, _ in [first, *rest]) * tokens_per_step
         g["tokens_per_s"] = g["measured_tokens"] / window
+        steady = [seconds for t, seconds in rest if t >= measured_from] or [first[1]]
+        g["step_tokens_per_s"] = len(steady) * tokens_per_step / sum(steady)
+        g["eval_s"] = sum(after - before for before, after in g.pop("eval_spans") if start <= before and after <= end)
         g["evals"] = [(t - start, loss) for t, loss in g.pop("evals")]  # seconds since the arm's first step
         del g["end"]
     measured = sum(g["measured_tokens"] for g in groups)
@@ -398,7 +407,9 @@ def setup_lines(result: dict[str, Any]) -> list[str]:
         f"{s['matchmaking_s']:g}`, outer lr 1.0, momentum 0, an eval of {s['eval_steps']} batches every "
         f"{s['local_steps']} inner steps. Wall: from the arm's first inner step to its last outer step; tokens/s: "
         "the tokens of the steps that began once every quota was set ÷ the wall from then on (rounds and evals "
-        "included); idle = the sum of the outer rows' `wait_s`",
+        "included); step tokens/s: its tokens ÷ the time inside its inner steps (first step left out), below "
+        "solo where other processes (the machine's, the group's own DHT and averager) took CPU; idle = the sum of "
+        "the outer rows' `wait_s`; evals: from the row before each eval row to it",
         f"- 1-minute load average at start / end: {load}",
         "- not measured: the mixed-shape arm (a 1-rank and a 2-rank group): the trainer cannot average groups of "
         "different shapes yet (issue 10, point 1)",
@@ -417,8 +428,9 @@ def group_rows(result: dict[str, Any]) -> list[str]:
             throttled = f"{cg['throttled_periods']}/{cg['periods']}"
             lines.append(
                 f"| {arm['name']} | {i} | {solo['cores']:g} | {solo['tokens_per_s']:.0f} | {g['tokens_per_s']:.0f} | "
-                f"{g['tokens_per_s'] / solo['tokens_per_s']:.2f} | {g['inner_steps']} | "
-                f"{', '.join(map(str, rounds))} | {fmt(g['wait_s'])} | {g['averaging_s']:.1f} | "
+                f"{g['tokens_per_s'] / solo['tokens_per_s']:.2f} | {g['step_tokens_per_s']:.0f} | "
+                f"{g['inner_steps']} | "
+                f"{', '.join(map(str, rounds))} | {fmt(g['wait_s'])} | {g['averaging_s']:.1f} | {g['eval_s']:.1f} | "
                 f"{fmt(cg['cpu_s'])} | {throttled} |"
             )
     return lines
@@ -459,9 +471,10 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"![eval loss and tokens/s per group]({result['plot']})"]
     lines += [
         "",
-        "| arm | group | cores | solo tokens/s | swarm tokens/s | swarm ÷ solo | inner steps | steps per round | "
-        "idle (s) | rounds (averaging_s, s) | CPU under quota (s) | throttled periods |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| arm | group | cores | solo tokens/s | swarm tokens/s | swarm ÷ solo | step tokens/s in swarm | "
+        "inner steps | steps per round | idle (s) | rounds (averaging_s, s) | evals (s) | CPU under quota (s) | "
+        "throttled periods |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
         *group_rows(result),
         "",
         "| arm | wall (s) | before every quota (s) | swarm tokens | swarm tokens/s | ÷ sum of solo | final eval loss "
