@@ -82,6 +82,7 @@ class Run:
     step: int = 0
     last_loss: float | None = None
     last_eval_loss: float | None = None
+    scheduled_eval_at: int = 0  # where the run stood (`OuterLoop.position`) at the last --eval-interval check
 
 
 # ---------------------------------------------------------------- the hot loop
@@ -169,10 +170,14 @@ def train_loop(run: Run) -> str:
 
 
 def eval_due(run: Run) -> bool:
-    """Every --eval-interval steps, and at the end of every epoch when training by --epochs."""
-    every = run.config.eval_interval
+    """Each time the run passes a multiple of --eval-interval, and at the end of every epoch when training by
+    --epochs. The run's position is its step, or under a token budget the swarm's: all groups evaluate at the same
+    progress of the swarm, however many steps each took."""
+    every, at = run.config.eval_interval, run.outer.position(run.step)
+    passed = bool(every) and at // every > run.scheduled_eval_at // every
+    run.scheduled_eval_at = at
     epoch_end = run.config.epochs is not None and run.step % run.steps_per_epoch == 0
-    return bool(every and run.step % every == 0) or epoch_end
+    return passed or epoch_end
 
 
 def follow_schedule(run: Run) -> None:
@@ -190,9 +195,10 @@ def follow_schedule(run: Run) -> None:
 def log_eval(run: Run) -> None:
     run.last_eval_loss = evaluate(run)
     if run.last_eval_loss is not None:
-        run.metrics.log(
-            {"step": run.step, "eval_loss": run.last_eval_loss, "eval_perplexity": math.exp(run.last_eval_loss)}
-        )
+        row = {"step": run.step, "eval_loss": run.last_eval_loss, "eval_perplexity": math.exp(run.last_eval_loss)}
+        if run.config.hv.target_tokens:
+            row["swarm_step"] = run.outer.position(run.step)
+        run.metrics.log(row)
 
 
 # ---------------------------------------------------------------- building
@@ -455,6 +461,7 @@ def main(config: Config, env: DistEnv) -> int:
         joined = run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers)
         run.step = joined.step
         follow_schedule(run)
+        run.scheduled_eval_at = run.outer.position(run.step)
         if joined.row is not None:
             run.metrics.log(joined.row)
         if config.eval_interval and run.step == 0:
