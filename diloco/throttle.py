@@ -120,6 +120,15 @@ class CpuLimit:
                 with contextlib.suppress(ProcessLookupError):  # ESRCH: it exited between listing and writing
                     (folder / "cgroup.procs").write_text(str(pid_now))
 
+    def release(self, pid: int) -> None:
+        """Move the processes that descend from `pid` (not `pid` itself) back to their hierarchy's root: they run
+        unlimited again, while `pid` stays held (e.g. a trainer's network helpers, but not its compute)."""
+        for child in self._tree(pid)[1:]:
+            for folder, root in zip(self._folders(), [self.root, self.acct_root]):
+                if folder.exists():
+                    with contextlib.suppress(ProcessLookupError):
+                        (root / "cgroup.procs").write_text(str(child))
+
     def pids(self) -> list[int]:
         """The processes in the group now."""
         text = (self.folder / "cgroup.procs").read_text() if self.folder.exists() else ""

@@ -98,3 +98,24 @@ def test_an_unengaged_limit_runs_free_until_engaged(busy: list[subprocess.Popen[
         assert (limit.folder / "cpu.cfs_quota_us").read_text().strip() == "-1"
         limit.engage()
         assert (limit.folder / "cpu.cfs_quota_us").read_text().strip() == "25000"
+
+
+def test_release_frees_the_children_and_keeps_the_parent(busy: list[subprocess.Popen[bytes]]) -> None:
+    """A parent with a busy child, both limited; `release(parent)` moves the child back to the root only."""
+    spawner = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'while True: pass']); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", spawner])
+    busy.append(parent)
+    with CpuLimit("test-release", 0.25) as limit:
+        limit.add(parent.pid)
+        deadline = time.monotonic() + 10
+        while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [child] = psutil.Process(parent.pid).children()
+        try:
+            assert child.pid in limit.pids()  # born inside: the kernel put it there
+            limit.release(parent.pid)
+            assert limit.pids() == [parent.pid]
+            assert str(child.pid) in (throttle.CPU_ROOT / "cgroup.procs").read_text().split()
+        finally:
+            child.kill()
+            child.wait()
