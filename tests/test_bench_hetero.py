@@ -22,6 +22,7 @@ from diloco.bench.models import write_model
 from tests.conftest import assert_ok, run_cmd
 from tests.test_bench import DILOCO
 
+MATCHMAKING_S = 3.0  # what forming a group costs beyond waiting for the others (hivemind's requests)
 MARK = "DILOCO_TEST_MARK"  # every process a test starts inherits it: how the leftovers are found
 
 
@@ -71,6 +72,16 @@ def test_hetero_quick(tmp_path: Path) -> None:
     fixed = data["arms"][0]
     for g in fixed["groups"]:
         assert g["inner_steps"] == setup["steps"] and g["steps_per_round"] == [setup["local_steps"]] * 2
+    if "target-tokens" in expected:  # under a token budget the faster groups train more steps, weighted by tokens
+        token = data["arms"][1]
+        fast, slow = token["groups"][0], token["groups"][2]
+        assert fast["inner_steps"] > slow["inner_steps"], token
+        assert token["same_model"] and all(set(g["num_peers"]) == {3} for g in token["groups"]), token
+        for g in token["groups"]:
+            assert sum(g["weights"]) == g["tokens_counted_by_trainer"] == g["tokens"]  # weight = tokens, each round
+        # nobody waits for the others longer than the slowest group's inner step, beyond forming the group
+        slow_step_s = setup["tokens_per_step"] / data["solo"][2]["tokens_per_s"]
+        assert all(g["wait_s"] / g["outer_steps"] <= slow_step_s + MATCHMAKING_S for g in token["groups"]), token
     targets = data["targets"]
     if "target-tokens" in expected:
         assert targets["ratio"] == data["arms"][1]["ratio_to_solo_sum"] and isinstance(targets["ratio_met"], bool)

@@ -101,8 +101,8 @@ def test_an_unengaged_limit_runs_free_until_engaged(busy: list[subprocess.Popen[
 
 
 def test_release_frees_the_children_and_keeps_the_parent(busy: list[subprocess.Popen[bytes]]) -> None:
-    """A parent with a busy child, both limited; `release(parent)` moves the child back to the root only."""
-    spawner = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'while True: pass']); time.sleep(60)"
+    """A parent waiting on a busy child, both limited; `release(parent)` moves the child back to the root only."""
+    spawner = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'while True: pass']).wait()"
     parent = subprocess.Popen([sys.executable, "-c", spawner])
     busy.append(parent)
     with CpuLimit("test-release", 0.25) as limit:
@@ -117,5 +117,5 @@ def test_release_frees_the_children_and_keeps_the_parent(busy: list[subprocess.P
             assert limit.pids() == [parent.pid]
             assert str(child.pid) in (throttle.CPU_ROOT / "cgroup.procs").read_text().split()
         finally:
-            child.kill()
-            child.wait()
+            child.kill()  # the parent reaps it and exits
+            parent.wait(timeout=10)

@@ -12,7 +12,7 @@ box pays). Together the quotas hold 1.4 of the machine's 2 cores, leaving room f
 `diloco dht` (unthrottled) and the bench itself. Only steps that began after the quota was set count in a
 tokens/s (the bench may notice a ready trainer a moment late). Three phases, one after another:
 
-- solo: each group alone on the machine, one after the other, as a galaxy of its own (galaxy size 1: no DHT,
+- solo: each group alone on the machine, one after the other (`--quick`: all three at once), as a galaxy of its own (galaxy size 1: no DHT,
   no averaging); tokens/s = its inner-step tokens ÷ inner-step time (the `tokens_per_s` rows after the
   warm-up, combined as a harmonic mean: a step the kernel parked counts with its full time);
 - fixed-H: galaxy size 3, `--hv.local-steps H`, `--max-steps S`: every group trains S inner steps;
@@ -326,20 +326,23 @@ def arm_figures(
 
 
 def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
-    """Solo (one group after the other), then fixed-H, then target-tokens when this trainer has the flag (see the
-    module's docstring). Returns the result document."""
+    """Solo (one group after the other; in a quick run all at once, a smoke test), then fixed-H, then
+    target-tokens when this trainer has the flag (see the module's docstring). Returns the result document."""
     setup = hetero_setup(quick)
     model = write_model(MODEL, work_dir / "models")
     solo, cgroups, commands = [], {"solo": []}, {"solo": []}
-    for i, cores in enumerate(CORES):
-        label = f"solo-{i}"
-        launch = Launch(label, cores, train_command(setup, model, work_dir / label, solo_steps(setup, cores), []),
-                        work_dir / label)  # fmt: skip
-        log.info("bench hetero %s (%g core): %s", label, cores, shlex.join(launch.command))
-        [cgroup] = run_phase([launch], work_dir, setup.timeout_s)
-        solo.append(solo_figures(launch, setup, cgroup["engaged_at"]))
-        cgroups["solo"].append(cgroup)
-        commands["solo"].append(shlex.join(launch.command))
+    launches = [
+        Launch(f"solo-{i}", cores, train_command(setup, model, work_dir / f"solo-{i}", solo_steps(setup, cores), []),
+               work_dir / f"solo-{i}")
+        for i, cores in enumerate(CORES)
+    ]  # fmt: skip
+    for phase in [launches] if quick else [[launch] for launch in launches]:
+        for launch in phase:
+            log.info("bench hetero %s (%g core): %s", launch.label, launch.cores, shlex.join(launch.command))
+        for launch, cgroup in zip(phase, run_phase(phase, work_dir, setup.timeout_s)):
+            solo.append(solo_figures(launch, setup, cgroup["engaged_at"]))
+            cgroups["solo"].append(cgroup)
+            commands["solo"].append(shlex.join(launch.command))
     arms, arm_names = [], ARMS if token_arm_available() else ARMS[:1]
     with ExitStack() as stack:
         peers = start_dht(stack, work_dir)
@@ -411,7 +414,8 @@ def setup_lines(result: dict[str, Any]) -> list[str]:
         "at full speed; only steps that began after it are counted); the bootstrap `diloco dht` unthrottled",
         f"- model {result['model']}, {result['data']} with the byte tokenizer, {s['tokens_per_step']} tokens per "
         f"inner step (seq {s['seq_length']} × batch {s['batch']}), float32, one torch thread per process",
-        f"- solo: each group alone on the machine, one after the other, galaxy size 1 (no DHT), {s['solo_steps']} "
+        f"- solo: each group alone, galaxy size 1 (no DHT), "
+        f"{'all three at once (quick: a smoke test)' if result['quick'] else 'one after the other'}, {s['solo_steps']} "
         f"inner steps for the fastest and fewer for slower ones; tokens/s over the steps after {s['skip']} warm-up "
         "steps (harmonic mean of the rows' `tokens_per_s`)",
         f"- arms: `--max-steps {s['steps']}`; fixed-H `--hv.local-steps {s['local_steps']}`; target-tokens "
