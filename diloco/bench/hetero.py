@@ -43,6 +43,7 @@ from typing import Any
 
 from diloco import procs
 from diloco.bench import BenchError, machine_line
+from diloco.bench.arms import row
 from diloco.bench.models import write_model
 from diloco.bench.wire import dht_peers, last_line, started, summary, wait_all
 from diloco.corpus import TINYSHAKESPEARE
@@ -442,13 +443,11 @@ def group_rows(result: dict[str, Any]) -> list[str]:
         for i, (g, solo, cg) in enumerate(zip(arm["groups"], result["solo"], result["cgroups"][arm["name"]])):
             rounds = g["steps_per_round"]
             throttled = f"{cg['throttled_periods']}/{cg['periods']}"
-            lines.append(
-                f"| {arm['name']} | {i} | {solo['cores']:g} | {solo['tokens_per_s']:.0f} | {g['tokens_per_s']:.0f} | "
-                f"{g['tokens_per_s'] / solo['tokens_per_s']:.2f} | {g['step_tokens_per_s']:.0f} | "
-                f"{g['inner_steps']} | "
-                f"{', '.join(map(str, rounds))} | {fmt(g['wait_s'])} | {g['averaging_s']:.1f} | {g['eval_s']:.1f} | "
-                f"{fmt(cg['cpu_s'])} | {throttled} |"
-            )
+            cells = [arm["name"], str(i), f"{solo['cores']:g}", f"{solo['tokens_per_s']:.0f}",
+                     f"{g['tokens_per_s']:.0f}", f"{g['tokens_per_s'] / solo['tokens_per_s']:.2f}",
+                     f"{g['step_tokens_per_s']:.0f}", str(g["inner_steps"]), ", ".join(map(str, rounds)),
+                     fmt(g["wait_s"]), f"{g['averaging_s']:.1f}", f"{g['eval_s']:.1f}", fmt(cg["cpu_s"]), throttled]
+            lines.append(row(cells))  # fmt: skip
     return lines
 
 
