@@ -285,8 +285,9 @@ def build_data(
             f"{shard.count} ranks × {{per_device_train_batch_size}} {batch_size} need at least {needed}"
         )
     train = BlockBatches(train_blocks, shard, batch_size, seed)
+    name = f"{dataset.name} ({dataset_config})" if dataset_config else dataset.name
     about = (
-        f"{dataset.name}{f' ({dataset_config})' if dataset_config else ''}: {len(tokens):,} tokens, {len(train_blocks):,} train / {len(eval_blocks):,} held-out blocks "
+        f"{name}: {len(tokens):,} tokens, {len(train_blocks):,} train / {len(eval_blocks):,} held-out blocks "
         f"of {seq_length} ({len(train.blocks):,} train blocks for this rank)"
     )
     held_out = _eval_batches(eval_blocks, eval_shard, batch_size, eval_steps)

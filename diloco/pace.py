@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from diloco.swarm import budget
@@ -151,7 +152,7 @@ class TokenBudget:
         due = estimate >= self.target_tokens or budget.ahead(records, mine) or outer_step >= self.final_outer_step
         if due or now - self.published_at >= PUBLISH_S:
             # closed: this group waits in the round now; the others count its tokens as they are
-            self.swarm.publish_tokens(RoundTokens(self.world_rank, outer_step, tokens, self.rate, now, closed=due))
+            self.swarm.publish_tokens(replace(mine, closed=due))
             self.published_at = now
         return due, min(estimate / self.target_tokens, 1.0), estimate
 

@@ -127,7 +127,7 @@ def train_loop(run: Run) -> str:
     """Inner steps until max_steps or a stop request; the outer loop runs after each. Returns the status.
     Under a swarm-wide token budget the end and the LR follow the swarm's position, not this group's steps."""
     cfg = run.config
-    tokens_per_step = run.data.tokens_per_batch * run.grad_accum * run.env.world_size
+    tokens_per_step = step_tokens(run.data, run.grad_accum, run.env)
     tick = time.perf_counter()
     while run.outer.position(run.step) < run.max_steps:
         lr = run.scheduler.get_last_lr()[0]  # the rate this step uses
@@ -236,7 +236,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     max_steps = total_steps(config, steps_per_epoch)
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(max_steps, 1))
     # joining the swarm can fail on bad input: nothing is written before it
-    outer = build_outer(config, env, model, device, stop, max_steps, data.tokens_per_batch * grad_accum)
+    outer = build_outer(config, env, model, device, stop, max_steps, step_tokens(data, grad_accum, env))
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = Metrics.build(
         enabled=env.is_main,
@@ -266,6 +266,11 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     )
 
 
+def step_tokens(data: Data, grad_accum: int, env: DistEnv) -> int:
+    """Tokens of one inner step of the whole group: every micro-batch of every rank."""
+    return data.tokens_per_batch * grad_accum * env.world_size
+
+
 def total_steps(config: Config, steps_per_epoch: int | None) -> int:
     """--max-steps, or --epochs passes over this group's share of the data (the same count in every group)."""
     if config.epochs is None:
@@ -285,7 +290,7 @@ def build_outer(
     device: torch.device,
     stop: StopRequest,
     max_steps: int,
-    rank_tokens_per_step: int,
+    tokens_per_step: int,
 ) -> OuterLoop:
     """Galaxy size 1: nothing (no DHT, no p2pd). Otherwise this group joins the swarm (``diloco.swarm.join``)."""
     if config.hv.galaxy_size == 1:
@@ -303,7 +308,7 @@ def build_outer(
     try:
         return swarm.join(
             config.hv, env, shards, group, stop=lambda: stop.requested, final_step=max_steps,
-            sharding=config.sharding_strategy, tokens_per_step=rank_tokens_per_step * env.world_size,
+            sharding=config.sharding_strategy, tokens_per_step=tokens_per_step,
         )  # fmt: skip
     except FieldError as e:
         raise e.within("hv") from None
@@ -395,7 +400,7 @@ def describe(run: Run) -> dict[str, str]:
     """What the start-up banner says about this group: where it writes, what it trains, how, and with whom."""
     cfg, hv = run.config, run.config.hv
     parameters = sum(p.numel() for p in run.model.parameters())
-    tokens_per_step = run.data.tokens_per_batch * run.grad_accum * run.env.world_size
+    tokens_per_step = step_tokens(run.data, run.grad_accum, run.env)
     if hv.galaxy_size == 1:
         swarm = "none (galaxy size 1: plain torch.distributed, no DHT)"
     else:

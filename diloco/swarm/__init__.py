@@ -7,8 +7,9 @@ One module per concept:
 - ``dht``: starting, serving (``diloco dht``) and stopping DHT peers; the rendezvous of groups at start;
 - ``addresses``: multiaddrs to listen hosts, announced hosts and per-rank ports;
 - ``progress``: the progress record each group publishes (schema, DHT key, publish, read) and which group holds
-  the swarm's state; ``budget``: the round-token records of ``--hv.target-tokens``; ``status``: the status record onlookers read (``diloco status``), and ``monitor``, that
-  command's table; ``peer``: one rank's ``SwarmPeer`` (DHT + averager + records);
+  the swarm's state; ``budget``: the round-token records of ``--hv.target-tokens``; ``status``: the status
+  record onlookers read (``diloco status``), and ``monitor``, that command's table; ``peer``: one rank's
+  ``SwarmPeer`` (DHT + averager + records);
 - ``averager``: the swarm averager (rounds with whoever is ready, bit-identical results);
 - ``codecs``: the ``--hv.compression`` wire formats on both transports;
 - ``tcp`` and ``libp2p``: the two transports that carry a round's bytes;
@@ -104,7 +105,7 @@ def join(
         tokens_key=tokens_key(hv.run_id),
     )  # fmt: skip
     try:
-        if hv.target_tokens and final_step:
+        if hv.target_tokens and final_step:  # a run of 0 steps has no round to pace
             pace = TokenBudget(
                 peer, group, world_rank=hv.world_rank, target_tokens=hv.target_tokens, galaxy_size=hv.galaxy_size,
                 tokens_per_step=tokens_per_step, max_steps=final_step,

@@ -17,8 +17,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing.reduction import ForkingPickler
 from functools import partial
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import hivemind

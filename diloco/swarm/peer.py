@@ -57,8 +57,8 @@ class SwarmPeer:
         self._reading: Future | None = None  # a read of them under way
         self._read_at = -float("inf")
         self.peer_id = averager.peer_id
-        self._storing: set[Future] = set()  # status stores under way (a future nobody holds drops its result)
-        self._status_failed = False  # one warning, not one per heartbeat
+        self._storing: set[Future] = set()  # record stores under way (a future nobody holds drops its result)
+        self._store_failed = False  # one warning, not one per heartbeat
 
     def average(
         self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
@@ -113,8 +113,8 @@ class SwarmPeer:
             self._not_stored(error or "no DHT peer stored it")
 
     def _not_stored(self, why: object) -> None:
-        if not self._status_failed:
-            self._status_failed = True
+        if not self._store_failed:
+            self._store_failed = True
             log.warning("could not publish a record of this group in the DHT (%s); training goes on", why)
 
     def alive(self, peer_id: str) -> bool:
