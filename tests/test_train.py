@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -44,6 +45,10 @@ REFERENCE = [*FAKE, "--max-steps", "4", "--eval-interval", "2", "--eval-steps", 
              "FULL_SHARD"]  # fmt: skip
 
 
+# The tests that compare with the reference (and the variants) run on one xdist worker, so each runs once.
+ONE_WORKER = pytest.mark.xdist_group("reference")
+
+
 @dataclass(frozen=True)
 class Reference:
     result: Result
@@ -62,6 +67,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     return Reference(result, run_dir)
 
 
+@ONE_WORKER
 def test_two_ranks_train_and_write_every_output(reference: Reference) -> None:
     result, run_dir = reference.result, reference.run_dir
     assert "step 4/4 | loss" in result.stdout  # rank 0's progress line
@@ -84,34 +90,70 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sha_of_run(run_dir: Path, *flags: str) -> str:
-    """The model of a two-rank run with the reference's flags and then `flags` (which win)."""
-    assert_ok(torchrun([*REFERENCE, "--run-dir", str(run_dir), *flags]))
+# Runs compared with the reference, by name: each one's arguments (its own flags after the reference's win).
+CLIP = ["--max-grad-norm", "0.05"]
+VARIANTS = {
+    **{s: [*REFERENCE, "--sharding-strategy", s]
+       for s in ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "DDP", "ZERO1")},
+    "gc": [*REFERENCE, "--gradient-checkpointing"],
+    "seed": [*REFERENCE, "--seed", "7"],
+    **{f"clip-{s}": [*REFERENCE, "--sharding-strategy", s, *CLIP] for s in ("NO_SHARD", "DDP", "ZERO1")},
+    **{f"{p}-{s}": [*REFERENCE, "--precision", p, "--sharding-strategy", s]
+       for p, s in [("bf16-mixed", "FULL_SHARD"), ("fp16-mixed", "FULL_SHARD"), ("bf16-mixed", "DDP"),
+                    ("fp16-mixed", "ZERO1")]},
+}  # fmt: skip
+# The uninterrupted runs that resumed ones (each a launch of its own) must match, with checkpoints on the way.
+RESUME = [*FAKE, "--max-steps", "10", "--lr", "3e-3"]
+RESUME_BY_STRATEGY = {
+    s: [*FAKE, "--max-steps", "8", "--lr", "3e-3", "--sharding-strategy", s] for s in ("DDP", "ZERO1")
+}
+VARIANTS |= {"straight": [*RESUME, "--ckpt.interval", "5"]}
+VARIANTS |= {f"straight-{s}": [*args, "--ckpt.interval", "4"] for s, args in RESUME_BY_STRATEGY.items()}
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every VARIANTS run, one after another in the same two torchrun ranks (`tests.runs`: the real command line,
+    a process group of its own per run; it spares a torchrun and two torch imports per run). Their run folders by
+    name. The reference is a launch of its own, so a run that shared its processes and matches it proves that the
+    sharing changed nothing."""
+    root = tmp_path_factory.mktemp("variants")
+    runs = root / "runs.json"
+    runs.write_text(json.dumps([[*args, "--run-dir", str(root / name)] for name, args in VARIANTS.items()]))
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "tests.runs", str(runs)]
+    result = run_cmd(cmd, timeout=60 + 30 * len(VARIANTS))
+    assert_ok(result)
+    assert result.stdout.count(" EXIT 0") == len(VARIANTS), result.output[-3000:]
+    return {name: root / name for name in VARIANTS}
+
+
+def sha(run_dir: Path) -> str:
     return summary(run_dir)["params_sha256"]
 
 
-def test_sharding_strategies_and_checkpointing_compute_the_same_model(tmp_path: Path, reference: Reference) -> None:
+@ONE_WORKER
+def test_sharding_strategies_and_checkpointing_compute_the_same_model(reference: Reference, variants: dict) -> None:
     """NO_SHARD (FSDP2, replicated), SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3, the reference), HYBRID_SHARD,
     torch DDP, DDP with a ZeRO-1 optimizer and activation recomputation only change where memory lives, never the
     arithmetic: in float32 the models are identical (with clipping inactive: see the next test)."""
-    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "DDP", "ZERO1"):
-        assert sha_of_run(tmp_path / strategy, "--sharding-strategy", strategy) == reference.sha, strategy
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ZERO1" / "final")  # unwrapped from DDP: no `module.`
+    for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "DDP", "ZERO1", "gc"):
+        assert sha(variants[strategy]) == reference.sha, strategy
+    exported = AutoModelForCausalLM.from_pretrained(variants["ZERO1"] / "final")  # unwrapped from DDP: no `module.`
     assert params_sha256(list(exported.named_parameters())) == reference.sha
-    assert sha_of_run(tmp_path / "gc", "--gradient-checkpointing") == reference.sha
-    assert sha_of_run(tmp_path / "seed", "--seed", "7") != reference.sha
+    assert sha(variants["seed"]) != reference.sha
 
 
-def test_clipping_ddp_and_zero1_match_no_shard(tmp_path: Path, reference: Reference) -> None:
+@ONE_WORKER
+def test_clipping_ddp_and_zero1_match_no_shard(reference: Reference, variants: dict) -> None:
     """When clipping bites, the norm's summation order matters: replicated ranks (NO_SHARD, DDP, ZERO1) sum each
     whole gradient the same way and agree bit for bit; FULL_SHARD adds per-shard sums and may differ in the last
     bits (measured: it does here)."""
-    clip = ("--max-grad-norm", "0.05")
-    shas = {s: sha_of_run(tmp_path / s, "--sharding-strategy", s, *clip) for s in ("NO_SHARD", "DDP", "ZERO1")}
+    shas = {s: sha(variants[f"clip-{s}"]) for s in ("NO_SHARD", "DDP", "ZERO1")}
     assert len(set(shas.values())) == 1, shas
     assert shas["DDP"] != reference.sha  # clipping did change the model
 
 
+@ONE_WORKER
 def test_hybrid_shard_across_two_nodes(tmp_path: Path, reference: Reference) -> None:
     """Two torchrun 'nodes' on loopback, one rank each: HYBRID_SHARD replicates across them."""
     port = free_port()
@@ -162,14 +204,13 @@ def test_seed_000s_torchrun_line_trains_one_group_over_three_nodes(run_dir: Path
     assert [r["step"] for r in metrics(run_dir) if "loss" in r] == [1, 2, 3, 4]
 
 
-def test_mixed_precision_trains(tmp_path: Path, reference: Reference) -> None:
+@ONE_WORKER
+def test_mixed_precision_trains(reference: Reference, variants: dict) -> None:
     """FSDP2 casts parameters; DDP and ZERO1 autocast the forward (fp16 with the gradient scaler)."""
-    runs = [("bf16-mixed", "FULL_SHARD"), ("fp16-mixed", "FULL_SHARD"), ("bf16-mixed", "DDP"), ("fp16-mixed", "ZERO1")]
-    for precision, strategy in runs:
-        run_dir = tmp_path / f"{precision}-{strategy}"
-        assert sha_of_run(run_dir, "--precision", precision, "--sharding-strategy", strategy) != reference.sha
-        done = summary(run_dir)
-        assert done["status"] == "ok" and done["final_loss"] < 8
+    for name in ("bf16-mixed-FULL_SHARD", "fp16-mixed-FULL_SHARD", "bf16-mixed-DDP", "fp16-mixed-ZERO1"):
+        done = summary(variants[name])
+        assert done["params_sha256"] != reference.sha, name
+        assert done["status"] == "ok" and done["final_loss"] < 8, name
 
 
 def test_torch_compile_single_process(run_dir: Path) -> None:
@@ -178,31 +219,29 @@ def test_torch_compile_single_process(run_dir: Path) -> None:
     assert summary(run_dir)["status"] == "ok"
 
 
-def test_resume_is_bit_exact(tmp_path: Path) -> None:
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = [*FAKE, "--max-steps", "10", "--lr", "3e-3"]
-    assert_ok(torchrun([*common, "--run-dir", str(straight), "--ckpt.interval", "5"]))
+@ONE_WORKER
+def test_resume_is_bit_exact(tmp_path: Path, variants: dict) -> None:
+    straight, resumed = variants["straight"], tmp_path / "resumed"
     assert (straight / "checkpoints" / "step-10").is_dir()
     # continue the same 10-step schedule from step 5 into a fresh folder, and from 'latest' in place
     step5 = straight / "checkpoints" / "step-5"
-    assert_ok(torchrun([*common, "--run-dir", str(resumed), "--ckpt.resume", str(step5)]))
+    assert_ok(torchrun([*RESUME, "--run-dir", str(resumed), "--ckpt.resume", str(step5)]))
     assert [r["step"] for r in metrics(resumed) if "loss" in r] == [6, 7, 8, 9, 10]
     assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
     latest = tmp_path / "latest"
-    result = torchrun([*common, "--max-steps", "12", "--run-dir", str(latest),
+    result = torchrun([*RESUME, "--max-steps", "12", "--run-dir", str(latest),
                        "--ckpt.path", str(straight / "checkpoints"), "--ckpt.resume", "latest"])  # fmt: skip
     assert_ok(result)
     assert summary(latest)["steps"] == 12 and "at step 10" in result.output
 
 
+@ONE_WORKER
 @pytest.mark.parametrize("strategy", ["DDP", "ZERO1"])
-def test_ddp_and_zero1_resume_is_bit_exact(tmp_path: Path, strategy: str) -> None:
+def test_ddp_and_zero1_resume_is_bit_exact(tmp_path: Path, variants: dict, strategy: str) -> None:
     """DDP's state goes through DCP like FSDP's; ZERO1's AdamW partition and LR live in each rank's own file."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = [*FAKE, "--max-steps", "8", "--lr", "3e-3", "--sharding-strategy", strategy]
-    assert_ok(torchrun([*common, "--run-dir", str(straight), "--ckpt.interval", "4"]))
+    straight, resumed = variants[f"straight-{strategy}"], tmp_path / "resumed"
     step4 = straight / "checkpoints" / "step-4"
-    assert_ok(torchrun([*common, "--run-dir", str(resumed), "--ckpt.resume", str(step4)]))
+    assert_ok(torchrun([*RESUME_BY_STRATEGY[strategy], "--run-dir", str(resumed), "--ckpt.resume", str(step4)]))
     assert [r["step"] for r in metrics(resumed) if "loss" in r] == [5, 6, 7, 8]
     assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
 

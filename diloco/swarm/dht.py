@@ -32,6 +32,8 @@ from diloco.swarm.identity import ensure_identity
 
 logger = logging.getLogger(__name__)
 
+RETRY_PAUSE_S = 1.0  # between start-up attempts whose DHT ping went unanswered
+
 
 def start_dht(
     *,
@@ -55,7 +57,8 @@ def start_dht(
         (for peers behind NAT); it can still average with non-client peers.
     :param startup_timeout: seconds to wait for the daemon to start and the bootstrap to finish. Only a safety
         net: p2pd gives up on initial peers that do not answer by itself, after about 5 s (at once on a closed
-        port), and a peer that is not a DHT fails its ping after 3 s.
+        port), and a peer that is not a DHT fails its ping after 3 s. An unanswered ping is retried while this
+        time lasts: an overloaded peer (or machine) is slow, not wrong.
     :returns: the running DHT; call ``.shutdown()`` when done.
     :raises FieldError: bad input, as one line naming the option (``initial_peers``, ``host_maddrs``,
         ``announce_maddrs`` or ``identity``): no initial peer answered, a host port in use, an unusable identity
@@ -67,26 +70,32 @@ def start_dht(
             kwargs["identity_path"] = str(ensure_identity(identity_path))
         except ValueError as e:
             raise FieldError(f"{{identity}}: {e}") from None
-    dht = _DHT(
-        initial_peers=list(initial_peers) or None,
-        host_maddrs=list(host_maddrs),
-        announce_maddrs=list(announce_maddrs) or None,
-        client_mode=client_mode,
-        startup_timeout=startup_timeout,
-        start=False,
-        **kwargs,
-    )
+    kwargs |= dict(host_maddrs=list(host_maddrs), announce_maddrs=list(announce_maddrs) or None)
     started = time.monotonic()
-    try:
-        dht.run_in_background(await_ready=True, timeout=startup_timeout)
-    except BaseException as e:
-        waited_s = time.monotonic() - started
-        _stop_failed_start(dht)
-        usage_error = _startup_usage_error(e, initial_peers, waited_s)
-        if usage_error is None:
-            raise
-        raise usage_error from None
-    return dht
+    while True:
+        left_s = max(startup_timeout - (time.monotonic() - started), 1.0)
+        dht = _DHT(initial_peers=list(initial_peers) or None, client_mode=client_mode, startup_timeout=left_s,
+                   start=False, **kwargs)  # fmt: skip
+        try:
+            dht.run_in_background(await_ready=True, timeout=left_s)
+            return dht
+        except BaseException as e:
+            waited_s = time.monotonic() - started
+            _stop_failed_start(dht)
+            if _unanswered_ping(e) and waited_s + RETRY_PAUSE_S < startup_timeout:
+                # p2pd reached the peer but its DHT did not answer a ping within 3 s: a busy peer (or a busy
+                # machine here) rather than a wrong address, so try again while the start-up time lasts
+                logger.warning("the DHT peers at %s did not answer a ping yet; trying again", " ".join(initial_peers))
+                time.sleep(RETRY_PAUSE_S)
+                continue
+            usage_error = _startup_usage_error(e, initial_peers, waited_s)
+            if usage_error is None:
+                raise
+            raise usage_error from None
+
+
+def _unanswered_ping(error: BaseException) -> bool:
+    return "initial_peers responded" in first_line(error)
 
 
 def _startup_usage_error(error: BaseException, initial_peers: Sequence[str], waited_s: float) -> FieldError | None:
