@@ -32,6 +32,7 @@ from diloco.outer import OuterOptimizer, OuterReport
 from diloco.pace import FixedSteps, Pace
 from diloco.screening import all_finite
 from diloco.swarm.budget import RoundTokens
+from diloco.swarm.fingerprint import ModelId, mismatch_error, rival_model
 from diloco.swarm.progress import Progress, sources
 from diloco.swarm.status import DIGEST_CHARS, HEARTBEAT_S, Status
 
@@ -80,6 +81,10 @@ class Swarm(Protocol):
     def publish_status(self, record: Status) -> None:
         """Store this group's status record for onlookers (rank 0 calls it); returns without waiting for the
         network, and never raises."""
+        ...
+
+    def status_records(self) -> list[Status]:
+        """Every group's latest status record."""
         ...
 
     def publish_tokens(self, record: RoundTokens) -> None:
@@ -149,6 +154,7 @@ class DiLoCo:
     :param pace: when outer steps are due and where the LR schedule stands (`diloco.pace`); default:
         `FixedSteps(local_steps, final_step)`.
     :param tokens_per_step: tokens of one inner step of this group (all ranks), for the round rows.
+    :param model: this group's model fingerprint; a live group of another model makes `claim_world_rank` leave.
     """
 
     def __init__(
@@ -168,6 +174,7 @@ class DiLoCo:
         sharding: str = "",
         pace: Pace | None = None,
         tokens_per_step: int = 0,
+        model: ModelId | None = None,
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum)
         self.pace = pace or FixedSteps(local_steps, final_step)
@@ -187,7 +194,7 @@ class DiLoCo:
         self.peers = tuple(group.gather(swarm.peer_id))
         self.shard_digest = self.digest = ""
         self._update_digest()
-        self.sharding = sharding
+        self.sharding, self.model = sharding, model
         self.tokens_per_s: float | None = None  # of the group, from the training loop's last metrics row
         self.last_round: tuple[int, float] | None = None  # (num_peers, wall-clock end) of the last round
         self.status_at = -math.inf  # monotonic time of the last status record
@@ -211,22 +218,27 @@ class DiLoCo:
     def claim_world_rank(self) -> None:
         """Collective, before anything is written: two running groups with one world rank would train on one
         data shard and overwrite each other's progress record, so the later one leaves (a `FieldError` naming
-        `world_rank`)."""
-        verdict = None
+        `world_rank`); so does a group whose model differs from a live group's (naming `run_id`)."""
+        verdict = other_model = None
         if self.group.is_main:
             verdict = self._rival()
             if verdict is None:
                 self._publish()
+                joining = self._publish_status("joining")
                 time.sleep(1.0)  # a group starting at the same moment: the later record wins, the other leaves
                 verdict = self._rival()
-        verdict = self.group.broadcast(verdict)
+                other_model = rival_model(joining, self.swarm.status_records(), self.swarm.alive)
+        verdict, other_model = self.group.broadcast((verdict, other_model))
+        if other_model is not None:
+            raise mismatch_error(other_model, self.model)
         if verdict is not None:
             raise FieldError(
                 f"{{world_rank}} {self.world_rank} is taken by a running worker group (peer {verdict}); give each "
                 "group its own world rank",
             )
         if self.group.is_main:
-            log.info("worker group %d joined the swarm as peer %s", self.world_rank, self.peers[0])
+            model = f" (model: {self.model})" if self.model else ""
+            log.info("worker group %d joined the swarm as peer %s%s", self.world_rank, self.peers[0], model)
 
     def _rival(self) -> str | None:
         """Peer id of another live group holding this world rank, if any."""
@@ -496,11 +508,11 @@ class DiLoCo:
         if time.monotonic() - self.status_at >= HEARTBEAT_S:
             self._publish_status("training", step=row.get("step", self.step))
 
-    def _publish_status(self, state: str, step: int | None = None) -> None:
+    def _publish_status(self, state: str, step: int | None = None) -> Status | None:
         """Rank 0: this group's status record (`diloco.swarm.status`) as of inner step `step` (default: the last
-        one the outer loop saw)."""
+        one the outer loop saw). Returns it (None on other ranks)."""
         if not self.group.is_main:
-            return
+            return None
         self.status_at = time.monotonic()
         round_peers, round_at = self.last_round or (None, None)
         record = Status(
@@ -516,8 +528,12 @@ class DiLoCo:
             round_peers=round_peers,
             round_at=round_at,
             heard_at=time.time(),
+            model=self.model.fingerprint if self.model else "",
+            parameters=self.model.parameters if self.model else None,
+            peer=self.peers[0],
         )
         self.swarm.publish_status(record)
+        return record
 
     # ------------------------------------------------------------------ checkpoints and the end
 

@@ -296,6 +296,7 @@ def build_outer(
     if config.hv.galaxy_size == 1:
         return NoOuter()
     from diloco import swarm  # hivemind loads only when there is a swarm
+    from diloco.swarm.fingerprint import model_id
 
     group = Group(
         rank=env.rank,
@@ -309,6 +310,7 @@ def build_outer(
         return swarm.join(
             config.hv, env, shards, group, stop=lambda: stop.requested, final_step=max_steps,
             sharding=config.sharding_strategy, tokens_per_step=tokens_per_step,
+            model=model_id(parallel.unwrap(model).named_parameters()),
         )  # fmt: skip
     except FieldError as e:
         raise e.within("hv") from None

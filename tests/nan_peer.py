@@ -14,14 +14,18 @@ import torch
 from diloco.model import load_model
 from diloco.swarm.averager import SwarmAverager
 from diloco.swarm.dht import rendezvous, start_dht
+from diloco.swarm.fingerprint import model_id, run_key
+
+MATCHMAKING_S = 8  # as the honest groups of the test: long enough under load for all three to gather
 
 
 def main(model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int, peers: list[str]) -> None:
-    size = sum(p.numel() for p in load_model(Path(model_dir), seed=0).parameters())
+    model = model_id(load_model(Path(model_dir), seed=0).named_parameters())
+    size = model.parameters
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])
-    prefix = f"{run_id}-rank0of1"
+    prefix = f"{run_key(run_id, model)}-rank0of1"  # where one-rank groups of this model meet
     averager = SwarmAverager(
-        dht, prefix=prefix, tensors=[torch.zeros(size)], matchmaking_time=3, averaging_timeout=15,
+        dht, prefix=prefix, tensors=[torch.zeros(size)], matchmaking_time=MATCHMAKING_S, averaging_timeout=15,
         target_group_size=galaxy,
     )  # fmt: skip
     try:

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,7 +178,9 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
     finite and bit-identical."""
     dirs = [tmp_path / f"w{i}" for i in range(2)]
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
-    steps = ["--max-steps", "15", "--hv.run-id", "poisoned"]
+    # matchmaking long enough (as the poisoned peer's) that under load a round waits for all three: a group formed
+    # from one honest group and the poisoned one leaves the other honest group alone, and none has both
+    steps = ["--max-steps", "15", "--hv.run-id", "poisoned", "--hv.matchmaking-time", "8"]
     procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
     with logs[2].open("w") as out:
         procs.append(subprocess.Popen(
@@ -201,21 +204,35 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
     assert "ok=False" in logs[2].read_text()  # the poisoned peer's own rounds fail
 
 
-def test_second_group_with_the_same_world_rank_is_refused(tmp_path: Path, dht_peer: list[str]) -> None:
+def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path: Path, dht_peer: list[str]) -> None:
+    """A group of a running swarm is never disturbed by a newcomer that got its flags wrong: one that takes the
+    same world rank, or trains another model (it never exchanged a byte with it), leaves with one line, exit 2,
+    having written nothing."""
     log = tmp_path / "first.log"
     first = start_group(group_args(0, 2, dht_peer, tmp_path / "first", "--max-steps", "100000"), log)
+    other_model = ROOT / "tests" / "models" / "llama-1m-fresh"
     try:
         wait_for(lambda: "worker group 0 joined the swarm" in log.read_text(), 120, "the first group", [first], [log])
-        second = subprocess.run(
-            [sys.executable, "-m", "diloco.train", *group_args(0, 2, dht_peer, tmp_path / "second")],
-            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        refused = [
+            subprocess.run(
+                [sys.executable, "-m", "diloco.train", *group_args(rank, 2, dht_peer, tmp_path / name), *extra],
+                cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+            )
+            for rank, name, extra in [(0, "second", []), (1, "other", ["--path-model", str(other_model)])]
+        ]  # fmt: skip
         assert first.poll() is None  # the running group is left alone
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=30) == 130
     finally:
         kill_group(first)
-    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-    assert second.returncode == 2 and len(errors) == 1 and "Traceback" not in second.stderr, second.stderr
+    errors = []
+    for result in refused:
+        lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        errors.append(lines[0])
     assert "--hv.world-rank 0 is taken by a running worker group" in errors[0]
-    assert not (tmp_path / "second").exists()
+    fingerprint = re.search(r"model: [\d,]+ parameters, fingerprint (\w+)", log.read_text()).group(1)
+    assert re.search(rf"^error: --hv.run-id: worker group 0 \(peer \w+\) trains another model \([\d,]+ parameters, "
+                     rf"fingerprint {fingerprint}\) than this group \([\d,]+ parameters, fingerprint (?!{fingerprint})"
+                     r"\w+\); the groups of a run must train the same model", errors[1]), errors[1]  # fmt: skip
+    assert not (tmp_path / "second").exists() and not (tmp_path / "other").exists()

@@ -323,6 +323,10 @@ def test_bad_flags_exit_2_before_any_process_starts() -> None:
         assert len(look.stderr.splitlines()) == 1 and not look.children, (args, look.stderr)
 
 
+# The tests reading the module's swarm run on one xdist worker (`--dist loadgroup`): one swarm, not one per worker.
+SHARES_THE_SWARM = pytest.mark.xdist_group("status-swarm")
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     """`diloco dht` and two worker groups of one rank training together (at low priority: the status commands
@@ -365,6 +369,7 @@ def full_round(run_dir: Path) -> bool:
 
 
 @pytest.mark.slow
+@SHARES_THE_SWARM
 def test_status_lists_both_training_groups_and_leaves_no_p2pd(swarm: SimpleNamespace) -> None:
     look = Watched(["--hv.initial-peers", *swarm.peers, "--json"])
     assert look.returncode == 0, look.stderr[-3000:]
@@ -385,6 +390,7 @@ def test_status_lists_both_training_groups_and_leaves_no_p2pd(swarm: SimpleNames
 
 
 @pytest.mark.slow
+@SHARES_THE_SWARM
 def test_the_table_prints_one_row_per_group(swarm: SimpleNamespace) -> None:
     look = Watched(["--hv.initial-peers", *swarm.peers])
     assert look.returncode == 0, look.stderr[-3000:]
@@ -395,6 +401,7 @@ def test_the_table_prints_one_row_per_group(swarm: SimpleNamespace) -> None:
 
 
 @pytest.mark.slow
+@SHARES_THE_SWARM
 def test_a_run_id_without_groups_exits_3_with_one_line(swarm: SimpleNamespace) -> None:
     look = Watched(["--hv.initial-peers", *swarm.peers, "--hv.run-id", "nobody-here"])
     assert look.returncode == NO_GROUPS_EXIT == 3
@@ -404,6 +411,7 @@ def test_a_run_id_without_groups_exits_3_with_one_line(swarm: SimpleNamespace) -
 
 
 @pytest.mark.slow
+@SHARES_THE_SWARM
 def test_watch_redraws_until_ctrl_c_then_exits_0_leaving_no_p2pd(swarm: SimpleNamespace) -> None:
     proc = spawn([str(DILOCO), "status", "--hv.initial-peers", *swarm.peers, "--watch", "0.5"])
     try:

@@ -3,7 +3,8 @@ that imports hivemind; the trainer comes in through one door, ``join``.
 
 One module per concept:
 
-- ``identity``: private key files and peer ids;
+- ``identity``: private key files and peer ids; ``fingerprint``: the model's, which keeps groups of different
+  models apart;
 - ``dht``: starting, serving (``diloco dht``) and stopping DHT peers; the rendezvous of groups at start;
 - ``addresses``: multiaddrs to listen hosts, announced hosts and per-rank ports;
 - ``progress``: the progress record each group publishes (schema, DHT key, publish, read) and which group holds
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from diloco.config import HvConfig
     from diloco.distenv import DistEnv
     from diloco.membership import DiLoCo, Group
+    from diloco.swarm.fingerprint import ModelId
 
 log = logging.getLogger("diloco")
 
@@ -47,6 +49,7 @@ def join(
     final_step: int | None,
     sharding: str = "",
     tokens_per_step: int = 0,
+    model: ModelId | None = None,
 ) -> DiLoCo:
     """Collective over the ranks of this worker group: start this rank's DHT peer and averager, claim the group's
     world rank, and wait (at most ``hv.averaging_timeout``) until the other groups are there. Returns the group's
@@ -63,6 +66,9 @@ def join(
     :param final_step: the run's last inner step (it always ends with an outer step).
     :param sharding: the group's FSDP sharding strategy (``Config.sharding_strategy``), for its status record.
     :param tokens_per_step: tokens of one inner step of the group (all ranks): its weight under a token budget.
+    :param model: the group's model fingerprint (``diloco.swarm.fingerprint``): groups of another model never
+        meet this one (it is part of the matchmaking and progress keys), and one already training makes this
+        group leave with a `FieldError` naming ``run_id``.
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
         holds), naming the ``HvConfig`` field; nothing is left running.
     """
@@ -74,6 +80,7 @@ def join(
     from diloco.swarm.averager import SwarmAverager
     from diloco.swarm.budget import tokens_key
     from diloco.swarm.dht import rendezvous, start_dht
+    from diloco.swarm.fingerprint import run_key
     from diloco.swarm.peer import SwarmPeer
     from diloco.swarm.progress import progress_key
     from diloco.swarm.status import status_key
@@ -83,7 +90,8 @@ def join(
         host_maddrs=[offset_port(m, env.local_rank) for m in hv.host_maddrs],
         announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
     )
-    prefix = f"{hv.run_id}-rank{env.rank}of{env.world_size}"
+    run = run_key(hv.run_id, model)
+    prefix = f"{run}-rank{env.rank}of{env.world_size}"
     try:
         averager = SwarmAverager(
             dht,
@@ -101,7 +109,7 @@ def join(
         dht.shutdown()
         raise
     peer = SwarmPeer(
-        dht, averager, progress_key(hv.run_id, env.world_size), REQUEST_TIMEOUT_S, status_key=status_key(hv.run_id),
+        dht, averager, progress_key(run, env.world_size), REQUEST_TIMEOUT_S, status_key=status_key(hv.run_id),
         tokens_key=tokens_key(hv.run_id),
     )  # fmt: skip
     try:
@@ -127,6 +135,7 @@ def join(
             sharding=sharding,
             pace=pace,
             tokens_per_step=tokens_per_step,
+            model=model,
         )
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all

@@ -101,6 +101,9 @@ class Member:
     def publish_status(self, record: Status) -> None:
         self.swarm.statuses[record.world_rank] = record
 
+    def status_records(self) -> list[Status]:
+        return list(self.swarm.statuses.values())
+
     def publish_tokens(self, record: RoundTokens) -> None:
         self.swarm.tokens[record.world_rank] = record
 

@@ -75,6 +75,9 @@ class SwarmPeer:
         """Returns at once: the DHT process stores it while training goes on; a failure is logged once."""
         self._store_later(lambda: status.publish(self.dht, self.status_key, record, return_future=True))
 
+    def status_records(self) -> list[Status]:
+        return status.read(self.dht, self.status_key)
+
     def publish_tokens(self, record: RoundTokens) -> None:
         self._store_later(lambda: budget.publish(self.dht, self.tokens_key, record, return_future=True))
 

@@ -14,7 +14,7 @@ costs no hivemind.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 from diloco.swarm.progress import Store
@@ -22,6 +22,7 @@ from diloco.swarm.progress import Store
 STATUS_TTL = 180.0  # seconds a status record lives without a refresh: a dead group leaves the table after this
 HEARTBEAT_S = 5.0  # least seconds between two heartbeats of a training group (outer steps publish at once)
 DIGEST_CHARS = 16  # hex characters of the outer digest a record carries (onlookers compare groups by it)
+LEFT = ("finished", "stopped", "failed")  # the states of a group that left the run
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class Status:
         None before its first round.
     :param round_at: wall-clock time (s since the epoch) its last round ended; None before the first.
     :param heard_at: wall-clock time the record was written, by the group's clock.
+    :param model: the fingerprint of the group's model (``diloco.swarm.fingerprint``); empty from trainers before
+        fingerprints, like the next two.
+    :param parameters: the model's parameter count.
+    :param peer: the peer id of the group's rank 0.
     """
 
     world_rank: int
@@ -56,6 +61,9 @@ class Status:
     round_peers: int | None
     round_at: float | None
     heard_at: float
+    model: str = ""
+    parameters: int | None = None
+    peer: str = ""
 
     @property
     def round(self) -> str | None:
@@ -70,11 +78,11 @@ class Status:
     @classmethod
     def from_dict(cls, data: Any) -> Status | None:
         """A record read back from the DHT; None when it is not one (another version, garbage). Unknown fields
-        are ignored, so a later version may add some."""
+        are ignored, so a later version may add some; fields with a default may be missing (an earlier version)."""
         if not isinstance(data, dict):
             return None
         try:
-            record = cls(**{f.name: data[f.name] for f in fields(cls)})
+            record = cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING})
         except (TypeError, KeyError):
             return None
         return record if _well_typed(record) else None
@@ -88,7 +96,8 @@ def _well_typed(record: Status) -> bool:
         all(isinstance(v, int) for v in ints)
         and all(v is None or isinstance(v, (int, float)) for v in optional_numbers)
         and isinstance(record.heard_at, (int, float))
-        and all(isinstance(v, str) for v in (record.sharding, record.state, record.digest))
+        and all(isinstance(v, str) for v in (record.sharding, record.state, record.digest, record.model, record.peer))
+        and (record.parameters is None or isinstance(record.parameters, int))
     )
 
 

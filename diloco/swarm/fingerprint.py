@@ -1,0 +1,86 @@
+"""A model's fingerprint, and the check that keeps groups of different models apart.
+
+Two worker groups can average only if they train the same model: the same parameter names, shapes and dtypes, in
+the same order. The fingerprint hashes exactly that (not the values), so it is the same in every group however it
+is sharded, and it goes into the matchmaking and progress keys: groups of different models never meet, so no byte
+of one reaches the other. Rank 0 of a joining group also compares it with the status records (``diloco.swarm.
+status``) of the groups already there, and leaves with one line naming both sides when they differ: a second model
+under one run id is a mistake, and training on alone would hide it.
+
+Plain Python over torch tensors and status records; no hivemind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from diloco.config import FieldError
+from diloco.swarm.status import LEFT, Status
+
+FINGERPRINT_CHARS = 12  # hex characters: enough to tell models apart, short enough for a DHT key
+
+
+@dataclass(frozen=True)
+class ModelId:
+    """What a group tells the others about its model: the fingerprint and, for people, the parameter count."""
+
+    fingerprint: str
+    parameters: int
+
+    def __str__(self) -> str:
+        return f"{self.parameters:,} parameters, fingerprint {self.fingerprint}"
+
+
+def model_id(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> ModelId:
+    """The fingerprint of a model's parameters (an unwrapped module's ``named_parameters()``: a sharded parameter
+    counts with its full shape)."""
+    digest, count = hashlib.sha256(), 0
+    for name, parameter in named_parameters:
+        digest.update(f"{name}:{tuple(parameter.shape)}:{parameter.dtype}\n".encode())
+        count += parameter.numel()
+    return ModelId(digest.hexdigest()[:FINGERPRINT_CHARS], count)
+
+
+def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], bool]) -> Status | None:
+    """The status record of a live group of the run that trains another model, or runs a trainer from before
+    fingerprints (its record has no model: it uses other keys and would never meet this group), and was there
+    first; None if there is none.
+
+    A group past joining was there first; of two groups joining at the same moment the one whose record is older
+    stays (then the lower world rank), so exactly one of them leaves. Groups that left are not compared; a record
+    without a peer id (an older trainer) counts as live until it expires.
+    """
+    if not mine.model:
+        return None
+    for record in records:
+        if record.world_rank == mine.world_rank or record.model == mine.model or record.state in LEFT:
+            continue
+        first = record.state != "joining" or (record.heard_at, record.world_rank) < (mine.heard_at, mine.world_rank)
+        if first and (not record.peer or alive(record.peer)):
+            return record
+    return None
+
+
+def mismatch_error(other: Status, mine: ModelId) -> FieldError:
+    """The one line a group leaves with when `rival_model` found `other` (naming ``run_id``)."""
+    if not other.model:
+        return FieldError(
+            f"{{run_id}}: worker group {other.world_rank} runs a diloco from before model fingerprints, which cannot "
+            "average with this one; run one diloco version in every group of a run, or give this one another run id"
+        )
+    theirs = ModelId(other.model, other.parameters or 0)
+    return FieldError(
+        f"{{run_id}}: worker group {other.world_rank} (peer {other.peer}) trains another model ({theirs}) than "
+        f"this group ({mine}); the groups of a run must train the same model: give this one the same model or "
+        "another run id"
+    )
+
+
+def run_key(run_id: str, model: ModelId | None) -> str:
+    """The stem of every DHT key that only groups of `model` share (matchmaking, progress); the status key stays
+    the run's, so onlookers and the check above see every group."""
+    return f"{run_id}-{model.fingerprint}" if model else run_id

@@ -1,0 +1,90 @@
+"""Model fingerprints: the same model (whatever its values) has one, any change of names, shapes or dtypes gives
+another; a group whose model differs from the run's leaves at its start with one line naming both sides."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from diloco.config import FieldError
+from diloco.membership import DiLoCo, solo_group
+from diloco.swarm.fingerprint import ModelId, mismatch_error, model_id, rival_model
+from diloco.swarm.memory import MemorySwarm
+from diloco.swarm.status import Status
+
+
+def net(width: int = 4, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, 2), torch.nn.Linear(2, 2)).to(dtype)
+
+
+def test_the_fingerprint_sees_names_shapes_and_dtypes_not_values() -> None:
+    base = model_id(net().named_parameters())
+    assert base == model_id(net(seed=7).named_parameters())  # other values, same model
+    assert base.parameters == 4 * 2 + 2 + 2 * 2 + 2 and re.fullmatch(r"[0-9a-f]{12}", base.fingerprint)
+    renamed = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(2, 2)})
+    assert model_id(renamed.named_parameters()).parameters == base.parameters  # same count, other names
+    others = [renamed, net(width=5), net(dtype=torch.float64)]
+    fingerprints = {base.fingerprint, *(model_id(m.named_parameters()).fingerprint for m in others)}
+    assert len(fingerprints) == 4
+    assert str(base) == f"16 parameters, fingerprint {base.fingerprint}"
+
+
+def status(world_rank: int, model: str, state: str = "training", heard_at: float = 100.0, **kw: Any) -> Status:
+    fields = dict(world_rank=world_rank, ranks=1, sharding="FULL_SHARD", state=state, step=0, max_steps=10,
+                  outer_step=0, tokens_per_s=None, digest="", round_peers=None, round_at=None, heard_at=heard_at,
+                  model=model, parameters=14, peer=f"peer-{world_rank}")  # fmt: skip
+    return Status(**fields | kw)
+
+
+def test_the_rival_is_a_live_group_of_another_model_that_was_there_first() -> None:
+    mine = status(1, "bbb", state="joining", heard_at=100.0)
+    live = lambda peer: peer != "peer-9"  # noqa: E731
+    assert rival_model(mine, [status(0, "aaa")], live).world_rank == 0
+    assert rival_model(mine, [status(0, "bbb")], live) is None  # the same model
+    older = status(0, "", peer="", parameters=None)  # a trainer from before fingerprints: other keys, no peer id
+    assert rival_model(mine, [older], live) is older
+    assert "runs a diloco from before model fingerprints" in str(mismatch_error(older, ModelId("bbb", 14)))
+    assert rival_model(mine, [status(0, "aaa", state="finished")], live) is None  # it left
+    assert rival_model(mine, [status(9, "aaa")], live) is None  # its peer does not answer: gone
+    # two joining at once: the older record stays, the newer leaves (a tie: the lower world rank stays)
+    assert rival_model(mine, [status(0, "aaa", state="joining", heard_at=101.0)], live) is None
+    assert rival_model(mine, [status(0, "aaa", state="joining", heard_at=99.0)], live).world_rank == 0
+    assert rival_model(mine, [status(0, "aaa", state="joining", heard_at=100.0)], live).world_rank == 0
+    assert rival_model(status(0, "aaa", state="joining"), [status(1, "bbb", state="joining")], live) is None
+
+
+def group(hub: MemorySwarm, world_rank: int, module: torch.nn.Module) -> DiLoCo:
+    shards = [p.data for p in module.parameters()]
+    model = model_id(module.named_parameters())
+    return DiLoCo(shards, hub.member(f"peer-{world_rank}"), solo_group(), world_rank=world_rank, local_steps=5,
+                  outer_lr=0.7, outer_momentum=0.0, final_step=30, model=model)  # fmt: skip
+
+
+def test_a_group_of_another_model_leaves_with_one_line_naming_both() -> None:
+    hub = MemorySwarm(2)
+    first = group(hub, 0, net())
+    first.claim_world_rank()
+    first.join(0)
+    group(hub, 2, net(seed=3)).claim_world_rank()  # the same model with other values is welcome
+    other = group(hub, 1, net(width=5))
+    with pytest.raises(FieldError) as refused:
+        other.claim_world_rank()
+    theirs, mine = model_id(net().named_parameters()), model_id(net(width=5).named_parameters())
+    assert str(refused.value.within("hv")) == (
+        f"hv.run_id: worker group 0 (peer peer-0) trains another model ({theirs}) than this group ({mine}); the "
+        "groups of a run must train the same model: give this one the same model or another run id"
+    )
+    assert hub.statuses[0].model == theirs.fingerprint and hub.statuses[0].peer == "peer-0"
+
+
+def test_records_of_trainers_before_fingerprints_still_read() -> None:
+    old = {name: value for name, value in status(0, "aaa").to_dict().items() if name not in ("model", "parameters",
+                                                                                             "peer")}  # fmt: skip
+    read = Status.from_dict(old)
+    assert read is not None and (read.model, read.parameters, read.peer) == ("", None, "")
+    assert Status.from_dict(status(0, "aaa").to_dict() | {"model": 7}) is None  # a wrong type is not a record
+    assert ModelId("abc", 3) == ModelId("abc", 3)
