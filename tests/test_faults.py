@@ -213,6 +213,9 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path
     other_model = ROOT / "tests" / "models" / "llama-1m-fresh"
     try:
         wait_for(lambda: "worker group 0 joined the swarm" in log.read_text(), 120, "the first group", [first], [log])
+        # its training process pauses (SIGSTOP) so the newcomers start up without it taking the CPU; its DHT peer,
+        # averager and p2pd, which they meet, go on answering
+        os.kill(first.pid, signal.SIGSTOP)
         refused = [
             subprocess.run(
                 [sys.executable, "-m", "diloco.train", *group_args(rank, 2, dht_peer, tmp_path / name), *extra],
@@ -220,6 +223,7 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path
             )
             for rank, name, extra in [(0, "second", []), (1, "other", ["--path-model", str(other_model)])]
         ]  # fmt: skip
+        os.kill(first.pid, signal.SIGCONT)
         assert first.poll() is None  # the running group is left alone
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=30) == 130
