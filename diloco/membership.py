@@ -252,7 +252,8 @@ class DiLoCo:
         """Collective, before the first inner step: load the swarm's state when another group is ahead, then serve
         this group's state to others."""
         self.step, row = step, None
-        self._publish_status("joining")
+        if self.status_at == -math.inf:  # `claim_world_rank` published it: its time must stay the claim's (see
+            self._publish_status("joining")  # `rival_model`: the older joining record of two stays)
         if load_from_peers:
             loaded = self._load_on_join()
             if loaded is not None:

@@ -88,3 +88,15 @@ def test_records_of_trainers_before_fingerprints_still_read() -> None:
     assert read is not None and (read.model, read.parameters, read.peer) == ("", None, "")
     assert Status.from_dict(status(0, "aaa").to_dict() | {"model": 7}) is None  # a wrong type is not a record
     assert ModelId("abc", 3) == ModelId("abc", 3)
+
+
+def test_the_claims_joining_record_is_not_republished_at_join() -> None:
+    """Of two groups joining at once the older joining record stays: a group that claimed keeps its claim's record
+    (and its time) through the join, or one claiming meanwhile would see it as the newer and stay too."""
+    hub = MemorySwarm(1)
+    first = group(hub, 0, net())
+    published: list[Status] = []
+    first.swarm.publish_status = lambda record: (published.append(record), hub.statuses.update({0: record}))
+    first.claim_world_rank()
+    first.join(0)
+    assert [r.state for r in published] == ["joining", "training"]

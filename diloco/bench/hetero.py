@@ -12,9 +12,10 @@ box pays). Together the quotas hold 1.4 of the machine's 2 cores, leaving room f
 `diloco dht` (unthrottled) and the bench itself. Only steps that began after the quota was set count in a
 tokens/s (the bench may notice a ready trainer a moment late). Three phases, one after another:
 
-- solo: each group alone on the machine, one after the other (`--quick`: all three at once), as a galaxy of its own (galaxy size 1: no DHT,
-  no averaging); tokens/s = its inner-step tokens ÷ inner-step time (the `tokens_per_s` rows after the
-  warm-up, combined as a harmonic mean: a step the kernel parked counts with its full time);
+- solo: each group alone on the machine, one after the other (`--quick`: all three at once), as a galaxy of its
+  own (galaxy size 1: no DHT, no averaging); tokens/s = its inner-step tokens ÷ inner-step time (the
+  `tokens_per_s` rows after the warm-up, combined as a harmonic mean: a step the kernel parked counts with its
+  full time);
 - fixed-H: galaxy size 3, `--hv.local-steps H`, `--max-steps S`: every group trains S inner steps;
 - target-tokens: `--hv.target-tokens H·3·(tokens per inner step)` and the same `--max-steps S` (the swarm
   trains 3·S steps' worth of tokens and ends at the same outer step count), so both arms sync about as often
@@ -241,10 +242,10 @@ def solo_figures(launch: Launch, setup: HeteroSetup, engaged_at: float) -> dict[
 def rounds_of(rows: list[dict[str, Any]]) -> list[int]:
     """Inner steps this group trained before each outer step (rows in the order they were written)."""
     counts, count = [], 0
-    for row in rows:
-        if "tokens_per_s" in row:
+    for r in rows:
+        if "tokens_per_s" in r:
             count += 1
-        elif "outer_step" in row:
+        elif "outer_step" in r:
             counts.append(count)
             count = 0
     return counts
@@ -299,10 +300,10 @@ def arm_figures(
     if window <= 0:
         raise BenchError(f"{arm}: no step began after every CPU quota was set")
     for g in groups:
-        first, *rest = g.pop("steps")
-        g["measured_tokens"] = sum(t >= measured_from for t, _ in [first, *rest]) * tokens_per_step
+        steps = g.pop("steps")
+        g["measured_tokens"] = sum(t >= measured_from for t, _ in steps) * tokens_per_step
         g["tokens_per_s"] = g["measured_tokens"] / window
-        steady = [seconds for t, seconds in rest if t >= measured_from] or [first[1]]
+        steady = [seconds for t, seconds in steps[1:] if t >= measured_from] or [steps[0][1]]
         g["step_tokens_per_s"] = len(steady) * tokens_per_step / sum(steady)
         g["eval_s"] = sum(after - before for before, after in g.pop("eval_spans") if start <= before and after <= end)
         g["evals"] = [(t - start, loss) for t, loss in g.pop("evals")]  # seconds since the arm's first step
@@ -514,8 +515,8 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(11, 4))
     for arm in result["arms"]:
         losses = arm["groups"][0]["losses"]
-        smooth = [sum(loss for _, loss in losses[max(0, i - 4) : i + 1]) / len(losses[max(0, i - 4) : i + 1])
-                  for i in range(len(losses))]  # fmt: skip
+        windows = [[loss for _, loss in losses[max(0, i - 4) : i + 1]] for i in range(len(losses))]
+        smooth = [sum(w) / len(w) for w in windows]
         curve.plot([t for t, _ in losses], smooth, label=f"{arm['name']} (final eval {arm['final_eval_loss']:.3f})")
     curve.set(xlabel="seconds since the arm's first inner step", ylabel="training loss, group 0", title="loss")
     curve.legend()
