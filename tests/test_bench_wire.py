@@ -119,7 +119,7 @@ def test_failed_arm_leaves_no_namespace_and_no_process(tmp_path: Path, monkeypat
     made: list[netns.Host] = []
     broken = Workload(tmp_path / "no-model", seq_length=32, per_device_batch=2, total_batch=2, steps=4, skip=0)
     (tmp_path / "no-model").mkdir()
-    monkeypatch.setattr(wire, "wire_setup", lambda quick: wire.WireSetup(broken, local_steps=2, timeout_s=120.0))
+    monkeypatch.setattr(wire, "wire_setup", lambda quick: wire.WireSetup(broken, local_steps=2, timeout_s=120.0, matchmaking_s=10.0))
     monkeypatch.setattr(wire.netns, "hosts", recording(made))
     work_dir = tmp_path / "work"
     work_dir.mkdir()

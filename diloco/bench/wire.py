@@ -52,15 +52,18 @@ class WireSetup:
     workload: Workload
     local_steps: int
     timeout_s: float  # per arm
+    # a full group ends matchmaking at once, so a long window costs nothing when both groups come; it only lets a
+    # group delayed by load (the quick bench runs inside the busy test suite) still meet the other one
+    matchmaking_s: float
 
 
 def wire_setup(quick: bool) -> WireSetup:
     """Quick: a 0.26M-parameter model, 12 inner steps, H = 4. Full: 1.3M parameters, 240 steps, H = 40."""
     if quick:
         tiny = Workload("llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=2, steps=12, skip=0)
-        return WireSetup(tiny, local_steps=4, timeout_s=150.0)
+        return WireSetup(tiny, local_steps=4, timeout_s=150.0, matchmaking_s=30.0)
     small = Workload("llama-1m-fresh", seq_length=64, per_device_batch=4, total_batch=4, steps=240, skip=0)
-    return WireSetup(small, local_steps=40, timeout_s=600.0)
+    return WireSetup(small, local_steps=40, timeout_s=600.0, matchmaking_s=10.0)
 
 
 def count_parameters(model: Path) -> int:
@@ -183,7 +186,8 @@ def diloco_command(setup: WireSetup, host: netns.Host, rank: int, compression: s
                    run_dir: Path) -> list[str]:  # fmt: skip
     """Worker group `rank` (one rank) of a galaxy of WORKERS, inside `host`'s namespace."""
     hv = ["--hv.galaxy-size", str(WORKERS), "--hv.world-rank", str(rank), "--hv.local-steps", str(setup.local_steps),
-          "--hv.compression", compression, "--hv.run-id", f"wire-{compression}", "--hv.matchmaking-time", "10",
+          "--hv.compression", compression, "--hv.run-id", f"wire-{compression}",
+          "--hv.matchmaking-time", f"{setup.matchmaking_s:g}",
           "--hv.averaging-timeout", "60", "--hv.host-maddrs", f"/ip4/{host.ip}/tcp/0",
           "--hv.initial-peers", *peers]  # fmt: skip
     train = [sys.executable, "-m", "diloco.train", *setup.workload.flags(), *hv, "--run-dir", str(run_dir)]
@@ -223,6 +227,8 @@ def run_diloco(
     rows = [outer_rows(d) for d in run_dirs]
     if not all(rows):
         raise BenchError(f"{name}: a worker logged no outer step that averaged")
+    if not all(any(r["num_peers"] == WORKERS for r in rs) for rs in rows):
+        raise BenchError(f"{name}: no outer round averaged both workers (matchmaking split every round), see {arm_dir}")
     trainer = [(sum(r["bytes_sent"] for r in rs), sum(r["bytes_received"] for r in rs)) for rs in rows]
     return {
         "name": name,
