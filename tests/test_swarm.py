@@ -28,6 +28,7 @@ from diloco.swarm import tcp
 from diloco.swarm.averager import ExactAverager, RoundReport, SwarmAverager
 from diloco.swarm.dht import serve_dht, start_dht, visible_maddrs
 from diloco.swarm.identity import ensure_identity, identity_peer_id
+from diloco.swarm.layout import flat_parts
 
 torch.set_num_threads(1)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -474,9 +475,11 @@ def test_groupmate_dying_mid_round_reports_failure(bootstrap, transport: str):
 
 
 def average_in_process(
-    bootstrap, inputs: list[list[torch.Tensor]], prefix: str, transport: str | list[str] = "tcp"
+    bootstrap, inputs: list[list[torch.Tensor]], prefix: str, transport: str | list[str] = "tcp",
+    averaging_timeout: float = 5.0,
 ) -> list[RoundReport]:
-    """One round of ``len(inputs)`` SwarmAveragers (one DHT each) in this process; ``inputs`` are averaged in place."""
+    """One round of ``len(inputs)`` SwarmAveragers (one DHT each) in this process; ``inputs`` are averaged in place.
+    A peer that fails retries until the round's deadline: a short ``averaging_timeout`` keeps such tests short."""
     dhts = [bootstrap] + [
         start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in inputs[1:]
     ]
@@ -486,7 +489,7 @@ def average_in_process(
     try:
         for dht, tensors, kind in zip(dhts, inputs, transports):
             averagers.append(SwarmAverager(
-                dht, prefix=prefix, tensors=tensors, matchmaking_time=2.0, averaging_timeout=5.0,
+                dht, prefix=prefix, tensors=tensors, matchmaking_time=2.0, averaging_timeout=averaging_timeout,
                 target_group_size=len(inputs), transport=kind,
             ))
 
@@ -512,7 +515,10 @@ def test_a_group_with_a_p2pd_peer_averages_over_libp2p(bootstrap):
     """tcp and p2pd peers in one group: all of them take the libp2p path, and end with the same exact mean."""
     inputs = [[peer_tensors(seed)[0][:400].clone()] for seed in range(2)]
     expected = (inputs[0][0] + inputs[1][0]) / 2
-    reports = average_in_process(bootstrap, inputs, prefix="mixed/rank0", transport=["tcp", "p2pd"])
+    # nobody fails here: a long timeout costs nothing, and hivemind drops a groupmate silent for a quarter of it
+    # (under the suite's load p2pd was seen to stall past 1.25 s, leaving one peer with 65% of the average)
+    reports = average_in_process(bootstrap, inputs, prefix="mixed/rank0", transport=["tcp", "p2pd"],
+                                 averaging_timeout=30.0)  # fmt: skip
     assert all(r.ok and r.num_peers == 2 and r.transport == "p2pd" for r in reports), reports
     assert all(torch.equal(tensors[0], expected) for tensors in inputs)
 
@@ -549,7 +555,7 @@ def test_inf_in_a_later_part_is_rejected_from_that_part_on(bootstrap, transport:
     values, later parts of that reducer's span do not, the rest of the vector is the mean of all three; no Inf."""
     numel = 1_200_000
     if transport == "tcp":  # parts of 2**18 values: spans [0], [1, 2], [3, 4]
-        part, spans = tcp.layout(numel, 3, tcp.RAW.part_numel)
+        part, spans = flat_parts(numel, 3, tcp.RAW.part_numel)
         first = spans[1][0] * part  # the first part of reducer 1's span
         assert len(spans[1]) == 2
     else:  # hivemind: 512 KiB parts (131072 float32 values), and reducer 0's span holds more than two of them

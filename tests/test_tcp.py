@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import socket
 import threading
@@ -12,7 +14,8 @@ import torch
 
 from diloco.screening import all_finite, screen
 from diloco.swarm import tcp
-from diloco.swarm.tcp import FP16, RAW, Listener, Round, RoundFailed, layout, listen_socket
+from diloco.swarm.layout import RankLayout, Schedule, Shape, flat_parts, group_layout, plan, plan_schedule
+from diloco.swarm.tcp import FP16, RAW, Listener, Round, RoundFailed, listen_socket
 
 torch.set_num_threads(1)
 
@@ -24,9 +27,10 @@ def run_group(
     timeout: float = 5.0,
     endpoints: list[tuple[list[str], int]] | None = None,
     members: list[int] | None = None,
+    schedules: list[Schedule] | None = None,
 ) -> tuple[list[torch.Tensor], list[str | None], list[Round], float]:
-    """One round of a group of ``len(vectors)`` peers (only ``members`` take part; the others are silent).
-    Returns (outputs, error of each member or None, rounds, seconds)."""
+    """One round of a group of ``len(vectors)`` peers (only ``members`` take part; the others are silent), with a
+    flat schedule unless ``schedules`` are given. Returns (outputs, error of each member or None, rounds, seconds)."""
     k = len(vectors)
     members = list(range(k)) if members is None else members
     listeners = [Listener(listen_socket("127.0.0.1", 0), timeout).start() for _ in range(k)]
@@ -35,8 +39,10 @@ def run_group(
     group_id = os.urandom(32)
     outs = [torch.full_like(v, float("nan")) for v in vectors]
     weights = weights or [1.0] * k
+    schedules = schedules or [None] * k
     rounds = [
-        Round(v, o, group_id=group_id, index=i, endpoints=endpoints, weight=weights[i], codec=codec, timeout=timeout)
+        Round(v, o, group_id=group_id, index=i, endpoints=endpoints, weight=weights[i], codec=codec, timeout=timeout,
+              schedule=schedules[i])  # fmt: skip
         for i, (v, o) in enumerate(zip(vectors, outs))
     ]
     errors: list[str | None] = [None] * k
@@ -103,10 +109,66 @@ def test_fp16_sends_half_the_bytes_and_all_peers_hold_the_same_rounding():
 
 
 def test_layout_gives_every_reducer_a_part_when_it_can():
-    assert layout(10, 4, 2**18) == (3, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)])
-    assert layout(2, 4, 2**18) == (1, [range(0, 0), range(0, 1), range(1, 1), range(1, 2)])
-    size, spans = layout(1_200_000, 3, 2**18)
+    assert flat_parts(10, 4, 2**18) == (3, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)])
+    assert flat_parts(2, 4, 2**18) == (1, [range(0, 0), range(0, 1), range(1, 1), range(1, 2)])
+    size, spans = flat_parts(1_200_000, 3, 2**18)
     assert size == 2**18 and [len(s) for s in spans] == [1, 2, 2] and spans[-1][-1] * size < 1_200_000
+
+
+MODEL_SHAPES = [(300, 40), (40,), (123, 40), (7,), (5, 3, 2)]
+MODEL_NUMEL = sum(math.prod(shape) for shape in MODEL_SHAPES)
+
+
+def canonical(outs: list[torch.Tensor], layout: list[RankLayout]) -> torch.Tensor:
+    """A group's ranks' exchanged values put back in canonical order (NaN where none of them exchanges)."""
+    vector = torch.full((MODEL_NUMEL,), float("nan"))
+    for out, rank in zip(outs, layout):
+        for p in rank.exchanged:
+            vector[p.start : p.stop] = out[p.local : p.local + p.numel]
+    return vector
+
+
+@pytest.mark.parametrize("codec", [RAW, FP16], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "mix",
+    [[Shape("FULL_SHARD", 1), Shape("FULL_SHARD", 2)], [Shape("NO_SHARD", 2), Shape("FULL_SHARD", 2)],
+     [Shape("FULL_SHARD", 3), Shape("DDP", 1), Shape("HYBRID_SHARD", 4, nodes=2)]],
+    ids=["1+2", "noshard2+fsdp2", "3+1+hybrid4"],
+)  # fmt: skip
+def test_groups_of_different_shapes_average_bit_identically(mix: list[Shape], codec: tcp.Codec):
+    codec = dataclasses.replace(codec, part_numel=1000)  # many parts, cut across the shards
+    layouts = [group_layout(MODEL_SHAPES, shape) for shape in mix]
+    round_plan = plan(layouts, MODEL_NUMEL)
+    participants = [(g, r) for g, layout in enumerate(layouts) for r in range(len(layout))]
+    models = [randn(MODEL_NUMEL, seed) for seed in range(len(mix))]
+    vectors = [torch.cat([models[g][p.start : p.stop] for p in layouts[g][r].held]) for g, r in participants]
+    group_weights = [1.0 + g for g in range(len(mix))]
+    schedules = [plan_schedule(round_plan, layouts, p, codec.part_numel) for p in participants]
+    weights = [group_weights[g] for g, _ in participants]
+    outs, errors, rounds, _ = run_group(vectors, codec, weights, schedules=schedules)
+    assert errors == [None] * len(participants)
+    results = [canonical([outs[i] for i, (h, _) in enumerate(participants) if h == g], layout)
+               for g, layout in enumerate(layouts)]  # fmt: skip
+    assert not results[0].isnan().any()
+    assert all(torch.equal(results[0], result) for result in results)  # bit-identical in every group
+    expected = sum(w * m.double() for w, m in zip(group_weights, models)) / sum(group_weights)
+    tolerance = 1e-6 if codec.raw else 2e-3
+    assert float((results[0].double() - expected).abs().max()) <= tolerance
+    # a rank sends at most its own shard plus the averages of what it reduces, each once per other contributor
+    for (g, r), round_ in zip(participants, rounds):
+        reduced = sum(s.numel for s in round_plan.reduced_by((g, r)))
+        bound = 4 * (layouts[g][r].exchanged_numel + reduced * (len(mix) - 1)) + 64 * len(round_plan.spans) + 4096
+        assert round_.bytes_sent <= bound, (g, r, round_.bytes_sent, bound)
+
+
+def test_peers_with_different_schedules_refuse_each_other():
+    layouts = [group_layout(MODEL_SHAPES, Shape("FULL_SHARD", 1)) for _ in range(2)]
+    plan_of_two = plan(layouts, MODEL_NUMEL)
+    # the same plan in parts of 1000 values against a flat schedule in parts of 2**18: the bytes would not line up
+    schedules = [plan_schedule(plan_of_two, layouts, (0, 0), 1000), None]
+    vectors = [randn(MODEL_NUMEL, 0), randn(MODEL_NUMEL, 1)]
+    _, errors, _, _ = run_group(vectors, RAW, timeout=1.0, schedules=schedules)
+    assert all(error is not None for error in errors), errors
 
 
 def test_screen_rejects_non_finite_huge_and_badly_weighted_contributions():
@@ -151,7 +213,7 @@ def test_a_sender_that_dies_mid_stream_is_left_out():
         listener.register(round_)
     # peer 2 "dies": only its connection to reducer 0 exists, and it stops after the first part
     doomed = rounds[2]._connect(0)
-    lo, hi = rounds[2]._bounds(rounds[2].spans[0][0])
+    lo, hi = rounds[2]._bounds(rounds[2].schedule.parts[0][0])
     rounds[2]._send(doomed, RAW.encode(vectors[2][lo:hi]))
     errors: list[str | None] = [None, None]
 
@@ -189,7 +251,7 @@ def test_strangers_and_wrong_hosts_are_refused_and_the_round_goes_on():
     for listener, round_ in zip(listeners, rounds):
         listener.register(round_)
     stranger = socket.create_connection(("127.0.0.1", ports[1]))
-    fields = tcp.HELLO.pack(tcp.MAGIC, rounds[1].tag, 0, 1, 2, 50_000, rounds[1].size, b"none", 1.0)
+    fields = tcp.HELLO.pack(tcp.MAGIC, rounds[1].tag, 0, 1, 2, rounds[1].digest, b"none", 1.0)
     stranger.sendall(fields + b"\0" * tcp.MAC_SIZE)
     stranger.settimeout(5)
     assert stranger.recv(1) == b""  # dropped without an answer

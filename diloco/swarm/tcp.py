@@ -5,10 +5,13 @@ hivemind forms the group (DHT, matchmaking: who is in it, their order, a random 
 the tensor bytes. hivemind's own path (libp2p streams through the p2pd daemon, protobuf, asyncio) is CPU-bound at
 34-137 MB/s per peer on the 2-core development box; docs/allreduce.md has the profile and the comparison.
 
-The vector is cut into parts of at most ``Codec.part_numel`` values; the j-th peer of the group (reducer j) owns a
-contiguous run of parts, its span. Every peer sends each part of reducer j's span to reducer j, which screens the
-contributions (``diloco.screening``), averages them, encodes the average once and sends the same bytes back to
-every sender: all peers that complete a round hold the very same values, whatever the compression.
+The vector is cut into parts of at most ``Codec.part_numel`` values; the j-th peer of the group (reducer j) owns
+some of them, its span (``diloco.swarm.layout.Schedule``). Every peer that holds a part of reducer j's span sends it
+to reducer j, which screens the contributions (``diloco.screening``), averages them, encodes the average once and
+sends the same bytes back to every sender: all peers that complete a round hold the very same values, whatever the
+compression. When every peer holds the whole vector (``flat_schedule``) every peer sends every part and reducer j's
+span is a contiguous run; peers of groups of different shapes each hold a shard (``plan_schedule``), and a part
+comes from the one rank of each group that exchanges it.
 
 Wire protocol, one TCP connection per (sender, reducer) pair, opened by the sender:
 
@@ -35,13 +38,14 @@ from typing import Callable
 import torch
 
 from diloco.screening import MAX_NORM_RATIO, part_norm, screen
+from diloco.swarm.layout import Part, Schedule, flat_schedule
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DLB1"
-# magic, tag (first 16 bytes of sha256(group id)), sender index, reducer index, group size, values in the vector,
-# values per part, codec name, sender's weight
-HELLO = struct.Struct("!4s16sHHHQQ8sd")
+# magic, tag (first 16 bytes of sha256(group id)), sender index, reducer index, group size, the first 16 bytes of the
+# schedule's digest, codec name, sender's weight
+HELLO = struct.Struct("!4s16sHHH16s8sd")
 MAC_SIZE = 32
 LENGTH = struct.Struct("!Q")
 WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of its slowest reply: bounds memory
@@ -91,14 +95,6 @@ FP16 = Codec(
 )  # fmt: skip
 
 
-def layout(numel: int, group_size: int, part_numel: int) -> tuple[int, list[range]]:
-    """(values per part, part indices of each reducer). Parts hold at most ``part_numel`` values, fewer when that
-    gives every reducer a part; reducer j owns parts ``[j*C//k, (j+1)*C//k)`` of the C parts."""
-    size = max(1, min(part_numel, -(-numel // group_size)))
-    count = -(-numel // size)
-    return size, [range(j * count // group_size, (j + 1) * count // group_size) for j in range(group_size)]
-
-
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     while view:
         received = sock.recv_into(view)
@@ -131,13 +127,16 @@ class Round:
     """One all-reduce of ``vector`` into ``out`` with the group; ``run()`` blocks until it is over.
 
     :param vector: this peer's flat float32 contribution (read only).
-    :param out: flat float32 tensor of the same size that receives the average (garbage if the round fails).
+    :param out: flat float32 tensor of the same size that receives the average (garbage if the round fails) where
+        this peer takes part in a part (with a flat schedule, everywhere).
     :param group_id: the group's secret id from matchmaking (HMAC key).
     :param index: this peer's position in the group order, which every peer sees alike.
     :param endpoints: per peer of the group, ([hosts], port) where its ``Listener`` accepts connections.
     :param weight: this peer's weight in the average; 0 takes the others' average and adds nothing.
     :param timeout: seconds any single step may take: connecting, a groupmate's next part, a reply. A sender
         silent that long is dropped from the average (the others go on); a silent reducer fails the round.
+    :param schedule: who reduces and sends which parts, as this peer sees it; None: every peer holds the whole
+        vector (``flat_schedule``).
     """
 
     def __init__(
@@ -152,18 +151,30 @@ class Round:
         codec: Codec,
         timeout: float,
         max_norm_ratio: float = MAX_NORM_RATIO,
+        schedule: Schedule | None = None,
     ):
         self.vector, self.out, self.group_id, self.index = vector, out, group_id, index
         self.endpoints, self.codec, self.timeout, self.max_norm_ratio = endpoints, codec, timeout, max_norm_ratio
         self.k = len(endpoints)
-        self.size, self.spans = layout(vector.numel(), self.k, codec.part_numel)
+        self.schedule = schedule or flat_schedule(vector.numel(), self.k, codec.part_numel, index)
+        if self.schedule.me != index or len(self.schedule.parts) != self.k:
+            raise ValueError(f"the schedule is not peer {index}'s of a group of {self.k}")
+        if any(index not in part.senders for part in self.schedule.parts[index]):
+            raise ValueError("a reducer must contribute to each of its parts")
+        self.digest = self.schedule.digest[:16]
         self.tag = hashlib.sha256(group_id).digest()[:16]
         self.bytes_sent = self.bytes_received = 0
         self.rejected = 0  # senders (this peer included) whose contribution this peer, as reducer, left out
         self._cv = threading.Condition()
-        span = self.spans[index]
+        span = self.schedule.parts[index]
         self._parts: list[dict[int, torch.Tensor] | None] = [{} for _ in span]  # sender -> its part
         self._norms: list[dict[int, float]] = [{} for _ in span]
+        # per sender, the parts of our span it sends (in order), and each part's place in that list
+        self._sent_by = {s: [q for q, part in enumerate(span) if s in part.senders] for s in range(self.k)}
+        self._place: list[dict[int, int]] = [{} for _ in span]
+        for sender, places in self._sent_by.items():
+            for i, q in enumerate(places):
+                self._place[q][sender] = i
         self._delivered = [0] * self.k  # parts of our span each sender delivered
         self._replied = [0] * self.k  # averages of our span sent back to each sender
         self._weights: dict[int, float] = {index: weight}
@@ -182,9 +193,11 @@ class Round:
     def run(self) -> None:
         """Average with the group; raises ``RoundFailed`` unless ``out`` holds the whole average. Returns only once
         this peer's replies to its groupmates are sent (or they were dropped), so leaving right after is safe."""
-        self._complete.update(j for j, span in enumerate(self.spans) if not span)  # a vector shorter than the group
+        # reducers we send nothing to (a vector shorter than the group, or parts held by our groupmates)
+        self._complete.update(j for j in range(self.k) if j != self.index and not self.schedule.sent_to(j))
         workers = [self._thread(self._reduce)]
-        workers += [self._thread(self._exchange, j) for j in range(self.k) if j != self.index and self.spans[j]]
+        reducers = [j for j in range(self.k) if j != self.index and j not in self._complete]
+        workers += [self._thread(self._exchange, j) for j in reducers]
         for worker in workers:
             worker.join()
         while True:  # readers and writers of attached senders, which may still be appended
@@ -223,10 +236,12 @@ class Round:
         fields, mac = hello[: HELLO.size], hello[HELLO.size :]
         if not hmac.compare_digest(mac, _mac(self.group_id, fields)):
             raise ConnectionError("hello with a wrong MAC")
-        _, _, sender, reducer, k, numel, size, codec, weight = HELLO.unpack(fields)
-        expected = (self.index, self.k, self.vector.numel(), self.size, self.codec.name.encode())
-        if (reducer, k, numel, size, codec.rstrip(b"\0")) != expected or not 0 <= sender < k or sender == self.index:
-            raise ConnectionError(f"hello {(sender, reducer, k, numel, size, codec)} does not match this round")
+        _, _, sender, reducer, k, digest, codec, weight = HELLO.unpack(fields)
+        expected = (self.index, self.k, self.digest, self.codec.name.encode())
+        if (reducer, k, digest, codec.rstrip(b"\0")) != expected or not 0 <= sender < k or sender == self.index:
+            raise ConnectionError(f"hello {(sender, reducer, k, digest.hex(), codec)} does not match this round")
+        if not self._sent_by[sender]:
+            raise ConnectionError(f"sender {sender} holds no part of our span")
         with self._cv:
             if self._aborted or sender in self._attached or sender in self._banned:
                 raise ConnectionError(f"sender {sender} is not expected (any more)")
@@ -245,7 +260,7 @@ class Round:
     def _reduce(self) -> None:
         """Average each part of our span once every sender delivered it (or was dropped); publish the encoding."""
         try:
-            for q, part in enumerate(self.spans[self.index]):
+            for q, part in enumerate(self.schedule.parts[self.index]):
                 lo, hi = self._bounds(part)
                 own = self.vector[lo:hi]
                 self._deposit(self.index, q, own, part_norm(own))
@@ -262,7 +277,7 @@ class Round:
                     self._reduced = q + 1
                     self._cv.notify_all()
                     # bound the averages kept for slow readers; a writer that fails bans its sender, ending the wait
-                    self._cv.wait_for(lambda: self._aborted or q + 1 - self._slowest_reply() < WINDOW)
+                    self._cv.wait_for(lambda: self._aborted or self._release() < WINDOW)
             with self._cv:
                 self._complete.add(self.index)
         except Exception as e:  # a bug or an allocation failure: the round cannot complete anywhere
@@ -272,15 +287,16 @@ class Round:
     def _wait_for_part(self, q: int) -> dict[int, tuple[torch.Tensor, float]] | None:
         """Contributions to part q that pass screening, by sender; None if the round was aborted."""
         with self._cv:
+            place = self._place[q]
             ready = self._cv.wait_for(
-                lambda: self._aborted or all(self._delivered[s] > q or s in self._banned for s in range(self.k)),
+                lambda: self._aborted or all(self._delivered[s] > i or s in self._banned for s, i in place.items()),
                 timeout=self.timeout,
             )
             if self._aborted:
                 return None
             if not ready:
-                for sender in range(self.k):
-                    if self._delivered[sender] <= q and sender not in self._banned:
+                for sender, i in place.items():
+                    if self._delivered[sender] <= i and sender not in self._banned:
                         self._ban(sender, f"no part {q} of our span within {self.timeout:.3g} s")
             live = [s for s in sorted(self._parts[q]) if s not in self._banned]
             parts = {s: self._parts[q][s] for s in live}
@@ -299,8 +315,7 @@ class Round:
     def _average(self, q: int, contributions: dict[int, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, object]:
         """Weighted mean in sender order (0/0 = NaN when nothing is left, which fails the round at every peer)."""
         if not contributions:
-            lo, hi = self._bounds(self.spans[self.index][q])
-            average = torch.full((hi - lo,), float("nan"))
+            average = torch.full((self.schedule.parts[self.index][q].numel,), float("nan"))
             return average, self.codec.encode(average)
         (first, (average, weight)), *others = contributions.items()
         # a groupmate's decoded part is a buffer of this round alone: accumulate into it (our own is the input)
@@ -320,22 +335,22 @@ class Round:
             if sender not in self._banned and self._parts[q] is not None:
                 self._parts[q][sender] = part
                 self._norms[q][sender] = norm
-            self._delivered[sender] = q + 1
+            self._delivered[sender] = self._place[q][sender] + 1
             self._cv.notify_all()
 
     def _read_parts(self, sock: socket.socket, sender: int) -> None:
-        span = self.spans[self.index]
+        span = self.schedule.parts[self.index]
         try:
-            for q, part in enumerate(span):
+            for q in self._sent_by[sender]:
+                part = span[q]
                 with self._cv:
                     self._cv.wait_for(lambda: self._aborted or sender in self._banned or q - self._reduced < WINDOW)
                     if self._aborted or sender in self._banned:
                         return
-                lo, hi = self._bounds(part)
-                data = self._receive(sock, self.codec.max_bytes(hi - lo))
-                values = self.codec.decode(data, hi - lo)
-                if values.numel() != hi - lo:
-                    raise ValueError(f"part {q} decodes to {values.numel()} values, {hi - lo} expected")
+                data = self._receive(sock, self.codec.max_bytes(part.numel))
+                values = self.codec.decode(data, part.numel)
+                if values.numel() != part.numel:
+                    raise ValueError(f"part {q} decodes to {values.numel()} values, {part.numel} expected")
                 norm = self._local(part_norm, values)
                 self._deposit(sender, q, values, norm)
         except _LocalFailure:
@@ -347,7 +362,7 @@ class Round:
 
     def _write_averages(self, sock: socket.socket, sender: int) -> None:
         try:
-            for q in range(len(self.spans[self.index])):
+            for i, q in enumerate(self._sent_by[sender]):
                 with self._cv:
                     self._cv.wait_for(lambda: self._aborted or sender in self._banned or q in self._results)
                     if self._aborted or sender in self._banned:
@@ -355,9 +370,8 @@ class Round:
                     encoded = self._results[q][1]
                 self._send(sock, encoded)
                 with self._cv:
-                    self._replied[sender] = q + 1
-                    for old in [index for index in self._results if index < self._slowest_reply()]:
-                        del self._results[old]
+                    self._replied[sender] = i + 1
+                    self._release()
                     self._cv.notify_all()
         except OSError as e:
             with self._cv:
@@ -366,9 +380,13 @@ class Round:
         finally:
             _close(sock)  # a banned sender sees its averages end short: its round fails
 
-    def _slowest_reply(self) -> int:
-        live = [s for s in range(self.k) if s != self.index and s not in self._banned]
-        return min((self._replied[s] for s in live), default=self._reduced)
+    def _release(self) -> int:
+        """Forget the averages every live sender of theirs has been sent (call with the lock held); returns how many
+        are still kept."""
+        for q in list(self._results):
+            if all(s == self.index or s in self._banned or self._replied[s] > i for s, i in self._place[q].items()):
+                del self._results[q]
+        return len(self._results)
 
     def _ban(self, sender: int, reason: str, quiet: bool = False) -> None:
         """Leave ``sender`` out of every part not averaged yet (call with the lock held)."""
@@ -386,7 +404,7 @@ class Round:
         try:
             sock = self._connect(reducer)
             receiver = self._thread(self._read_averages, sock, reducer)
-            for part in self.spans[reducer]:
+            for part in self.schedule.sent_to(reducer):
                 lo, hi = self._bounds(part)
                 self._send(sock, self.codec.encode(self.vector[lo:hi]))
             receiver.join()
@@ -398,7 +416,7 @@ class Round:
 
     def _read_averages(self, sock: socket.socket, reducer: int) -> None:
         try:
-            for part in self.spans[reducer]:
+            for part in self.schedule.sent_to(reducer):
                 lo, hi = self._bounds(part)
                 if self.codec.raw:  # straight into the output: no copy
                     self._receive_into(sock, _bytes_of(self.out[lo:hi]))
@@ -434,7 +452,7 @@ class Round:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         codec = self.codec.name.encode()
         weight = self._weights[self.index]
-        fields = HELLO.pack(MAGIC, self.tag, self.index, reducer, self.k, self.vector.numel(), self.size, codec, weight)
+        fields = HELLO.pack(MAGIC, self.tag, self.index, reducer, self.k, self.digest, codec, weight)
         hello = fields + _mac(self.group_id, fields)
         try:
             sock.sendall(hello)
@@ -452,8 +470,11 @@ class Round:
 
     # ------------------------------------------------------------------------------------------------- helpers
 
-    def _bounds(self, part: int) -> tuple[int, int]:
-        return part * self.size, min((part + 1) * self.size, self.vector.numel())
+    @staticmethod
+    def _bounds(part: Part) -> tuple[int, int]:
+        """Where `part` sits in this peer's vector (and output)."""
+        assert part.local is not None, "a part this peer does not take part in"
+        return part.local, part.local + part.numel
 
     def _send(self, sock: socket.socket, data) -> None:
         length = memoryview(data).nbytes
