@@ -45,6 +45,17 @@ def family(pid: int) -> list[psutil.Process]:
         return []
 
 
+def tree_pss_mb(pids: int | Iterable[int]) -> float:
+    """Summed proportional set size of processes and all their descendants, in MiB (0 once they are gone): a page
+    shared by n processes counts 1/n in each, so the sum is the memory they hold together."""
+    total = 0
+    for pid in [pids] if isinstance(pids, int) else pids:
+        for proc in family(pid):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                total += proc.memory_full_info().pss
+    return total / 2**20
+
+
 def tree_rss_mb(pids: int | Iterable[int]) -> float:
     """Summed resident set size of processes and all their descendants, in MiB (0 once they are gone). Shared
     memory counts in every process that maps it."""

@@ -95,6 +95,8 @@ def check_swarm(row: dict, peers: int, rounds: int) -> None:
         if transport == "p2pd":
             assert cpu["p2pd"] > 0, cpu  # the bytes go through the daemons
         assert sw["tree_peak_rss_mb"] > 0
+        # the case holds at least the peers' tensors more than before it (at 1 MB, mostly the averager processes)
+        assert sw["held_per_payload"] > 1, sw["held_per_payload"]
 
 
 def check_gloo(gloo: dict, nbytes: int) -> None:

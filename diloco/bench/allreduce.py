@@ -213,17 +213,21 @@ class RssSampler:
     """Samples the summed RSS of ``children`` and their descendants (``procs.tree_rss_mb``: shared memory counts in
     every process that maps it, so a swarm peer's tensor buffer appears in its caller and in its averager) every
     SAMPLE_S seconds in a thread, from its start (a quick case can end within one period); ``stop()`` returns the
-    peak in MiB."""
+    peak in MiB. With ``pss``, it also keeps the peak of their summed PSS (shared pages counted once), ``peak_pss_mb``.
+    """
 
-    def __init__(self, children: list[Child]):
-        self.children, self.peak_mb = children, 0.0
+    def __init__(self, children: list[Child], pss: bool = False):
+        self.children, self.pss, self.peak_mb, self.peak_pss_mb = children, pss, 0.0, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            self.peak_mb = max(self.peak_mb, procs.tree_rss_mb([child.proc.pid for child in self.children]))
+            pids = [child.proc.pid for child in self.children]
+            self.peak_mb = max(self.peak_mb, procs.tree_rss_mb(pids))
+            if self.pss:
+                self.peak_pss_mb = max(self.peak_pss_mb, procs.tree_pss_mb(pids))
             if self._stop.wait(SAMPLE_S):
                 return
 
@@ -333,9 +337,12 @@ def swarm_arm(sizes: tuple[int, ...], arms: list[str], k: int, rounds: int, at: 
         worker.run("peer", i, k, at.initial_peers, at.ip(i), cases, f"bench-{os.getpid()}-{at.where}-{k}")
     rows = []
     for size, transport in cases:
-        sampler = RssSampler(workers)
+        sampler = RssSampler(workers, pss=True)
         row = swarm_case(workers, size, transport, rounds, at.hosts)
-        rows.append(row | {"tree_peak_rss_mb": sampler.stop()})
+        rss = sampler.stop()
+        # what a peer holds for the case (its tensor, the averager's copies, buffers of the round) ÷ the payload
+        held = (sampler.peak_pss_mb - row.pop("pss_before_mb")) * 2**20 / k / payload_bytes(size)
+        rows.append(row | {"tree_peak_rss_mb": rss, "tree_peak_pss_mb": sampler.peak_pss_mb, "held_per_payload": held})
     for worker in workers:
         worker.expect("IDLE", timeout=START_TIMEOUT_S)
     return rows
@@ -350,8 +357,7 @@ def swarm_case(children: list[Child], size: int, transport: str, rounds: int, ho
     k = len(children)
     done: list[dict[str, Any]] = []
     failed: list[list[dict]] = []
-    for child in children:
-        child.expect("READY", timeout=START_TIMEOUT_S)
+    before = sum(child.expect("READY", timeout=START_TIMEOUT_S)["pss_before_mb"] for child in children)
     while len(done) < rounds:
         attempt = swarm_round(children, hosts)
         reports = attempt["reports"]
@@ -371,7 +377,7 @@ def swarm_case(children: list[Child], size: int, transport: str, rounds: int, ho
                              f"{json.dumps(failed)}")  # fmt: skip
     for child in children:  # only now: a peer that leaves a round early cuts its replies still on the way
         child.send("next")
-    return summarize_swarm(size, k, transport, done) | {"failed_rounds": failed}
+    return summarize_swarm(size, k, transport, done) | {"failed_rounds": failed, "pss_before_mb": before}
 
 
 def swarm_round(children: list[Child], hosts: list[netns.Host] | None) -> dict[str, Any]:

@@ -99,12 +99,14 @@ def loopback_table(rows: list[dict[str, Any]]) -> list[str]:
 def cpu_table(rows: list[dict[str, Any]], arms: list[str]) -> list[str]:
     """Where a round's time goes: CPU seconds of each process kind, all peers summed, median round."""
     lines = [
-        "CPU seconds per averaging round on loopback, all peers summed (median round), and peak RSS of all peer "
-        "processes (shared tensor buffers counted twice):",
+        "CPU seconds per averaging round on loopback, all peers summed (median round), peak RSS of all peer "
+        "processes (shared tensor buffers counted twice), and what a peer holds ÷ its payload: the peak PSS of all "
+        "peer processes during the case (shared pages counted once) minus theirs before it, per peer, ÷ the tensor's "
+        "bytes (the tensor itself is 1 of it; the rest is the averager's copies and the round's buffers):",
         "",
         "| parameters | peers | transport | round s | averager CPU s | p2pd CPU s | DHT CPU s | caller CPU s | "
-        "peak RSS MB |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "peak RSS MB | held ÷ payload |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         for transport in arms:
@@ -113,7 +115,7 @@ def cpu_table(rows: list[dict[str, Any]], arms: list[str]) -> list[str]:
             lines.append(
                 f"| {row['size'] / 1e6:g}M | {row['peers']} | {ARMS[transport]} | {sw['median_s']:.2f} | "
                 f"{cpu['averager']:.2f} | {cpu['p2pd']:.2f} | {cpu['dht']:.2f} | {cpu['caller']:.2f} | "
-                f"{sw['tree_peak_rss_mb']:.0f} |"
+                f"{sw['tree_peak_rss_mb']:.0f} | {sw['held_per_payload']:.1f} |"
             )
     return lines
 

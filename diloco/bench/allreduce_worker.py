@@ -164,6 +164,9 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
     dht = start_dht(initial_peers=initial_peers, host_maddrs=[f"/ip4/{ip}/tcp/0"], announce_maddrs=[])
     try:
         for size, transport in cases:
+            # the memory of this peer's processes before the case (the last case's averager is gone): the baseline
+            # of what the case holds
+            pss_before_mb = procs.tree_pss_mb(os.getpid())
             tensor = torch.randn(size, generator=torch.Generator().manual_seed(index))
             # a group with any p2pd member averages over libp2p: each transport gets a key of its own
             with SwarmAverager(
@@ -171,7 +174,7 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
                 matchmaking_time=MATCHMAKING_S, averaging_timeout=AVERAGING_TIMEOUT_S, target_group_size=k,
                 transport=transport,
             ) as averager:  # fmt: skip
-                emit("READY", {"size": size, "transport": transport})
+                emit("READY", {"size": size, "transport": transport, "pss_before_mb": pss_before_mb})
                 average_rounds(averager, tensor)
     finally:
         dht.shutdown()
