@@ -14,10 +14,10 @@ from tests.conftest import CORPUS, ROOT, assert_ok, run_cmd
 DILOCO = Path(sys.executable).parent / "diloco"
 
 
-def bench(name: str, tmp_path: Path, *flags: str) -> tuple[dict, str]:
+def bench(name: str, tmp_path: Path, *flags: str, timeout: float = 300) -> tuple[dict, str]:
     doc = tmp_path / "benchmarks.md"
     command = [str(DILOCO), "bench", name, "--quick", *flags, "--out", str(tmp_path), "--doc", str(doc)]
-    result = run_cmd(command, timeout=300)
+    result = run_cmd(command, timeout=timeout)
     assert_ok(result)
     return json.loads((tmp_path / f"{name}-quick.json").read_text()), doc.read_text()
 
