@@ -1,0 +1,137 @@
+"""One averaging round of worker groups of any shape, once matchmaking has told every rank who is in it.
+
+Matchmaking happens once per group (its rank 0); what it learns, ``RoundInfo``, reaches the group's other ranks over
+the group's own process group. Then every rank of every group runs its part of one TCP round (``diloco.swarm.tcp``)
+over the round's plan (``diloco.swarm.layout``): it sends the canonical runs it exchanges to their reducers, reduces
+its own spans, and receives the averages of what it sent. Replicas of a shard (NO_SHARD, DDP, ZERO1, the nodes of
+HYBRID_SHARD) exchanged a slice each; they pass each other those slices over the group's process group, so every
+rank ends with the average of everything it holds. No rank ever holds more than its shard plus the spans it reduces.
+
+The result is bit-identical in every group: each span's average is computed once, by its reducer, and the same
+encoded bytes go to every group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from diloco.swarm import tcp
+from diloco.swarm.layout import RankLayout, Shape, group_layout, plan, plan_schedule, replica_slice
+
+log = logging.getLogger("diloco")
+
+Endpoint = tuple[tuple[str, ...], int]  # the hosts a rank's TCP listener may be reached at, and its port
+
+
+@dataclass(frozen=True)
+class Member:
+    """A worker group in a round, as it announced itself in matchmaking: its shape, each rank's TCP endpoint (in
+    rank order) and its weight in the average."""
+
+    shape: Shape
+    endpoints: tuple[Endpoint, ...]
+    weight: float
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """What matchmaking tells a group: the round's secret id, its groups in the order every group sees, and which
+    of them this group is."""
+
+    group_id: bytes
+    members: tuple[Member, ...]
+    me: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How this rank's part of the round went: ok (its whole shard holds the average), and its bytes."""
+
+    ok: bool
+    bytes_sent: int
+    bytes_received: int
+    rejected: int
+    error: str = ""
+
+
+def replica_ranks(shape: Shape) -> list[list[int]]:
+    """The ranks of a group that hold the same shard, one list per shard index (rank order = replica order)."""
+    shards, replicas = shape.grid()
+    return [[s + i * shards for i in range(replicas)] for s in range(shards)]
+
+
+class Replicas:
+    """Passes the slices replicas exchanged among them, over process groups made once for the group's shape (every
+    rank of the group must build it, in the same order, as with any ``torch.distributed`` group)."""
+
+    def __init__(self, shape: Shape, rank: int):
+        self.shape, self.rank = shape, rank
+        self._group = None
+        self._members: list[int] = [rank]
+        for ranks in replica_ranks(shape):
+            if len(ranks) > 1:
+                made = dist.new_group(ranks)  # collective over the whole group, even for ranks not in `ranks`
+                if rank in ranks:
+                    self._group, self._members = made, ranks
+
+    def fill(self, buffer: torch.Tensor) -> None:
+        """Complete `buffer` (this rank's local values) with the slices its replicas averaged."""
+        if self._group is None:
+            return
+        count = len(self._members)
+        slices = [replica_slice(buffer.numel(), i, count) for i in range(count)]
+        width = max(end - begin for begin, end in slices)
+        mine = slices[self._members.index(self.rank)]
+        sent = torch.zeros(width, dtype=buffer.dtype)
+        sent[: mine[1] - mine[0]] = buffer[mine[0] : mine[1]]
+        gathered = [torch.empty(width, dtype=buffer.dtype) for _ in range(count)]
+        dist.all_gather(gathered, sent, group=self._group)
+        for (begin, end), values in zip(slices, gathered):
+            buffer[begin:end] = values[: end - begin]
+
+
+def layouts_of(info: RoundInfo, model_shapes: Sequence[Sequence[int]]) -> list[list[RankLayout]]:
+    return [group_layout(model_shapes, member.shape) for member in info.members]
+
+
+def run_round(
+    info: RoundInfo,
+    rank: int,
+    model_shapes: Sequence[Sequence[int]],
+    vector: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    listener: tcp.Listener,
+    codec: tcp.Codec,
+    timeout: float,
+    on_round: Callable[[tcp.Round], None] = lambda round_: None,
+) -> Outcome:
+    """This rank's part of the round: `vector` is its local buffer (its shard of every parameter, concatenated in
+    the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``).
+    Never raises on network failures; `on_round` sees the round before it starts (tests use it)."""
+    layouts = layouts_of(info, model_shapes)
+    total = sum(int(torch.Size(shape).numel()) for shape in model_shapes)
+    if layouts[info.me][rank].local_numel != vector.numel():
+        raise ValueError(f"rank {rank} holds {vector.numel()} values, its layout {layouts[info.me][rank].local_numel}")
+    schedule = plan_schedule(plan(layouts, total), layouts, (info.me, rank), codec.part_numel)
+    endpoints = [(list(hosts), port) for member in info.members for hosts, port in member.endpoints]
+    round_ = tcp.Round(
+        vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints,
+        weight=info.members[info.me].weight, codec=codec, timeout=timeout, schedule=schedule,
+    )  # fmt: skip
+    on_round(round_)
+    listener.register(round_)
+    try:
+        round_.run()
+        error = ""
+    except tcp.RoundFailed as e:
+        error = str(e)
+        log.warning("averaging: this rank's part of the round failed: %s", error)
+    finally:
+        listener.unregister(round_)
+    return Outcome(not error, round_.bytes_sent, round_.bytes_received, round_.rejected, error)
