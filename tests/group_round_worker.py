@@ -82,8 +82,9 @@ def main(folder: Path, group: int, shape: Shape, groups: list[Shape]) -> None:
     if replicas is not None:
         replicas.fill(out)
     listener.close()
-    torch.save({"ok": outcome.ok, "error": outcome.error, "out": out, "held": [(p.start, p.stop, p.local)
-                for p in layout.held], "bytes_sent": outcome.bytes_sent}, folder / f"result-{group}-{rank}.pt")  # fmt: skip
+    held = [(p.start, p.stop, p.local) for p in layout.held]
+    result = {"ok": outcome.ok, "error": outcome.error, "out": out, "held": held, "bytes_sent": outcome.bytes_sent}
+    torch.save(result, folder / f"result-{group}-{rank}.pt")
     if dist.is_initialized():
         dist.destroy_process_group()
 
