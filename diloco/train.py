@@ -311,6 +311,7 @@ def build_outer(
             config.hv, env, shards, group, stop=lambda: stop.requested, final_step=max_steps,
             sharding=config.sharding_strategy, tokens_per_step=tokens_per_step,
             model=model_id(parallel.unwrap(model).named_parameters()),
+            model_shapes=[tuple(p.shape) for p in parallel.unwrap(model).parameters()],
         )  # fmt: skip
     except FieldError as e:
         raise e.within("hv") from None

@@ -130,12 +130,19 @@ def assert_trained_together(run_dirs: list[Path], groups: int, outer_steps: int)
 def train_two_groups(tmp_path: Path, dht_peer: list[str], steps: int, *flags: list[str]) -> list[Path]:
     """Two worker groups of two ranks under torchrun against `dht_peer`, H = 4; `flags[i]` are group i's own.
     Returns their run folders once both ended with exit code 0."""
-    procs, run_dirs = [], [tmp_path / f"w{i}" for i in range(2)]
-    for world_rank, (run_dir, own) in enumerate(zip(run_dirs, flags)):
+    return train_groups(tmp_path, dht_peer, steps, [(2, own) for own in flags])
+
+
+def train_groups(tmp_path: Path, dht_peer: list[str], steps: int, groups: list[tuple[int, list[str]]]) -> list[Path]:
+    """Worker groups of (ranks, own flags) under torchrun against `dht_peer`, H = 4, the same total batch.
+    Returns their run folders once all ended with exit code 0."""
+    procs, run_dirs = [], [tmp_path / f"w{i}" for i in range(len(groups))]
+    for world_rank, (run_dir, (ranks, own)) in enumerate(zip(run_dirs, groups)):
         args = [*TEXT, "--total-batch-size", "8", "--max-steps", str(steps), "--hv.local-steps", "4",
-                "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank), "--hv.initial-peers", *dht_peer,
-                *own, "--run-dir", str(run_dir)]  # fmt: skip
-        procs.append(spawn([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *args]))
+                "--hv.galaxy-size", str(len(groups)), "--hv.world-rank", str(world_rank), "--hv.initial-peers",
+                *dht_peer, *own, "--run-dir", str(run_dir)]  # fmt: skip
+        launch = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}", "-m", "diloco.train"]
+        procs.append(spawn([*launch, *args]))
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -150,9 +157,17 @@ def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Pa
     assert_trained_together(train_two_groups(tmp_path, dht_peer, 12, int8, int8), groups=2, outer_steps=3)
 
 
+def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
+    """A 1-rank group, a 2-rank FULL_SHARD group and a 2-rank NO_SHARD group: whole groups meet in one round (rank 0
+    matchmakes for its group), each rank sends its shard's parts to their reducers, the NO_SHARD replicas split
+    theirs; all three stay bit-identical after every round."""
+    groups = [(1, []), (2, []), (2, ["--sharding-strategy", "NO_SHARD"])]
+    assert_trained_together(train_groups(tmp_path, dht_peer, 8, groups), groups=3, outer_steps=2)
+
+
 def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Path, dht_peer: list[str]) -> None:
-    """Under DDP and ZERO1 every rank's local shards are the whole model (as under NO_SHARD): rank r averages its
-    full replica with rank r of the other group, and both groups end on one model."""
+    """Under DDP and ZERO1 every rank's local shards are the whole model (as under NO_SHARD): the replicas of a
+    group each exchange a slice of it and pass each other the averages, and both groups end on one model."""
     ddp, zero1 = ["--sharding-strategy", "DDP"], ["--sharding-strategy", "ZERO1"]
     assert_trained_together(train_two_groups(tmp_path, dht_peer, 8, ddp, zero1), groups=2, outer_steps=2)
 

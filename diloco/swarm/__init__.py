@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("diloco")
 
 REQUEST_TIMEOUT_S = 5.0  # a ping, or one message of a state download
+# at start, once rank 0 met the other groups: how long its groupmates wait for the same rank of groups of their
+# shape (they connect to them for state downloads; groups of other shapes have no such rank)
+SAME_SHAPE_WAIT_S = 10.0
 
 
 def join(
@@ -50,13 +53,17 @@ def join(
     sharding: str = "",
     tokens_per_step: int = 0,
     model: ModelId | None = None,
+    model_shapes: list[tuple[int, ...]] | None = None,
 ) -> DiLoCo:
     """Collective over the ranks of this worker group: start this rank's DHT peer and averager, claim the group's
     world rank, and wait (at most ``hv.averaging_timeout``) until the other groups are there. Returns the group's
     outer loop, which owns them all from then on (``close()`` stops them).
 
-    Each rank averages its own shard with the same rank of the other groups, so nothing is gathered to one rank;
-    rank r meets only rank r of groups with the same number of ranks, whose shards line up.
+    Nothing is ever gathered to one rank. Over ``--hv.transport tcp`` groups average as wholes: one matchmaking per
+    group (its rank 0), then every rank sends the parts of its shard to the ranks that reduce them, in whatever
+    group and shape (``group_round``); groups of any number of ranks and any sharding average together. Over
+    ``p2pd`` each rank averages its own shard with the same rank of the other groups: rank r meets only rank r of
+    groups with the same number of ranks, whose shards line up.
 
     :param hv: the swarm's settings (``Config.hv``).
     :param env: where this process sits in its group (its rank shifts fixed ports).
@@ -69,6 +76,8 @@ def join(
     :param model: the group's model fingerprint (``diloco.swarm.fingerprint``): groups of another model never
         meet this one (it is part of the matchmaking and progress keys), and one already training makes this
         group leave with a `FieldError` naming ``run_id``.
+    :param model_shapes: every parameter's full shape, in the model's order (what ``shards`` are cut from); None:
+        groups average rank by rank (the ``p2pd`` way) over either transport.
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
         holds), naming the ``HvConfig`` field; nothing is left running.
     """
@@ -91,26 +100,39 @@ def join(
         announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
     )
     run = run_key(hv.run_id, model)
-    prefix = f"{run}-rank{env.rank}of{env.world_size}"
+    whole = hv.transport == "tcp" and model_shapes is not None  # groups average as wholes
+    # rank 0 matchmakes for its whole group under a key every shape shares; the other ranks' averagers only serve
+    # and download state (rank by rank, with groups of the same shape)
+    prefix = f"{run}-groups" if whole and env.rank == 0 else f"{run}-rank{env.rank}of{env.world_size}"
+    port = hv.averaging_port + env.local_rank if hv.averaging_port else 0
     try:
         averager = SwarmAverager(
             dht,
             prefix=prefix,
-            tensors=[torch.zeros(sum(s.numel() for s in shards))],
+            tensors=[torch.zeros(1 if whole else sum(s.numel() for s in shards))],
             compression=hv.compression,
             matchmaking_time=hv.matchmaking_time,
             averaging_timeout=hv.averaging_timeout,
             target_group_size=hv.galaxy_size,
             transport=hv.transport,
             tcp_host=listen_host(hv.host_maddrs),
-            tcp_port=hv.averaging_port + env.local_rank if hv.averaging_port else 0,
+            tcp_port=port,
+            match_only=whole,
         )
     except BaseException:
         dht.shutdown()
         raise
+    rounds = None
+    if whole:
+        try:
+            rounds = group_rounds(hv, env, group, dht, averager, model_shapes, sharding, port)
+        except BaseException:
+            averager.shutdown()
+            dht.shutdown()
+            raise
     peer = SwarmPeer(
         dht, averager, progress_key(run, env.world_size), REQUEST_TIMEOUT_S, status_key=status_key(hv.run_id),
-        tokens_key=tokens_key(hv.run_id),
+        tokens_key=tokens_key(hv.run_id), rounds=rounds,
     )  # fmt: skip
     try:
         if hv.target_tokens and final_step:  # a run of 0 steps has no round to pace
@@ -139,10 +161,45 @@ def join(
         )
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all
-        seen = rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout, stop)
-        if group.is_main:
-            log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
+        if whole and not group.is_main:  # rank 0 waits for the groups; then the ranks of the same shape meet
+            group.broadcast(None)
+            timeout = min(hv.averaging_timeout, SAME_SHAPE_WAIT_S)
+            rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, timeout, stop)
+        else:
+            seen = rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout, stop)
+            if whole:
+                group.broadcast(None)
+            if group.is_main:
+                log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
     except BaseException:
         peer.shutdown()
         raise
     return outer
+
+
+def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager: object,
+                 model_shapes: list[tuple[int, ...]], sharding: str, port: int):  # fmt: skip
+    """Collective: this rank's TCP listener, every rank's endpoint, and the replicas' process groups, for rounds
+    of whole groups (``group_round.GroupRounds``)."""
+    from diloco.swarm import tcp
+    from diloco.swarm.addresses import announced_hosts, listen_host
+    from diloco.swarm.averager import listen
+    from diloco.swarm.codecs import WIRE_FORMATS
+    from diloco.swarm.group_round import GroupRounds, Replicas
+    from diloco.swarm.layout import Shape
+
+    shape = Shape(sharding or "FULL_SHARD", env.world_size, env.num_nodes)
+    listening = listen(listen_host(hv.host_maddrs), port)
+    timeout = hv.averaging_timeout / 4  # as the per-rank way drops a silent groupmate
+    listener = tcp.Listener(listening, timeout, registration_timeout=hv.averaging_timeout).start()
+    try:
+        endpoints = group.gather((announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1]))
+        replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None
+    except BaseException:
+        listener.close()
+        raise
+    return GroupRounds(
+        averager if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
+        endpoints=endpoints, broadcast=group.broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
+        timeout=timeout, replicas=replicas,
+    )  # fmt: skip

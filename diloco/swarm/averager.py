@@ -96,6 +96,8 @@ class ExactAverager(hivemind.DecentralizedAverager):
     :param listen_socket: a listening socket for the TCP transport (``tcp.listen_socket``), taken over by the
         averager process; None: this averager only averages over libp2p.
     :param wire: the wire format of parts and averages, on both transports.
+    :param match_only: form groups and gather, move no bytes: the group's id goes to ``matched_id`` and its members'
+        ranks average among themselves afterwards (``diloco.swarm.group_round``).
     """
 
     _rpc_handlers = None  # collect our own RPC handlers/stub (the cache is a class attribute in ServicerBase)
@@ -107,6 +109,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
         dht: hivemind.DHT,
         listen_socket: socket.socket | None = None,
         wire: WireFormat = WIRE_FORMATS["none"],
+        match_only: bool = False,
         **kwargs,
     ):
         method = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
@@ -115,6 +118,8 @@ class ExactAverager(hivemind.DecentralizedAverager):
             raise RuntimeError(f"hivemind averagers need the 'fork' start method, this process uses {method!r}")
         self.stats = mp.RawValue(RoundStats)
         self.wire = wire
+        self.match_only = match_only
+        self.matched_id = mp.RawArray(ctypes.c_char, 1 + GROUP_ID_MAX)  # length byte, then the last group's id
         self._listen_socket = listen_socket  # inherited by the forked averager process
         self._listener: tcp.Listener | None = None
         # the TCP rounds' output, in shared memory (the caller copies its result from here: one copy fewer than
@@ -179,6 +184,11 @@ class ExactAverager(hivemind.DecentralizedAverager):
     ):
         group_id = group_info.group_id if group_id is None else group_id
         self.stats.group_size = len(group_info.peer_ids)
+        if self.match_only:  # the caller's ranks average with the group's ranks themselves
+            if len(group_id) > GROUP_ID_MAX:
+                raise AllreduceException(f"a group id of {len(group_id)} bytes")
+            self.matched_id.raw = bytes([len(group_id)]) + group_id.ljust(GROUP_ID_MAX, b"\0")
+            return
         endpoints = self._tcp_endpoints(group_info)
         self.stats.over_tcp = int(endpoints is not None and self._listener is not None)
         if self.stats.over_tcp:
@@ -289,6 +299,17 @@ class RoundReport:
 
 
 ROUND_BITS = 20  # round indices are told apart modulo 2**20
+GROUP_ID_MAX = 64  # bytes; hivemind's group ids are 20
+
+
+@dataclass(frozen=True)
+class Match:
+    """A group formed by ``SwarmAverager.match``: its secret id, what each member gathered (in the group's order,
+    the same for every member) and this peer's place in it."""
+
+    group_id: bytes
+    gathered: list[object]
+    index: int
 
 
 class SwarmAverager:
@@ -338,6 +359,7 @@ class SwarmAverager:
         transport: Transport = "tcp",
         tcp_host: str = "0.0.0.0",
         tcp_port: int = 0,
+        match_only: bool = False,
     ):
         if "." in prefix or not prefix:
             raise ValueError(f"averaging prefix must be non-empty and contain no '.': {prefix!r}")
@@ -350,7 +372,7 @@ class SwarmAverager:
         for tensor in tensors:
             _check_cpu_float32(tensor)
         self._shapes = [tuple(tensor.shape) for tensor in tensors]
-        listening = _listen(tcp_host, tcp_port) if transport == "tcp" else None
+        listening = listen(tcp_host, tcp_port) if transport == "tcp" and not match_only else None
         # where groupmates connect: the hosts this peer's DHT announces, with the transport's port
         hosts = announced_hosts(dht.get_visible_maddrs())
         self._gather = None if listening is None else {"tcp": [hosts, listening.getsockname()[1]]}
@@ -362,6 +384,7 @@ class SwarmAverager:
                 dht,
                 listen_socket=listening,
                 wire=WIRE_FORMATS[compression],
+                match_only=match_only,
                 start=False,
                 prefix=prefix,
                 target_group_size=target_group_size,
@@ -460,6 +483,33 @@ class SwarmAverager:
                     tensor.copy_(buffer)
         return True, len(gathered), time.monotonic() - formed
 
+    def match(self, round_index: int, gather: object, stop: Callable[[], bool] = lambda: False
+              ) -> tuple[Match | None, RoundReport]:  # fmt: skip
+        """Form this round's group and gather what every member brings (an averager made with ``match_only``); no
+        tensor bytes move. Returns (the match, a report of the matchmaking); no match when nobody else came
+        (``num_peers`` 1) or it failed or was stopped (``ok`` False)."""
+        self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
+        started = time.monotonic()
+        self._averager.stats.clear()
+        control = self._averager.step(
+            weight=1.0, timeout=self.matchmaking_time + self.averaging_timeout, allow_retries=True, gather=gather,
+            require_trigger=True, wait=False,
+        )  # fmt: skip
+        grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
+        if not grouped:
+            return None, RoundReport(1 if grouped is False else 0, time.monotonic() - started, 0, 0, grouped is False)
+        try:
+            gathered = control.result(timeout=self.averaging_timeout)
+        except Exception as e:  # TimeoutError, AllreduceException, MatchmakingException, CancelledError, ...
+            _cancel(control)
+            logger.warning(f"matchmaking failed: {type(e).__name__}: {e}")
+            size = int(self._averager.stats.group_size)
+            return None, RoundReport(size, time.monotonic() - started, 0, 0, False)
+        raw = self._averager.matched_id.raw
+        peers = [peer.to_base58() for peer in gathered]
+        match = Match(raw[1 : 1 + raw[0]], list(gathered.values()), peers.index(self.peer_id))
+        return match, RoundReport(len(peers), time.monotonic() - started, 0, 0, True)
+
     @staticmethod
     def _trigger_when_grouped(control: StepControl, give_up_at: float, stop: Callable[[], bool]) -> bool | None:
         """Poll the step's stage; allow the all-reduce when grouped. False (step cancelled) if no group by then,
@@ -518,7 +568,8 @@ def _cancel(control: StepControl) -> None:
             pass
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` for the transport; `FieldError` naming the flag when it cannot."""
     try:
         return tcp.listen_socket(host, port)
     except OSError as e:

@@ -14,18 +14,22 @@ encoded bytes go to every group.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 
+from diloco.config import ShardingStrategy
 from diloco.swarm import tcp
 from diloco.swarm.layout import RankLayout, Shape, group_layout, plan, plan_schedule, replica_slice
 
 log = logging.getLogger("diloco")
 
 Endpoint = tuple[tuple[str, ...], int]  # the hosts a rank's TCP listener may be reached at, and its port
+STRATEGIES = set(get_args(ShardingStrategy))
 
 
 @dataclass(frozen=True)
@@ -135,3 +139,97 @@ def run_round(
     finally:
         listener.unregister(round_)
     return Outcome(not error, round_.bytes_sent, round_.bytes_received, round_.rejected, error)
+
+
+class GroupRounds:
+    """This rank's side of the swarm's rounds when worker groups average as wholes (``SwarmPeer.average`` hands
+    its calls here): the group's rank 0 finds the round's groups (one matchmaking per group, its ``match_only``
+    averager gathering every group's shape, endpoints and weight), the group's ranks learn them from it, and every
+    rank runs its part of the round. Collective over the group's ranks.
+
+    :param matcher: rank 0's ``SwarmAverager`` made with ``match_only``; None on the other ranks.
+    :param rank: this rank in its group; ``shape``: the group's; ``model_shapes``: every parameter's full shape, in
+        the model's order.
+    :param endpoints: every rank's TCP endpoint, in rank order (this rank's ``listener`` accepts on its own).
+    :param broadcast: rank 0's object on every rank of the group.
+    :param replicas: passes replicas' slices (None: the group has no replicas).
+    :param timeout: seconds any single step of a round may take (a silent groupmate is dropped after it).
+    """
+
+    def __init__(
+        self,
+        matcher: object | None,
+        *,
+        rank: int,
+        shape: Shape,
+        model_shapes: Sequence[Sequence[int]],
+        endpoints: Sequence[Endpoint],
+        broadcast: Callable[[object], object],
+        listener: tcp.Listener,
+        codec: tcp.Codec,
+        timeout: float,
+        replicas: Replicas | None,
+    ):
+        self.matcher, self.rank, self.shape, self.model_shapes = matcher, rank, shape, [tuple(s) for s in model_shapes]
+        self.endpoints = tuple((tuple(hosts), int(port)) for hosts, port in endpoints)
+        self.broadcast, self.listener, self.codec, self.timeout, self.replicas = (
+            broadcast, listener, codec, timeout, replicas
+        )  # fmt: skip
+        self._out: torch.Tensor | None = None
+
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]):
+        """Collective: one round (see ``SwarmAverager.average`` for the contract); returns a ``RoundReport``."""
+        from diloco.swarm.averager import RoundReport
+
+        started = time.monotonic()
+        found = self._match(round_index, weight, stop) if self.matcher is not None else None
+        info, num_peers, ok = self.broadcast(found)
+        if info is None:
+            return RoundReport(num_peers, time.monotonic() - started, 0, 0, ok)
+        formed = time.monotonic()
+        vector = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+        if self._out is None or self._out.numel() != vector.numel():
+            self._out = torch.empty_like(vector)
+        outcome = run_round(info, self.rank, self.model_shapes, vector, self._out, listener=self.listener,
+                            codec=self.codec, timeout=self.timeout)  # fmt: skip
+        if self.replicas is not None:
+            self.replicas.fill(self._out)  # collective: also when this rank's part failed
+        if outcome.ok:
+            offset = 0
+            for tensor in tensors:
+                tensor.view(-1).copy_(self._out[offset : offset + tensor.numel()])
+                offset += tensor.numel()
+        return RoundReport(
+            len(info.members), time.monotonic() - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
+            rejected=outcome.rejected, transport="tcp", allreduce_seconds=time.monotonic() - formed,
+        )  # fmt: skip
+
+    def _match(self, round_index: int, weight: float, stop: Callable[[], bool]) -> tuple[RoundInfo | None, int, bool]:
+        """Rank 0: (the round, or None; groups in it; ok)."""
+        mine = {"shape": [self.shape.strategy, self.shape.world_size, self.shape.nodes],
+                "endpoints": [[list(hosts), port] for hosts, port in self.endpoints], "weight": weight}  # fmt: skip
+        match, report = self.matcher.match(round_index, mine, stop)
+        if match is None:
+            return None, report.num_peers, report.ok
+        try:
+            members = tuple(member_of(entry) for entry in match.gathered)
+        except (TypeError, ValueError, KeyError) as e:  # another version, or a bad actor: no round with them
+            log.warning("averaging: a group announced itself in a form this version cannot read (%s)", e)
+            return None, len(match.gathered), False
+        return RoundInfo(match.group_id, members, match.index), len(members), True
+
+
+def member_of(entry: object) -> Member:
+    """A group's matchmaking announcement, checked."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"an announcement of type {type(entry).__name__}")
+    strategy, world_size, nodes = entry["shape"]
+    if strategy not in STRATEGIES or not 0 < int(world_size) <= 2**16 or not 0 < int(nodes) <= int(world_size):
+        raise ValueError(f"shape {entry['shape']}")
+    endpoints = tuple((tuple(str(h) for h in hosts), int(port)) for hosts, port in entry["endpoints"])
+    if len(endpoints) != int(world_size):
+        raise ValueError(f"{len(endpoints)} endpoints for {world_size} ranks")
+    weight = float(entry["weight"])
+    if not weight >= 0 or weight == float("inf"):
+        raise ValueError(f"weight {weight}")
+    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight)

@@ -18,6 +18,7 @@ from hivemind.p2p import PeerID
 from diloco.swarm import budget, progress, status
 from diloco.swarm.averager import RoundReport, SwarmAverager
 from diloco.swarm.budget import RoundTokens
+from diloco.swarm.group_round import GroupRounds
 from diloco.swarm.progress import Progress
 from diloco.swarm.status import Status
 
@@ -39,6 +40,8 @@ class SwarmPeer:
     :param request_timeout: seconds to wait for a peer's answer (a ping, each message of a state download).
     :param status_key: DHT key of the groups' status records (``status.status_key``).
     :param tokens_key: DHT key of the groups' round-token records (``budget.tokens_key``).
+    :param rounds: rounds of whole groups (``group_round.GroupRounds``; owned from now on), which ``average`` then
+        runs; None: ``averager`` averages with the same rank of the other groups.
     """
 
     def __init__(
@@ -49,8 +52,9 @@ class SwarmPeer:
         request_timeout: float,
         status_key: str,
         tokens_key: str = "",
+        rounds: GroupRounds | None = None,
     ):
-        self.dht, self.averager = dht, averager
+        self.dht, self.averager, self.rounds = dht, averager, rounds
         self.progress_key, self.request_timeout, self.status_key = progress_key, request_timeout, status_key
         self.tokens_key = tokens_key
         self._tokens: list[RoundTokens] = []  # the last round-token records read
@@ -63,6 +67,8 @@ class SwarmPeer:
     def average(
         self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
     ) -> RoundReport:
+        if self.rounds is not None:
+            return self.rounds.average(tensors, round_index, weight, stop)
         return self.averager.average(tensors, round_index=round_index, weight=weight, stop=stop)
 
     def publish(self, record: Progress) -> None:
@@ -138,6 +144,8 @@ class SwarmPeer:
             with contextlib.suppress(Exception):  # a failure or a timeout: `_stored` logs it, or nobody needs it
                 future.result(timeout=max(deadline - time.monotonic(), 0.0))
         try:
+            if self.rounds is not None:
+                self.rounds.listener.close()
             self.averager.shutdown()
         finally:
             self.dht.shutdown()
