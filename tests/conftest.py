@@ -109,7 +109,10 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def assert_ok(result: Result) -> None:
-    assert result.returncode == 0, result.output[-4000:]
+    """Exit code 0; else the output's tail, after the one-line errors of any rank (a groupmate's traceback that
+    followed would push them out of the tail)."""
+    errors = [line for line in result.output.splitlines() if re.match(r"(\[rank\d+\]: )?error: ", line)]
+    assert result.returncode == 0, "\n".join([*errors[:10], result.output[-4000:]])
 
 
 @pytest.fixture

@@ -165,8 +165,10 @@ def test_a_cached_config_alone_trains_a_fresh_model_on_a_prepared_dataset(tmp_pa
 
 
 def online_env(hf_home: Path, endpoint: str) -> dict[str, str]:
-    """A hub that answers (the loopback FakeHub), an empty cache, nothing offline; no proxy in the way."""
-    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_ENDPOINT": endpoint}
+    """A hub that answers (the loopback FakeHub), an empty cache, nothing offline; no proxy in the way. The FakeHub
+    is a thread of the test's process: under the suite's load it may answer slower than huggingface_hub's 10 s."""
+    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_ENDPOINT": endpoint,
+           "HF_HUB_ETAG_TIMEOUT": "60", "HF_HUB_DOWNLOAD_TIMEOUT": "60"}  # fmt: skip
     return env | {name: "" for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")}
 
 
