@@ -1,5 +1,6 @@
-"""A misbehaving worker group for the fault tests: it joins the swarm like a one-rank group and sends a
-pseudo-gradient full of NaN in every round, as a trainer with a broken NaN check would.
+"""A misbehaving worker group for the fault tests: it joins the swarm like a one-rank group (over TCP: its rank 0
+matchmakes for the group) and sends a pseudo-gradient full of NaN in every round, as a trainer with a broken NaN
+check would.
 
 Usage: python -m tests.nan_peer MODEL_DIR RUN_ID GALAXY_SIZE WORLD_RANK ROUNDS INITIAL_PEER...
 """
@@ -12,28 +13,43 @@ from pathlib import Path
 import torch
 
 from diloco.model import load_model
+from diloco.swarm import tcp
+from diloco.swarm.addresses import announced_hosts
 from diloco.swarm.averager import SwarmAverager
+from diloco.swarm.codecs import WIRE_FORMATS
 from diloco.swarm.dht import rendezvous, start_dht
 from diloco.swarm.fingerprint import model_id, run_key
+from diloco.swarm.group_round import GroupRounds
+from diloco.swarm.layout import Shape
 
 MATCHMAKING_S = 8  # as the honest groups of the test: long enough under load for all three to gather
+AVERAGING_S = 15
 
 
 def main(model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int, peers: list[str]) -> None:
-    model = model_id(load_model(Path(model_dir), seed=0).named_parameters())
+    module = load_model(Path(model_dir), seed=0)
+    model = model_id(module.named_parameters())
     size = model.parameters
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])
-    prefix = f"{run_key(run_id, model)}-rank0of1"  # where one-rank groups of this model meet
+    prefix = f"{run_key(run_id, model)}-groups"  # where the rank 0 of every group of this model matchmakes
     averager = SwarmAverager(
-        dht, prefix=prefix, tensors=[torch.zeros(size)], matchmaking_time=MATCHMAKING_S, averaging_timeout=15,
-        target_group_size=galaxy,
+        dht, prefix=prefix, tensors=[torch.zeros(1)], matchmaking_time=MATCHMAKING_S, averaging_timeout=AVERAGING_S,
+        target_group_size=galaxy, match_only=True,
+    )  # fmt: skip
+    listening = tcp.listen_socket("127.0.0.1", 0)
+    listener = tcp.Listener(listening, AVERAGING_S / 4, registration_timeout=AVERAGING_S).start()
+    group = GroupRounds(
+        averager, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[tuple(p.shape) for p in module.parameters()],
+        endpoints=[(announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1])], broadcast=lambda o: o,
+        listener=listener, codec=WIRE_FORMATS["none"].tcp, timeout=AVERAGING_S / 4, replicas=None,
     )  # fmt: skip
     try:
         rendezvous(dht, f"{prefix}-members", str(world_rank), galaxy, 60)
         for round_index in range(1, rounds + 1):
-            report = averager.average([torch.full((size,), float("nan"))], round_index=round_index)
+            report = group.average([torch.full((size,), float("nan"))], round_index, 1.0, lambda: False)
             print(f"round {round_index}: ok={report.ok} num_peers={report.num_peers}", flush=True)
     finally:
+        listener.close()
         averager.shutdown()
         dht.shutdown()
 
