@@ -150,7 +150,7 @@ class DiLoCo:
         `local_steps`, so no inner step is left out of the final model. None: no last step.
     :param settle_timeout: seconds a finished group waits for live groups that do not hold its final state yet
         (one still in its last round, or one whose last round failed and must download).
-    :param sharding: the group's FSDP sharding strategy, as its status record tells onlookers.
+    :param sharding: the group's FSDP sharding strategy, and `transport` its --hv.transport, in its status record.
     :param pace: when outer steps are due and where the LR schedule stands (`diloco.pace`); default:
         `FixedSteps(local_steps, final_step)`.
     :param tokens_per_step: tokens of one inner step of this group (all ranks), for the round rows.
@@ -172,6 +172,7 @@ class DiLoCo:
         final_step: int | None = None,
         settle_timeout: float = 30.0,
         sharding: str = "",
+        transport: str = "",
         pace: Pace | None = None,
         tokens_per_step: int = 0,
         model: ModelId | None = None,
@@ -194,7 +195,7 @@ class DiLoCo:
         self.peers = tuple(group.gather(swarm.peer_id))
         self.shard_digest = self.digest = ""
         self._update_digest()
-        self.sharding, self.model = sharding, model
+        self.sharding, self.model, self.transport = sharding, model, transport
         self.tokens_per_s: float | None = None  # of the group, from the training loop's last metrics row
         self.last_round: tuple[int, float] | None = None  # (num_peers, wall-clock end) of the last round
         self.status_at = -math.inf  # monotonic time of the last status record
@@ -230,7 +231,7 @@ class DiLoCo:
                 other_model = rival_model(joining, self.swarm.status_records(), self.swarm.alive)
         verdict, other_model = self.group.broadcast((verdict, other_model))
         if other_model is not None:
-            raise mismatch_error(other_model, self.model)
+            raise mismatch_error(other_model, self.model, self.transport)
         if verdict is not None:
             raise FieldError(
                 f"{{world_rank}} {self.world_rank} is taken by a running worker group (peer {verdict}); give each "
@@ -520,6 +521,7 @@ class DiLoCo:
             world_rank=self.world_rank,
             ranks=len(self.peers),
             sharding=self.sharding,
+            transport=self.transport,
             state=state,
             step=self.position(self.step if step is None else step),
             max_steps=self.final_step,

@@ -57,11 +57,11 @@ def test_the_rival_is_a_live_group_of_another_model_that_was_there_first() -> No
     assert rival_model(status(0, "aaa", state="joining"), [status(1, "bbb", state="joining")], live) is None
 
 
-def group(hub: MemorySwarm, world_rank: int, module: torch.nn.Module) -> DiLoCo:
+def group(hub: MemorySwarm, world_rank: int, module: torch.nn.Module, transport: str = "tcp") -> DiLoCo:
     shards = [p.data for p in module.parameters()]
     model = model_id(module.named_parameters())
     return DiLoCo(shards, hub.member(f"peer-{world_rank}"), solo_group(), world_rank=world_rank, local_steps=5,
-                  outer_lr=0.7, outer_momentum=0.0, final_step=30, model=model)  # fmt: skip
+                  outer_lr=0.7, outer_momentum=0.0, final_step=30, model=model, transport=transport)  # fmt: skip
 
 
 def test_a_group_of_another_model_leaves_with_one_line_naming_both() -> None:
@@ -79,6 +79,24 @@ def test_a_group_of_another_model_leaves_with_one_line_naming_both() -> None:
         "groups of a run must train the same model: give this one the same model or another run id"
     )
     assert hub.statuses[0].model == theirs.fingerprint and hub.statuses[0].peer == "peer-0"
+
+
+def test_a_group_of_another_transport_leaves_with_one_line() -> None:
+    """A tcp group matchmakes as a whole group, a p2pd group rank by rank: they would never meet, so the later one
+    leaves (a record without a transport, from an older trainer, is not held against anyone)."""
+    hub = MemorySwarm(2)
+    first = group(hub, 0, net(), transport="tcp")
+    first.claim_world_rank()
+    first.join(0)
+    with pytest.raises(FieldError) as refused:
+        group(hub, 1, net(seed=3), transport="p2pd").claim_world_rank()
+    assert str(refused.value.within("hv")) == (
+        "hv.transport p2pd: worker group 0 (peer peer-0) averages over --hv.transport tcp; the groups of a run must "
+        "use one transport (a tcp group and a p2pd group never meet)"
+    )
+    assert hub.statuses[0].transport == "tcp"
+    mine = status(1, "aaa", state="joining", transport="p2pd")
+    assert rival_model(mine, [status(0, "aaa", transport="")], lambda peer: True) is None
 
 
 def test_records_of_trainers_before_fingerprints_still_read() -> None:

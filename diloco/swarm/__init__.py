@@ -155,6 +155,7 @@ def join(
             final_step=final_step,
             settle_timeout=hv.matchmaking_time + hv.averaging_timeout + 5,  # a group still in the last round
             sharding=sharding,
+            transport=hv.transport,
             pace=pace,
             tokens_per_step=tokens_per_step,
             model=model,

@@ -47,8 +47,9 @@ def model_id(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> ModelId:
 
 def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], bool]) -> Status | None:
     """The status record of a live group of the run that trains another model, or runs a trainer from before
-    fingerprints (its record has no model: it uses other keys and would never meet this group), and was there
-    first; None if there is none.
+    fingerprints (its record has no model: it uses other keys and would never meet this group), or averages over
+    another ``--hv.transport`` (a tcp group matchmakes as a whole group, a p2pd group rank by rank: they never
+    meet), and was there first; None if there is none.
 
     A group past joining was there first; of two groups joining at the same moment the one whose record is older
     stays (then the lower world rank), so exactly one of them leaves. Groups that left are not compared; a record
@@ -57,7 +58,8 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
     if not mine.model:
         return None
     for record in records:
-        if record.world_rank == mine.world_rank or record.model == mine.model or record.state in LEFT:
+        same = record.model == mine.model and (not mine.transport or record.transport in ("", mine.transport))
+        if record.world_rank == mine.world_rank or same or record.state in LEFT:
             continue
         first = record.state != "joining" or (record.heard_at, record.world_rank) < (mine.heard_at, mine.world_rank)
         if first and (not record.peer or alive(record.peer)):
@@ -65,12 +67,18 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
     return None
 
 
-def mismatch_error(other: Status, mine: ModelId) -> FieldError:
-    """The one line a group leaves with when `rival_model` found `other` (naming ``run_id``)."""
+def mismatch_error(other: Status, mine: ModelId, transport: str = "") -> FieldError:
+    """The one line a group leaves with when `rival_model` found `other` (naming ``run_id``, or ``transport``)."""
     if not other.model:
         return FieldError(
             f"{{run_id}}: worker group {other.world_rank} runs a diloco from before model fingerprints, which cannot "
             "average with this one; run one diloco version in every group of a run, or give this one another run id"
+        )
+    if other.model == mine.fingerprint:
+        return FieldError(
+            f"{{transport}} {transport}: worker group {other.world_rank} (peer {other.peer}) averages over "
+            f"--hv.transport {other.transport}; the groups of a run must use one transport (a tcp group and a p2pd "
+            "group never meet)"
         )
     theirs = ModelId(other.model, other.parameters or 0)
     return FieldError(

@@ -47,6 +47,7 @@ class Status:
         fingerprints, like the next two.
     :param parameters: the model's parameter count.
     :param peer: the peer id of the group's rank 0.
+    :param transport: its ``--hv.transport``; empty from trainers before groups of any shape.
     """
 
     world_rank: int
@@ -64,6 +65,7 @@ class Status:
     model: str = ""
     parameters: int | None = None
     peer: str = ""
+    transport: str = ""
 
     @property
     def round(self) -> str | None:
