@@ -113,11 +113,10 @@ def run_round(
     listener: tcp.Listener,
     codec: tcp.Codec,
     timeout: float,
-    on_round: Callable[[tcp.Round], None] = lambda round_: None,
 ) -> Outcome:
     """This rank's part of the round: `vector` is its local buffer (its shard of every parameter, concatenated in
     the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``).
-    Never raises on network failures; `on_round` sees the round before it starts (tests use it)."""
+    Never raises on network failures."""
     layouts = layouts_of(info, model_shapes)
     total = sum(int(torch.Size(shape).numel()) for shape in model_shapes)
     if layouts[info.me][rank].local_numel != vector.numel():
@@ -128,7 +127,6 @@ def run_round(
         vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints,
         weight=info.members[info.me].weight, codec=codec, timeout=timeout, schedule=schedule,
     )  # fmt: skip
-    on_round(round_)
     listener.register(round_)
     try:
         round_.run()

@@ -172,12 +172,8 @@ class Plan:
     spans: tuple[Span, ...]
 
     def reduced_by(self, participant: tuple[int, int]) -> list[Span]:
+        """The spans `participant` (group, rank) reduces, in order."""
         return [s for s in self.spans if s.reducer == participant]
-
-    def sent_by(self, participant: tuple[int, int], reducer: tuple[int, int]) -> list[Span]:
-        """The spans `participant` (group, rank) contributes to `reducer`, in order: one message's contents."""
-        group, rank = participant
-        return [s for s in self.spans if s.reducer == reducer and s.holders[group] == rank]
 
 
 def _owner_runs(layout: Sequence[RankLayout]) -> tuple[list[int], list[int]]:
