@@ -232,7 +232,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
         sender_timeout: float,
         **_,
     ) -> None:
-        vector = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([tensor.view(-1) for tensor in tensors])
+        vector = tcp.flatten(list(tensors))
         round_ = tcp.Round(
             vector, self.tcp_out, group_id=group_id, index=group_info.peer_ids.index(self.peer_id),
             endpoints=endpoints, weight=weight, codec=self.wire.tcp, timeout=sender_timeout,
@@ -422,8 +422,6 @@ class SwarmAverager:
         :returns: the report; on ``ok=False`` or ``num_peers == 1`` the tensors were not modified. The round
             ends within about ``matchmaking_time + averaging_timeout + grace`` seconds whatever the peers do.
         """
-        if round_index is not None:  # the matchmaking key becomes <prefix>.0b<round bits>
-            self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
         if [tuple(tensor.shape) for tensor in tensors] != self._shapes:
             raise ValueError(f"expected tensors of shapes {self._shapes}")
         for tensor in tensors:
@@ -433,20 +431,23 @@ class SwarmAverager:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
         stats = self._averager.stats
-        stats.clear()
-        control = self._averager.step(
-            weight=weight,
-            timeout=self.matchmaking_time + self.averaging_timeout,
-            allow_retries=True,
-            gather=self._gather,
-            require_trigger=True,  # we trigger only after seeing the group, so giving up cannot race with it
-            wait=False,
-        )
+        control = self._start_step(round_index, weight, self._gather)
         ok, num_peers, allreduce_s = self._finish_round(control, tensors, stop, started)
         transport = "" if num_peers < 2 else ("tcp" if stats.over_tcp else "p2pd")
         return RoundReport(
             num_peers, time.monotonic() - started, stats.bytes_sent, stats.bytes_received, ok,
             rejected=stats.rejected, transport=transport, allreduce_seconds=allreduce_s,
+        )  # fmt: skip
+
+    def _start_step(self, round_index: int | None, weight: float, gather: object) -> StepControl:
+        """Clear the round's figures and enter matchmaking, under ``<prefix>.0b<round bits>`` when a round index is
+        given; the all-reduce waits for our trigger, so giving up cannot race with it."""
+        if round_index is not None:
+            self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
+        self._averager.stats.clear()
+        return self._averager.step(
+            weight=weight, timeout=self.matchmaking_time + self.averaging_timeout, allow_retries=True, gather=gather,
+            require_trigger=True, wait=False,
         )  # fmt: skip
 
     def _finish_round(
@@ -473,10 +474,7 @@ class SwarmAverager:
             logger.warning(f"averaging round failed, tensors left unchanged: {type(e).__name__}: {e}")
             return False, int(self._averager.stats.group_size), time.monotonic() - formed
         if self._averager.stats.over_tcp:  # over TCP the result is in tcp_out, flat
-            offset = 0
-            for tensor in tensors:
-                tensor.view(-1).copy_(self._averager.tcp_out[offset : offset + tensor.numel()])
-                offset += tensor.numel()
+            tcp.unflatten_into(self._averager.tcp_out, list(tensors))
         else:
             with self._averager.get_tensors() as buffers:
                 for buffer, tensor in zip(buffers, tensors):
@@ -488,13 +486,8 @@ class SwarmAverager:
         """Form this round's group and gather what every member brings (an averager made with ``match_only``); no
         tensor bytes move. Returns (the match, a report of the matchmaking); no match when nobody else came
         (``num_peers`` 1) or it failed or was stopped (``ok`` False)."""
-        self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
         started = time.monotonic()
-        self._averager.stats.clear()
-        control = self._averager.step(
-            weight=1.0, timeout=self.matchmaking_time + self.averaging_timeout, allow_retries=True, gather=gather,
-            require_trigger=True, wait=False,
-        )  # fmt: skip
+        control = self._start_step(round_index, 1.0, gather)
         grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
         if not grouped:
             return None, RoundReport(1 if grouped is False else 0, time.monotonic() - started, 0, 0, grouped is False)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from diloco.config import ShardingStrategy
 from diloco.swarm import tcp
-from diloco.swarm.layout import RankLayout, Shape, group_layout, plan, plan_schedule, replica_slice
+from diloco.swarm.layout import Shape, group_layout, plan, plan_schedule, replica_slice
 
 log = logging.getLogger("diloco")
 
@@ -65,8 +65,10 @@ class Outcome:
 
 def replica_ranks(shape: Shape) -> list[list[int]]:
     """The ranks of a group that hold the same shard, one list per shard index (rank order = replica order)."""
-    shards, replicas = shape.grid()
-    return [[s + i * shards for i in range(replicas)] for s in range(shards)]
+    ranks: list[list[int]] = [[] for _ in range(shape.grid()[0])]
+    for rank in range(shape.world_size):
+        ranks[shape.coordinates(rank)[0]].append(rank)
+    return ranks
 
 
 class Replicas:
@@ -99,10 +101,6 @@ class Replicas:
             buffer[begin:end] = values[: end - begin]
 
 
-def layouts_of(info: RoundInfo, model_shapes: Sequence[Sequence[int]]) -> list[list[RankLayout]]:
-    return [group_layout(model_shapes, member.shape) for member in info.members]
-
-
 def run_round(
     info: RoundInfo,
     rank: int,
@@ -117,7 +115,7 @@ def run_round(
     """This rank's part of the round: `vector` is its local buffer (its shard of every parameter, concatenated in
     the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``).
     Never raises on network failures."""
-    layouts = layouts_of(info, model_shapes)
+    layouts = [group_layout(model_shapes, member.shape) for member in info.members]
     total = sum(int(torch.Size(shape).numel()) for shape in model_shapes)
     if layouts[info.me][rank].local_numel != vector.numel():
         raise ValueError(f"rank {rank} holds {vector.numel()} values, its layout {layouts[info.me][rank].local_numel}")
@@ -185,7 +183,7 @@ class GroupRounds:
         if info is None:
             return RoundReport(num_peers, time.monotonic() - started, 0, 0, ok)
         formed = time.monotonic()
-        vector = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+        vector = tcp.flatten(list(tensors))
         if self._out is None or self._out.numel() != vector.numel():
             self._out = torch.empty_like(vector)
         outcome = run_round(info, self.rank, self.model_shapes, vector, self._out, listener=self.listener,
@@ -193,10 +191,7 @@ class GroupRounds:
         if self.replicas is not None:
             self.replicas.fill(self._out)  # collective: also when this rank's part failed
         if outcome.ok:
-            offset = 0
-            for tensor in tensors:
-                tensor.view(-1).copy_(self._out[offset : offset + tensor.numel()])
-                offset += tensor.numel()
+            tcp.unflatten_into(self._out, list(tensors))
         return RoundReport(
             len(info.members), time.monotonic() - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
             rejected=outcome.rejected, transport="tcp", allreduce_seconds=time.monotonic() - formed,

@@ -98,7 +98,8 @@ def _well_typed(record: Status) -> bool:
         all(isinstance(v, int) for v in ints)
         and all(v is None or isinstance(v, (int, float)) for v in optional_numbers)
         and isinstance(record.heard_at, (int, float))
-        and all(isinstance(v, str) for v in (record.sharding, record.state, record.digest, record.model, record.peer))
+        and all(isinstance(v, str) for v in (record.sharding, record.state, record.digest, record.model, record.peer,
+                                             record.transport))  # fmt: skip
         and (record.parameters is None or isinstance(record.parameters, int))
     )
 

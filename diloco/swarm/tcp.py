@@ -95,6 +95,19 @@ FP16 = Codec(
 )  # fmt: skip
 
 
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat vector of `tensors` (the tensor itself, viewed flat, when there is one)."""
+    return tensors[0].view(-1) if len(tensors) == 1 else torch.cat([tensor.view(-1) for tensor in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy `flat` back into `tensors`, in order."""
+    offset = 0
+    for tensor in tensors:
+        tensor.view(-1).copy_(flat[offset : offset + tensor.numel()])
+        offset += tensor.numel()
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     while view:
         received = sock.recv_into(view)
@@ -162,6 +175,7 @@ class Round:
         if any(index not in part.senders for part in self.schedule.parts[index]):
             raise ValueError("a reducer must contribute to each of its parts")
         self.digest = self.schedule.digest[:16]
+        self._sends = [self.schedule.sent_to(j) for j in range(self.k)]  # our parts of each reducer's span
         self.tag = hashlib.sha256(group_id).digest()[:16]
         self.bytes_sent = self.bytes_received = 0
         self.rejected = 0  # senders (this peer included) whose contribution this peer, as reducer, left out
@@ -194,7 +208,7 @@ class Round:
         """Average with the group; raises ``RoundFailed`` unless ``out`` holds the whole average. Returns only once
         this peer's replies to its groupmates are sent (or they were dropped), so leaving right after is safe."""
         # reducers we send nothing to (a vector shorter than the group, or parts held by our groupmates)
-        self._complete.update(j for j in range(self.k) if j != self.index and not self.schedule.sent_to(j))
+        self._complete.update(j for j in range(self.k) if j != self.index and not self._sends[j])
         workers = [self._thread(self._reduce)]
         reducers = [j for j in range(self.k) if j != self.index and j not in self._complete]
         workers += [self._thread(self._exchange, j) for j in reducers]
@@ -404,7 +418,7 @@ class Round:
         try:
             sock = self._connect(reducer)
             receiver = self._thread(self._read_averages, sock, reducer)
-            for part in self.schedule.sent_to(reducer):
+            for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
                 self._send(sock, self.codec.encode(self.vector[lo:hi]))
             receiver.join()
@@ -416,7 +430,7 @@ class Round:
 
     def _read_averages(self, sock: socket.socket, reducer: int) -> None:
         try:
-            for part in self.schedule.sent_to(reducer):
+            for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
                 if self.codec.raw:  # straight into the output: no copy
                     self._receive_into(sock, _bytes_of(self.out[lo:hi]))
