@@ -16,7 +16,6 @@ never imports hivemind.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ from diloco.outer import OuterOptimizer, OuterReport
 from diloco.pace import FixedSteps, Pace
 from diloco.screening import all_finite
 from diloco.swarm.budget import RoundTokens
+from diloco.swarm.digest import Digest, ShardDigest
 from diloco.swarm.fingerprint import ModelId, mismatch_error, rival_model
 from diloco.swarm.progress import Progress, sources
 from diloco.swarm.status import DIGEST_CHARS, HEARTBEAT_S, Status
@@ -60,7 +60,7 @@ State = tuple[dict[str, Any], list[torch.Tensor]]  # (small metadata, tensors) o
 
 
 class Swarm(Protocol):
-    """This rank's link to the same-indexed rank of the other worker groups."""
+    """This rank's link to the other worker groups."""
 
     peer_id: str  # this rank's peer id; others download this rank's state from it
 
@@ -105,8 +105,9 @@ class Swarm(Protocol):
         """Start answering state downloads of other groups with `provider()`."""
         ...
 
-    def download_state(self, peer_id: str) -> State | None:
-        """One rank's outer state from the peer, or None when it does not answer or sends none."""
+    def download_state(self, record: Progress, rank: int) -> State | None:
+        """Rank `rank`'s outer state (in this rank's layout) from the group of `record`, or None when it does not
+        answer or sends none."""
         ...
 
     def shutdown(self) -> None: ...
@@ -155,6 +156,8 @@ class DiLoCo:
         `FixedSteps(local_steps, final_step)`.
     :param tokens_per_step: tokens of one inner step of this group (all ranks), for the round rows.
     :param model: this group's model fingerprint; a live group of another model makes `claim_world_rank` leave.
+    :param digest: how the ranks' outer shards add up to the group's digest (``diloco.swarm.digest``): equal in
+        groups that hold one state; default: sha256 over the shards (groups of one shape only).
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class DiLoCo:
         pace: Pace | None = None,
         tokens_per_step: int = 0,
         model: ModelId | None = None,
+        digest: Digest | None = None,
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum)
         self.pace = pace or FixedSteps(local_steps, final_step)
@@ -193,7 +197,8 @@ class DiLoCo:
         self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
         self.token = group.broadcast(uuid.uuid4().hex)
         self.peers = tuple(group.gather(swarm.peer_id))
-        self.shard_digest = self.digest = ""
+        self.digester = digest or ShardDigest()
+        self.digest = ""
         self._update_digest()
         self.sharding, self.model, self.transport = sharding, model, transport
         self.tokens_per_s: float | None = None  # of the group, from the training loop's last metrics row
@@ -358,23 +363,24 @@ class DiLoCo:
             log.warning("outer step %d: the ranks of this group averaged with different peers", self.outer_step + 1)
             all_ok, num_peers = False, 0
         outer_before = self.outer_step
-        if all_ok and num_peers > 1:
-            self.params.step(pseudo_gradient)
-            self.tainted = False
-        elif all_ok and weight:  # as the paper does: a group that found nobody applies its own pseudo-gradient
-            log.warning(
-                "outer step %d: no peer was ready, applying this group's own pseudo-gradient", self.outer_step + 1
-            )
-            self.params.step(pseudo_gradient)
-            self.tainted = True
-        else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
-            log.warning(
-                "outer step %d: %s; nothing applied, the inner steps carry over to the next round",
-                self.outer_step + 1, "averaging failed" if not all_ok else "missed the swarm's round",
-            )  # fmt: skip
+        with self.params.lock:  # a state served meanwhile has the digest of its parameters
+            if all_ok and num_peers > 1:
+                self.params.step(pseudo_gradient)
+                self.tainted = False
+            elif all_ok and weight:  # as the paper does: a group that found nobody applies its own pseudo-gradient
+                log.warning(
+                    "outer step %d: no peer was ready, applying this group's own pseudo-gradient", self.outer_step + 1
+                )
+                self.params.step(pseudo_gradient)
+                self.tainted = True
+            else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
+                log.warning(
+                    "outer step %d: %s; nothing applied, the inner steps carry over to the next round",
+                    self.outer_step + 1, "averaging failed" if not all_ok else "missed the swarm's round",
+                )  # fmt: skip
+            self._update_digest()
         if self.outer_step > outer_before:
             self._new_round(step)
-        self._update_digest()
         self._publish()
         self.last_round = (num_peers, time.time())
         self._publish_status("training")
@@ -391,8 +397,8 @@ class DiLoCo:
         pseudo_gradient: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         sha = self.group.sha()
-        # outer_digest: sha256 over the ranks' outer shards, equal in groups that share the swarm's state (the
-        # model itself differs after a round that applied nothing, until the next one)
+        # outer_digest: of the outer parameters, equal in groups that share the swarm's state (the model itself
+        # differs after a round that applied nothing, until the next one)
         row: dict[str, Any] = {"step": step, "outer_step": self.outer_step, "outer_digest": self.digest}
         if source is not None:
             row["loaded_state_from"] = source  # world rank of the group this one downloaded the state from
@@ -414,9 +420,9 @@ class DiLoCo:
     # ------------------------------------------------------------------ progress and state transfer
 
     def _update_digest(self) -> None:
-        """Collective: this rank's shard digest, and the group's digest over all ranks' shards."""
-        self.shard_digest = self.params.digest()
-        self.digest = hashlib.sha256("".join(self.group.gather(self.shard_digest)).encode()).hexdigest()
+        """Collective: the group's digest of its outer parameters."""
+        with self.params.lock:
+            self.digest = self.digester.combine(self.group.gather(self.digester.partial(self.params.outer)))
 
     def _record(self) -> Progress:
         return Progress(
@@ -445,7 +451,7 @@ class DiLoCo:
             meta = {
                 "outer_step": self.outer_step,
                 "step": self.step,
-                "shard_digest": self.shard_digest,
+                "digest": self.digest,
                 "tainted": self.tainted,
                 "world_rank": self.world_rank,
             }
@@ -457,11 +463,13 @@ class DiLoCo:
         outer_before = self.outer_step
         for holders in plan:
             for record in holders:
-                rank = self.group.rank  # rank r downloads from rank r of the other group
-                got = self.swarm.download_state(record.peers[rank]) if rank < len(record.peers) else None
+                got = self.swarm.download_state(record, self.group.rank)
                 meta = self._valid(got)
-                seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"]))
-                if any(s is None for s in seen) or len(set(seen)) != 1:
+                part = None if meta is None else self.digester.partial(got[1][0])
+                seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"], meta["digest"]))
+                parts = self.group.gather(part)
+                # every rank got one state, and all of it: the ranks' parts add up to the digest it was served with
+                if any(s is None for s in seen) or len(set(seen)) != 1 or self.digester.combine(parts) != seen[0][2]:
                     if self.group.is_main:
                         log.warning("could not load the state of worker group %d; trying the next", record.world_rank)
                     continue
@@ -483,13 +491,13 @@ class DiLoCo:
         return None
 
     def _valid(self, got: State | None) -> dict[str, Any] | None:
-        """The metadata of a downloaded state that fits this rank's shard and arrived intact, else None."""
+        """The metadata of a downloaded state that fits this rank's shard, else None."""
         if got is None:
             return None
         meta, tensors = got
         try:
-            intact = hashlib.sha256(memoryview(tensors[0].contiguous().numpy())).hexdigest() == meta["shard_digest"]
-            return meta if self.params.fits(tensors) and intact and isinstance(meta["outer_step"], int) else None
+            typed = all(isinstance(meta[k], t) for k, t in (("outer_step", int), ("step", int), ("digest", str)))
+            return meta if typed and self.params.fits(tensors) else None
         except (IndexError, KeyError, TypeError, AttributeError, RuntimeError):
             return None
 
@@ -497,9 +505,9 @@ class DiLoCo:
         with self.params.lock:
             self.params.load(meta["outer_step"], tensors)
             self.tainted = bool(meta["tainted"])
+            self._update_digest()
         self.loaded_from_peers = True
         self.downloads += 1
-        self._update_digest()
 
     # ------------------------------------------------------------------ status for onlookers
 

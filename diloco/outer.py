@@ -9,7 +9,6 @@ touched. Nothing here knows of other groups or of the network.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -150,11 +149,6 @@ class OuterOptimizer:
     def model_is_outer(self) -> bool:
         """Whether the model's shard holds exactly the outer parameters."""
         return torch.equal(self.flat_shards(), self.outer)
-
-    def digest(self) -> str:
-        """sha256 of the outer parameters' bytes: equal digests, identical outer states."""
-        with self.lock:
-            return hashlib.sha256(memoryview(self.outer.numpy())).hexdigest()
 
     # ------------------------------------------------------------------ the state other groups download
 

@@ -26,9 +26,9 @@ SWARM = [*FAST, "--fake-data", "--total-batch-size", "2", "--log-interval", "10"
          "--hv.matchmaking-time", "3", "--hv.averaging-timeout", "15"]  # fmt: skip
 
 
-def start_group(args: list[str], log: Path, torchrun: bool = False) -> subprocess.Popen[str]:
+def start_group(args: list[str], log: Path, torchrun: bool = False, ranks: int = 1) -> subprocess.Popen[str]:
     """One worker group in its own session, output to `log` (a pipe nobody reads would block it)."""
-    entry = [str(TORCHRUN), "--standalone", "--nproc_per_node=1"] if torchrun else [sys.executable]
+    entry = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}"] if torchrun else [sys.executable]
     with log.open("a") as out:
         return subprocess.Popen(
             [*entry, "-m", "diloco.train", *args], cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
@@ -137,6 +137,8 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
 
 
 def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(tmp_path: Path, dht_peer: list[str]) -> None:
+    """The joiner is a 2-rank FULL_SHARD group in a swarm of 1-rank groups: each of its ranks downloads its half of
+    the rows from the other shape, and the digests of both shapes agree."""
     dirs = [tmp_path / f"w{i}" for i in range(3)]
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
     steps = ["--max-steps", "40"]
@@ -148,7 +150,8 @@ def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(tmp_p
         # go on serving) while the joiner starts up, which under load took longer than their whole run
         for proc in early:
             os.kill(proc.pid, signal.SIGSTOP)
-        procs.append(start_group(group_args(2, 3, dht_peer, dirs[2], *steps, "--seed", "7"), logs[2]))
+        joiner = group_args(2, 3, dht_peer, dirs[2], *steps, "--seed", "7", "--per-device-train-batch-size", "1")
+        procs.append(start_group(joiner, logs[2], torchrun=True, ranks=2))
         try:
             wait_for(lambda: "worker group 2 starting" in logs[2].read_text(), 120, "the joiner", procs[2:], logs[2:])
         finally:
@@ -162,6 +165,8 @@ def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(tmp_p
     assert joined["status"] == "ok" and joined["loaded_state_from_peers"] is True and joined["steps"] == 40
     first_rows = outer_rows(dirs[2])
     assert first_rows[0]["step"] >= 10  # it started at the swarm's inner step (a fresh group's first round is 5)
+    by_outer = {r["outer_step"]: r["outer_digest"] for r in outer_rows(dirs[0])}  # one state, one digest: any shape
+    assert any(by_outer.get(r["outer_step"]) == r["outer_digest"] for r in first_rows), (first_rows, by_outer)
     finals = [summary(d) for d in dirs]
     assert len({s["params_sha256"] for s in finals}) == 1  # despite another seed: its own init never leaked
     # it averaged with the others, and was bit-identical with group 0 after every round they took together (under

@@ -275,7 +275,7 @@ def test_a_finished_group_waits_a_bounded_time_for_a_live_group_still_training()
 
 
 class Unreachable(Member):
-    def download_state(self, peer_id: str) -> None:
+    def download_state(self, record: Progress, rank: int) -> None:
         return None
 
 

@@ -37,9 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("diloco")
 
 REQUEST_TIMEOUT_S = 5.0  # a ping, or one message of a state download
-# at start, once rank 0 met the other groups: how long its groupmates wait for the same rank of groups of their
-# shape (they connect to them for state downloads; groups of other shapes have no such rank)
-SAME_SHAPE_WAIT_S = 10.0
 
 
 def join(
@@ -88,6 +85,7 @@ def join(
     from diloco.swarm.addresses import listen_host, offset_port
     from diloco.swarm.averager import SwarmAverager
     from diloco.swarm.budget import tokens_key
+    from diloco.swarm.digest import CanonicalDigest
     from diloco.swarm.dht import rendezvous, start_dht
     from diloco.swarm.fingerprint import run_key
     from diloco.swarm.peer import SwarmPeer
@@ -101,8 +99,8 @@ def join(
     )
     run = run_key(hv.run_id, model)
     whole = hv.transport == "tcp" and model_shapes is not None  # groups average as wholes
-    # rank 0 matchmakes for its whole group under a key every shape shares; the other ranks' averagers only serve
-    # and download state (rank by rank, with groups of the same shape)
+    # rank 0 matchmakes for its whole group under a key every shape shares; states travel over the ranks' TCP
+    # listeners (``transfer``), so the other ranks' averagers stay idle
     prefix = f"{run}-groups" if whole and env.rank == 0 else f"{run}-rank{env.rank}of{env.world_size}"
     port = hv.averaging_port + env.local_rank if hv.averaging_port else 0
     try:
@@ -131,8 +129,8 @@ def join(
             dht.shutdown()
             raise
     peer = SwarmPeer(
-        dht, averager, progress_key(run, env.world_size), REQUEST_TIMEOUT_S, status_key=status_key(hv.run_id),
-        tokens_key=tokens_key(hv.run_id), rounds=rounds,
+        dht, averager, progress_key(run, None if whole else env.world_size), REQUEST_TIMEOUT_S,
+        status_key=status_key(hv.run_id), tokens_key=tokens_key(hv.run_id), rounds=rounds,
     )  # fmt: skip
     try:
         if hv.target_tokens and final_step:  # a run of 0 steps has no round to pace
@@ -159,13 +157,12 @@ def join(
             pace=pace,
             tokens_per_step=tokens_per_step,
             model=model,
+            digest=CanonicalDigest(model_shapes, rounds.layout) if rounds is not None else None,
         )
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all
-        if whole and not group.is_main:  # rank 0 waits for the groups; then the ranks of the same shape meet
+        if whole and not group.is_main:  # rank 0 meets the other groups for its whole group
             group.broadcast(None)
-            timeout = min(hv.averaging_timeout, SAME_SHAPE_WAIT_S)
-            rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, timeout, stop)
         else:
             seen = rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout, stop)
             if whole:

@@ -171,6 +171,7 @@ class GroupRounds:
         self.broadcast, self.listener, self.codec, self.timeout, self.replicas = (
             broadcast, listener, codec, timeout, replicas
         )  # fmt: skip
+        self.layout = group_layout(self.model_shapes, shape)[rank]  # this rank's part of the canonical vector
         self._out: torch.Tensor | None = None
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]):

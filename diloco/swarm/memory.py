@@ -116,8 +116,8 @@ class Member:
     def serve_state(self, provider: Callable[[], State]) -> None:
         self.swarm.providers[self.peer_id] = provider
 
-    def download_state(self, peer_id: str) -> State | None:
-        provider = self.swarm.providers.get(peer_id)
+    def download_state(self, record: Progress, rank: int) -> State | None:
+        provider = self.swarm.providers.get(record.peers[rank]) if rank < len(record.peers) else None
         return None if provider is None else provider()
 
     def shutdown(self) -> None:

@@ -5,6 +5,7 @@ records (``diloco.swarm.progress``) and status records (``diloco.swarm.status``)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -15,10 +16,11 @@ import hivemind
 import torch
 from hivemind.p2p import PeerID
 
-from diloco.swarm import budget, progress, status
+from diloco.swarm import budget, progress, status, transfer
 from diloco.swarm.averager import RoundReport, SwarmAverager
 from diloco.swarm.budget import RoundTokens
-from diloco.swarm.group_round import GroupRounds
+from diloco.swarm.group_round import GroupRounds, member_of
+from diloco.swarm.layout import group_layout
 from diloco.swarm.progress import Progress
 from diloco.swarm.status import Status
 
@@ -41,7 +43,8 @@ class SwarmPeer:
     :param status_key: DHT key of the groups' status records (``status.status_key``).
     :param tokens_key: DHT key of the groups' round-token records (``budget.tokens_key``).
     :param rounds: rounds of whole groups (``group_round.GroupRounds``; owned from now on), which ``average`` then
-        runs; None: ``averager`` averages with the same rank of the other groups.
+        runs; states then travel over its listener (``transfer``), between groups of any shape. None: ``averager``
+        averages with, and downloads from, the same rank of the other groups.
     """
 
     def __init__(
@@ -72,6 +75,11 @@ class SwarmPeer:
         return self.averager.average(tensors, round_index=round_index, weight=weight, stop=stop)
 
     def publish(self, record: Progress) -> None:
+        if self.rounds is not None:  # where a group of any shape downloads this group's state
+            shape = self.rounds.shape
+            endpoints = tuple([list(hosts), port] for hosts, port in self.rounds.endpoints)
+            record = dataclasses.replace(record, shape=(shape.strategy, shape.world_size, shape.nodes),
+                                         endpoints=endpoints)  # fmt: skip
         progress.publish(self.dht, self.progress_key, record)
 
     def records(self) -> list[Progress]:
@@ -133,10 +141,22 @@ class SwarmPeer:
             return False
 
     def serve_state(self, provider: Callable[[], State]) -> None:
-        self.averager.serve_state(provider)
+        if self.rounds is not None:
+            service = transfer.StateService(self.rounds.layout, provider, self.request_timeout)
+            self.rounds.listener.serve(transfer.MAGIC, service)
+        else:
+            self.averager.serve_state(provider)
 
-    def download_state(self, peer_id: str) -> State | None:
-        return self.averager.download_state(peer_id, self.request_timeout)
+    def download_state(self, record: Progress, rank: int) -> State | None:
+        if self.rounds is None:
+            return self.averager.download_state(record.peers[rank], self.request_timeout) if rank < len(record.peers) else None
+        try:  # a record of another version, or garbage: no state from it
+            source = member_of({"shape": record.shape, "endpoints": record.endpoints, "weight": 0.0})
+        except (TypeError, ValueError, KeyError) as e:
+            log.debug("the progress record of group %d names no reachable shape (%s)", record.world_rank, e)
+            return None
+        layouts = group_layout(self.rounds.model_shapes, source.shape)
+        return transfer.download(self.rounds.layout, layouts, source.endpoints, self.request_timeout)
 
     def shutdown(self) -> None:
         deadline = time.monotonic() + LAST_STATUS_WAIT_S

@@ -2,7 +2,7 @@
 swarm's state.
 
 Every group publishes one record (its rank 0 does, at start and after each outer step) under one DHT key per run
-and group shape, with its world rank as the subkey. A group compares its own record with the live ones of the
+(per run and number of ranks where ranks average rank by rank), with its world rank as the subkey. A group compares its own record with the live ones of the
 others (`sources`): the swarm's state is the one with the highest outer step; between groups at the same outer
 step, a state that came out of a full average beats one that did not (a lone or failed round), then the state
 more groups hold, then the lowest world rank. This order is the same for everyone, so groups that diverged (a
@@ -37,6 +37,8 @@ class Progress:
     :param token: random per start of a group; two different tokens for one world rank are two groups.
     :param peers: peer id of each rank's averager, in rank order (rank r downloads from rank r).
     :param done: it took its last inner step and waits for the others to hold the same final state.
+    :param shape: where groups average as wholes: its ``[strategy, ranks, nodes]`` and each rank's TCP endpoint
+        ``[hosts, port]``, in rank order (a group of any shape downloads from them); empty otherwise.
     """
 
     world_rank: int
@@ -48,20 +50,23 @@ class Progress:
     token: str
     peers: tuple[str, ...]
     done: bool = False
+    shape: tuple = ()
+    endpoints: tuple = ()
 
     @property
     def state(self) -> tuple[int, str]:
         return self.outer_step, self.digest
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "peers": list(self.peers)}
+        return {**asdict(self), "peers": list(self.peers), "shape": list(self.shape), "endpoints": list(self.endpoints)}
 
     @classmethod
     def from_dict(cls, data: Any) -> Progress | None:
         """A record read back from the DHT; None when it is not one (another version, garbage)."""
         try:
-            record = cls(**{**data, "peers": tuple(data["peers"])})
-        except (TypeError, KeyError):
+            lists = {key: tuple(data.get(key, ())) for key in ("shape", "endpoints")}
+            record = cls(**{**data, **lists, "peers": tuple(data["peers"])})
+        except (TypeError, KeyError, AttributeError):
             return None
         return record if all(isinstance(p, str) for p in record.peers) else None
 
@@ -77,9 +82,10 @@ class Store(Protocol):
     def get(self, key: str, latest: bool = False) -> Any: ...
 
 
-def progress_key(run_id: str, ranks: int) -> str:
-    """The DHT key of a run's records; groups of another number of ranks keep their own (their shards differ)."""
-    return f"{run_id}-{ranks}ranks-progress"
+def progress_key(run_id: str, ranks: int | None = None) -> str:
+    """The DHT key of a run's records. Groups that average rank by rank keep one per number of ranks (`ranks`:
+    their shards differ); groups that average as wholes (None) share one, whatever their shapes."""
+    return f"{run_id}-groups-progress" if ranks is None else f"{run_id}-{ranks}ranks-progress"
 
 
 def publish(dht: Store, key: str, record: Progress) -> None:

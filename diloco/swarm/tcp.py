@@ -108,7 +108,7 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += tensor.numel()
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
     while view:
         received = sock.recv_into(view)
         if received == 0:
@@ -119,7 +119,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 def _recv_length(sock: socket.socket) -> int:
     """The length header of the next message."""
     header = bytearray(LENGTH.size)
-    _recv_exact(sock, memoryview(header))
+    recv_exact(sock, memoryview(header))
     return LENGTH.unpack(header)[0]
 
 
@@ -471,7 +471,7 @@ class Round:
         try:
             sock.sendall(hello)
             ack = bytearray(MAC_SIZE)
-            _recv_exact(sock, memoryview(ack))
+            recv_exact(sock, memoryview(ack))
             if not hmac.compare_digest(bytes(ack), _mac(self.group_id, b"ack" + hello)):
                 raise ConnectionError("the peer answered with a wrong MAC")
         except OSError:
@@ -502,7 +502,7 @@ class Round:
         if length > max_bytes:
             raise ValueError(f"a message of {length} bytes, at most {max_bytes} expected")
         data = torch.empty(length, dtype=torch.uint8)  # not bytearray: no zero-filling pass
-        _recv_exact(sock, _bytes_of(data))
+        recv_exact(sock, _bytes_of(data))
         with self._cv:
             self.bytes_received += LENGTH.size + length
         return _bytes_of(data)
@@ -511,7 +511,7 @@ class Round:
         length = _recv_length(sock)
         if length != view.nbytes:
             raise ValueError(f"a message of {length} bytes, {view.nbytes} expected")
-        _recv_exact(sock, view)
+        recv_exact(sock, view)
         with self._cv:
             self.bytes_received += LENGTH.size + length
 
@@ -548,12 +548,17 @@ class Listener:
         self._sock, self._timeout = sock, handshake_timeout
         self._registration_timeout = handshake_timeout if registration_timeout is None else registration_timeout
         self._rounds: dict[bytes, Round] = {}
+        self._services: dict[bytes, Callable[[socket.socket], None]] = {}
         self._cv = threading.Condition()
         self._closed = False
 
     def start(self) -> Listener:
         threading.Thread(target=self._accept, daemon=True, name="butterfly-accept").start()
         return self
+
+    def serve(self, magic: bytes, handler: Callable[[socket.socket], None]) -> None:
+        """Hand connections that open with the 4 bytes `magic` to `handler` (on their own thread; closed after)."""
+        self._services[magic] = handler
 
     def register(self, round_: Round) -> None:
         with self._cv:
@@ -583,7 +588,13 @@ class Listener:
             conn.settimeout(self._timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = bytearray(HELLO.size + MAC_SIZE)
-            _recv_exact(conn, memoryview(hello))
+            recv_exact(conn, memoryview(hello)[: len(MAGIC)])
+            if (service := self._services.get(bytes(hello[: len(MAGIC)]))) is not None:
+                try:
+                    return service(conn)
+                finally:
+                    _close(conn)
+            recv_exact(conn, memoryview(hello)[len(MAGIC) :])
             magic, tag = HELLO.unpack_from(hello)[:2]
             if magic != MAGIC:
                 raise ConnectionError("not a butterfly connection")

@@ -1,0 +1,170 @@
+"""Downloading a worker group's outer state into a group of any shape, rank by rank over the ranks' TCP listeners.
+
+A group that is behind, diverged or just joined loads the swarm's state from a group that holds it, and that group
+may be sharded otherwise: its rank r holds other rows than this group's rank r. So each rank of the downloading
+group asks every rank of the source group for the canonical runs it needs that the source rank *exchanges*
+(``diloco.swarm.layout``: each value is exchanged by exactly one rank of a group, so no value is asked for twice,
+and replicas share the load), and assembles its local buffer of outer parameters and momentum from the answers.
+The answers must all describe one state (the same metadata); the caller then checks the assembled state against the
+digest in that metadata (``diloco.swarm.digest``), which proves every rank got all of it.
+
+Wire protocol, one connection per (downloading rank, source rank), opened by the downloader on the source rank's
+``tcp.Listener``:
+
+* request: ``MAGIC``, the number of runs (u32), then each run's canonical ``[start, stop)`` (u64, u64);
+* answer: the metadata as JSON (u32 length first), the number of tensors (u8: the outer parameters, and the
+  momentum once there is one), then per tensor the float32 values of every run, in the order asked.
+
+Anyone who reaches the listener may download the state, as with hivemind's own state download.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import socket
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from diloco.swarm.layout import RankLayout
+from diloco.swarm.tcp import recv_exact
+
+log = logging.getLogger("diloco")
+
+MAGIC = b"DLS1"
+COUNT = struct.Struct("!I")
+RUN = struct.Struct("!QQ")
+TENSORS = struct.Struct("!B")
+MAX_RUNS = 2**20
+MAX_META_BYTES = 2**16
+
+State = tuple[dict[str, Any], list[torch.Tensor]]  # (metadata, [outer parameters, momentum?]) of one rank
+Endpoint = tuple[Sequence[str], int]
+Run = tuple[int, int, int]  # canonical start, stop, and where the values go in the downloader's buffer
+
+
+def requests(me: RankLayout, source: Sequence[RankLayout]) -> dict[int, list[Run]]:
+    """Per rank of the source group, the runs it exchanges that `me` holds (each of `me`'s values exactly once)."""
+    runs = sorted((p.start, p.stop, rank) for rank, layout in enumerate(source) for p in layout.exchanged)
+    starts = [start for start, _, _ in runs]
+    asked: dict[int, list[Run]] = {}
+    for piece in me.held:
+        i = max(bisect.bisect_right(starts, piece.start) - 1, 0)
+        while i < len(runs) and runs[i][0] < piece.stop:
+            start, stop, rank = runs[i]
+            lo, hi = max(start, piece.start), min(stop, piece.stop)
+            if hi > lo:
+                asked.setdefault(rank, []).append((lo, hi, piece.local + lo - piece.start))
+            i += 1
+    return asked
+
+
+class StateService:
+    """Answers state downloads on this rank's ``tcp.Listener`` (``listener.serve(MAGIC, service)``).
+
+    :param layout: this rank's; a run is served when it lies inside one of the runs this rank holds.
+    :param provider: this rank's current state (copies, taken at one moment).
+    :param timeout: seconds any single read or write of a connection may take.
+    """
+
+    def __init__(self, layout: RankLayout, provider: Callable[[], State], timeout: float):
+        self.held, self.provider, self.timeout = layout.held, provider, timeout
+        self._starts = [p.start for p in layout.held]
+
+    def local(self, start: int, stop: int) -> int:
+        """Where canonical ``[start, stop)`` sits in this rank's buffer; ValueError when it does not hold it all."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0 or stop > self.held[i].stop or stop <= start:
+            raise ValueError(f"[{start}, {stop}) is not held by this rank")
+        return self.held[i].local + start - self.held[i].start
+
+    def __call__(self, conn: socket.socket) -> None:
+        conn.settimeout(self.timeout)
+        (count,) = COUNT.unpack(_receive(conn, COUNT.size))
+        if count > MAX_RUNS:
+            raise ValueError(f"{count} runs asked")
+        data = _receive(conn, count * RUN.size)
+        asked = [RUN.unpack_from(data, i * RUN.size) for i in range(count)]
+        places = [(self.local(start, stop), stop - start) for start, stop in asked]
+        meta, tensors = self.provider()
+        header = json.dumps(meta).encode()
+        conn.sendall(COUNT.pack(len(header)) + header + TENSORS.pack(len(tensors)))
+        for tensor in tensors:
+            flat = tensor.reshape(-1)
+            for local, numel in places:
+                conn.sendall(memoryview(flat[local : local + numel].numpy()).cast("B"))
+
+
+def download(me: RankLayout, source: Sequence[RankLayout], endpoints: Sequence[Endpoint], timeout: float) -> State | None:
+    """This rank's outer state (in `me`'s layout) from the ranks of a group laid out as `source`, reached at
+    `endpoints` (in rank order). None when a rank does not answer in full or the answers describe different
+    states."""
+    outer = torch.empty(me.local_numel)
+    made: list[list[torch.Tensor]] = []  # the outer parameters, and the momentum once an answer has one
+
+    def buffers(count: int) -> list[torch.Tensor]:
+        if not made:
+            if count not in (1, 2):
+                raise ValueError(f"{count} tensors in a state")
+            made.append([outer] + [torch.empty_like(outer) for _ in range(count - 1)])
+        if count != len(made[0]):
+            raise ValueError("another state than the other ranks'")
+        return made[0]
+
+    meta: dict[str, Any] | None = None
+    for rank, runs in (requests(me, source) or {0: []}).items():  # a rank that holds nothing still needs the meta
+        try:
+            got = _fetch(endpoints[rank], runs, timeout, buffers)
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            log.debug("state download from rank %d failed: %s: %s", rank, type(e).__name__, e)
+            return None
+        if meta is not None and got != meta:
+            log.debug("state download: rank %d sent another state than the others", rank)
+            return None
+        meta = got
+    return None if meta is None else (meta, made[0] if made else [outer])
+
+
+def _fetch(endpoint: Endpoint, runs: list[Run], timeout: float,
+           buffers: Callable[[int], list[torch.Tensor]]) -> dict[str, Any]:  # fmt: skip
+    """Ask one source rank for `runs`; its values go into ``buffers(count)`` at the runs' places."""
+    sock = _connect(endpoint, timeout)
+    try:
+        request = MAGIC + COUNT.pack(len(runs)) + b"".join(RUN.pack(start, stop) for start, stop, _ in runs)
+        sock.sendall(request)
+        (length,) = COUNT.unpack(_receive(sock, COUNT.size))
+        if length > MAX_META_BYTES:
+            raise ValueError(f"metadata of {length} bytes")
+        meta = json.loads(bytes(_receive(sock, length)).decode())
+        if not isinstance(meta, dict):
+            raise ValueError("metadata that is not an object")
+        (count,) = TENSORS.unpack(_receive(sock, TENSORS.size))
+        for tensor in buffers(count):
+            for start, stop, local in runs:
+                recv_exact(sock, memoryview(tensor[local : local + stop - start].numpy()).cast("B"))
+        return meta
+    finally:
+        sock.close()
+
+
+def _connect(endpoint: Endpoint, timeout: float) -> socket.socket:
+    hosts, port = endpoint
+    errors = []
+    for host in hosts:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.settimeout(timeout)
+            return sock
+        except OSError as e:
+            errors.append(f"{host}:{port}: {e}")
+    raise ConnectionError("; ".join(errors) or "no address")
+
+
+def _receive(sock: socket.socket, size: int) -> memoryview:
+    data = bytearray(size)
+    recv_exact(sock, memoryview(data))
+    return memoryview(data)

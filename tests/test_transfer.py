@@ -1,0 +1,99 @@
+"""State downloads between groups of different shapes (`diloco.swarm.transfer`) over real loopback sockets: every
+rank of the downloading group assembles exactly its rows from the ranks of a group sharded otherwise."""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from diloco.swarm import tcp, transfer
+from diloco.swarm.digest import CanonicalDigest
+from diloco.swarm.layout import RankLayout, Shape, group_layout
+
+SHAPES = [(64, 32), (32,), (33, 16), (7, 3), (5,), (10, 64)]
+TOTAL = sum(math.prod(s) for s in SHAPES)
+
+
+def local(vector: torch.Tensor, rank: RankLayout) -> torch.Tensor:
+    return torch.cat([vector[p.start : p.stop] for p in rank.held]) if rank.held else torch.zeros(0)
+
+
+@contextmanager
+def serving(shape: Shape, tensors: list[torch.Tensor], meta: dict) -> Iterator[list[transfer.Endpoint]]:
+    """A group of `shape` whose ranks serve their shards of `tensors` (canonical vectors) on loopback listeners."""
+    listeners, endpoints = [], []
+    try:
+        for layout in group_layout(SHAPES, shape):
+            sock = tcp.listen_socket("127.0.0.1", 0)
+            listener = tcp.Listener(sock, handshake_timeout=10).start()
+            state = (meta, [local(t, layout) for t in tensors])
+            listener.serve(transfer.MAGIC, transfer.StateService(layout, lambda s=state: s, timeout=10))
+            listeners.append(listener)
+            endpoints.append((["127.0.0.1"], sock.getsockname()[1]))
+        yield endpoints
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+SOURCES = [Shape("FULL_SHARD", 1), Shape("FULL_SHARD", 3), Shape("NO_SHARD", 2), Shape("HYBRID_SHARD", 4, nodes=2)]
+TARGETS = [Shape("FULL_SHARD", 1), Shape("FULL_SHARD", 2), Shape("SHARD_GRAD_OP", 5), Shape("DDP", 2)]
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda s: f"{s.strategy}-{s.world_size}")
+def test_every_rank_of_any_shape_downloads_its_rows_and_momentum_from_any_shape(source: Shape) -> None:
+    outer, momentum = torch.randn(TOTAL), torch.randn(TOTAL)
+    meta = {"outer_step": 3, "step": 12, "digest": "d"}
+    with serving(source, [outer, momentum], meta) as endpoints:
+        for target in TARGETS:
+            layouts = group_layout(SHAPES, target)
+            for layout in layouts:
+                got = transfer.download(layout, group_layout(SHAPES, source), endpoints, timeout=10)
+                assert got is not None, (target, layout)
+                assert got[0] == meta
+                assert torch.equal(got[1][0], local(outer, layout)) and torch.equal(got[1][1], local(momentum, layout))
+            # what the caller checks before loading: the assembled state's digest is the source's
+            digests = [CanonicalDigest(SHAPES, r) for r in layouts]
+            parts = [d.partial(transfer.download(r, group_layout(SHAPES, source), endpoints, 10)[1][0])
+                     for d, r in zip(digests, layouts)]  # fmt: skip
+            whole = CanonicalDigest(SHAPES, group_layout(SHAPES, Shape("FULL_SHARD", 1))[0]).partial(outer)
+            assert CanonicalDigest.combine(parts) == CanonicalDigest.combine([whole])
+
+
+def test_each_value_is_asked_of_exactly_one_source_rank_and_replicas_share_the_asking() -> None:
+    me = group_layout(SHAPES, Shape("FULL_SHARD", 1))[0]
+    asked = transfer.requests(me, group_layout(SHAPES, Shape("NO_SHARD", 3)))
+    assert sorted(asked) == [0, 1, 2]  # all three replicas
+    values = sorted(i for runs in asked.values() for start, stop, _ in runs for i in range(start, stop))
+    assert values == list(range(TOTAL))
+
+
+def test_a_state_without_momentum_and_a_rank_that_holds_nothing() -> None:
+    outer = torch.randn(TOTAL)
+    with serving(Shape("FULL_SHARD", 2), [outer], {"outer_step": 0}) as endpoints:
+        empty = RankLayout((), ())  # FSDP can leave a rank without rows
+        got = transfer.download(empty, group_layout(SHAPES, Shape("FULL_SHARD", 2)), endpoints, timeout=10)
+        assert got is not None and got[0] == {"outer_step": 0} and [t.numel() for t in got[1]] == [0]
+
+
+def test_sources_that_disagree_or_vanish_give_no_state() -> None:
+    layout = group_layout(SHAPES, Shape("FULL_SHARD", 1))[0]
+    source = group_layout(SHAPES, Shape("FULL_SHARD", 2))
+    outer = torch.randn(TOTAL)
+    with serving(Shape("FULL_SHARD", 2), [outer], {"outer_step": 1}) as endpoints:
+        with serving(Shape("FULL_SHARD", 2), [outer], {"outer_step": 2}) as later:
+            assert transfer.download(layout, source, [endpoints[0], later[1]], timeout=10) is None
+    assert transfer.download(layout, source, endpoints, timeout=2) is None  # closed: nobody answers
+
+
+def test_a_request_for_values_a_rank_does_not_hold_is_dropped() -> None:
+    outer = torch.randn(TOTAL)
+    with serving(Shape("FULL_SHARD", 2), [outer], {"outer_step": 1}) as endpoints:
+        with socket.create_connection(tuple([endpoints[0][0][0], endpoints[0][1]]), timeout=10) as sock:
+            sock.sendall(transfer.MAGIC + transfer.COUNT.pack(1) + transfer.RUN.pack(0, TOTAL))  # rank 0 holds half
+            assert sock.recv(1) == b""  # closed without an answer
