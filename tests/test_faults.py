@@ -211,8 +211,9 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
 
 def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path: Path, dht_peer: list[str]) -> None:
     """A group of a running swarm is never disturbed by a newcomer that got its flags wrong: one that takes the
-    same world rank, or trains another model (it never exchanged a byte with it), leaves with one line, exit 2,
-    having written nothing."""
+    same world rank (also with another number of ranks: whole groups of any shape share one progress key), or
+    trains another model (it never exchanged a byte with it), leaves with one line, exit 2, having written
+    nothing."""
     log = tmp_path / "first.log"
     first = start_group(group_args(0, 2, dht_peer, tmp_path / "first", "--max-steps", "100000"), log)
     other_model = ROOT / "tests" / "models" / "llama-1m-fresh"
@@ -228,6 +229,11 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path
             )
             for rank, name, extra in [(0, "second", []), (1, "other", ["--path-model", str(other_model)])]
         ]  # fmt: skip
+        wide = subprocess.run(
+            [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train",
+             *group_args(0, 2, dht_peer, tmp_path / "wide"), "--per-device-train-batch-size", "1"],
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
         os.kill(first.pid, signal.SIGCONT)
         assert first.poll() is None  # the running group is left alone
         first.send_signal(signal.SIGTERM)
@@ -245,3 +251,7 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path
                      rf"fingerprint {fingerprint}\) than this group \([\d,]+ parameters, fingerprint (?!{fingerprint})"
                      r"\w+\); the groups of a run must train the same model", errors[1]), errors[1]  # fmt: skip
     assert not (tmp_path / "second").exists() and not (tmp_path / "other").exists()
+    # under torchrun: its rank 0 says it once, and the launcher exits with an error
+    ours = [line for line in wide.stderr.splitlines() if line.startswith("error:")]
+    assert wide.returncode != 0 and len(ours) == 1 and "--hv.world-rank 0 is taken" in ours[0], wide.stderr[-3000:]
+    assert not (tmp_path / "wide").exists()
