@@ -100,23 +100,25 @@ def join(
     run = run_key(hv.run_id, model)
     whole = hv.transport == "tcp" and model_shapes is not None  # groups average as wholes
     # rank 0 matchmakes for its whole group under a key every shape shares; states travel over the ranks' TCP
-    # listeners (``transfer``), so the other ranks' averagers stay idle
-    prefix = f"{run}-groups" if whole and env.rank == 0 else f"{run}-rank{env.rank}of{env.world_size}"
+    # listeners (``transfer``), so the other ranks need no averager
+    prefix = f"{run}-groups" if whole else f"{run}-rank{env.rank}of{env.world_size}"
     port = hv.averaging_port + env.local_rank if hv.averaging_port else 0
+    averager = None
     try:
-        averager = SwarmAverager(
-            dht,
-            prefix=prefix,
-            tensors=[torch.zeros(1 if whole else sum(s.numel() for s in shards))],
-            compression=hv.compression,
-            matchmaking_time=hv.matchmaking_time,
-            averaging_timeout=hv.averaging_timeout,
-            target_group_size=hv.galaxy_size,
-            transport=hv.transport,
-            tcp_host=listen_host(hv.host_maddrs),
-            tcp_port=port,
-            match_only=whole,
-        )
+        if not (whole and env.rank > 0):
+            averager = SwarmAverager(
+                dht,
+                prefix=prefix,
+                tensors=[torch.zeros(1 if whole else sum(s.numel() for s in shards))],
+                compression=hv.compression,
+                matchmaking_time=hv.matchmaking_time,
+                averaging_timeout=hv.averaging_timeout,
+                target_group_size=hv.galaxy_size,
+                transport=hv.transport,
+                tcp_host=listen_host(hv.host_maddrs),
+                tcp_port=port,
+                match_only=whole,
+            )
     except BaseException:
         dht.shutdown()
         raise
@@ -125,7 +127,8 @@ def join(
         try:
             rounds = group_rounds(hv, env, group, dht, averager, model_shapes, sharding, port)
         except BaseException:
-            averager.shutdown()
+            if averager is not None:
+                averager.shutdown()
             dht.shutdown()
             raise
     peer = SwarmPeer(

@@ -37,7 +37,8 @@ class SwarmPeer:
     stores under way, at most ``LAST_STATUS_WAIT_S``).
 
     :param dht: this rank's running DHT peer (owned from now on).
-    :param averager: averages with the same rank of the other groups (owned from now on).
+    :param averager: averages with the same rank of the other groups, or (with `rounds`, on rank 0) finds the
+        round's groups (owned from now on); None: a rank other than 0 of a group that averages as a whole.
     :param progress_key: DHT key of the groups' progress records (``progress.progress_key``).
     :param request_timeout: seconds to wait for a peer's answer (a ping, each message of a state download).
     :param status_key: DHT key of the groups' status records (``status.status_key``).
@@ -50,7 +51,7 @@ class SwarmPeer:
     def __init__(
         self,
         dht: hivemind.DHT,
-        averager: SwarmAverager,
+        averager: SwarmAverager | None,
         progress_key: str,
         request_timeout: float,
         status_key: str,
@@ -63,7 +64,7 @@ class SwarmPeer:
         self._tokens: list[RoundTokens] = []  # the last round-token records read
         self._reading: Future | None = None  # a read of them under way
         self._read_at = -float("inf")
-        self.peer_id = averager.peer_id
+        self.peer_id = averager.peer_id if averager is not None else dht.peer_id.to_base58()  # (the same daemon)
         self._storing: set[Future] = set()  # record stores under way (a future nobody holds drops its result)
         self._store_failed = False  # one warning, not one per heartbeat
 
@@ -166,7 +167,8 @@ class SwarmPeer:
         try:
             if self.rounds is not None:
                 self.rounds.listener.close()
-            self.averager.shutdown()
+            if self.averager is not None:
+                self.averager.shutdown()
         finally:
             self.dht.shutdown()
 
