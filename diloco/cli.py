@@ -236,6 +236,8 @@ BENCH_HELP = {
     "and ip/tc; without them, loopback only).",
     "hetero": "Three worker groups throttled to 1, 0.5 and 0.25 core (cgroup quota; needs root): fixed H vs "
     "--hv.target-tokens, tokens/s alone and together, idle time, eval loss.",
+    "shapes": "A 1-rank and a 2-rank FULL_SHARD group in one swarm against two 1-rank groups: identical after "
+    "every round, and the round time.",
 }
 
 

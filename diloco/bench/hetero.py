@@ -429,8 +429,8 @@ def setup_lines(result: dict[str, Any]) -> list[str]:
         "solo where other processes (the machine's, the group's own DHT and averager) took CPU; idle = the sum of "
         "the outer rows' `wait_s`; evals: from the row before each eval row to it",
         f"- 1-minute load average at start / end: {load}",
-        "- not measured: the mixed-shape arm (a 1-rank and a 2-rank group): the trainer cannot average groups of "
-        "different shapes yet (issue 10, point 1)",
+        "- the mixed-shape arm (a 1-rank and a 2-rank group, identical after every round, round time against two "
+        "1-rank groups) is `diloco bench shapes`",
     ]
     if result["missing_arms"]:
         lines.append(f"- not run: {', '.join(result['missing_arms'])} (this trainer has no `--hv.target-tokens`)")

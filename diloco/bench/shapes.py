@@ -1,0 +1,178 @@
+"""`diloco bench shapes`: worker groups of different shapes in one swarm, against groups of one shape.
+
+Two arms, each a swarm of two worker groups on loopback (`--hv.transport tcp`) that train the same model on fake
+data with the same total batch, H and number of steps:
+
+- ``1+1``: two groups of one rank (``python -m diloco.train``);
+- ``1+2``: a group of one rank and a 2-rank FULL_SHARD group (``torchrun --nproc_per_node 2``, half the batch per
+  rank): each rank of it sends its shard's rows to their reducers, whichever group and rank reduces them.
+
+Per arm: the rounds both groups took part in; whether the groups held the same model (``params_sha256``) and the
+same outer state (``outer_digest``, which is shape-independent) after every such round and at the end; and per
+round its time from the group's forming to the result (``averaging_s − wait_s``), the bytes the trainer counted,
+and ``averaging_s``. The 1+2 arm runs three trainer processes on the machine where 1+1 runs two, so on a machine
+with few cores its rounds compete for more CPU: the report gives the load, and the time ratio is what it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shlex
+import statistics
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from diloco import procs
+from diloco.bench import BenchError, machine_line
+from diloco.bench.models import write_model
+from diloco.bench.wire import dht_peers, started, summary, wait_all
+
+__all__ = ["markdown", "measure"]
+
+log = logging.getLogger("diloco")
+
+ARMS = {"1+1": (1, 1), "1+2": (1, 2)}  # ranks of each group (the 2-rank group: FULL_SHARD)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapesSetup:
+    """What both arms train: `batch` sequences per inner step per group (all its ranks), H = `local_steps`."""
+
+    model: str
+    seq_length: int
+    batch: int
+    steps: int
+    local_steps: int
+    matchmaking_s: float
+    timeout_s: float
+
+
+def shapes_setup(quick: bool) -> ShapesSetup:
+    """Quick: the 0.26M model, 2 rounds. Full: the 14M one (56 MB of float32 per round), 6 rounds."""
+    if quick:
+        return ShapesSetup("llama-2m-fresh", seq_length=32, batch=2, steps=4, local_steps=2, matchmaking_s=30.0,
+                           timeout_s=300.0)  # fmt: skip
+    return ShapesSetup("llama-14m-fresh", seq_length=64, batch=4, steps=30, local_steps=5, matchmaking_s=30.0,
+                       timeout_s=900.0)  # fmt: skip
+
+
+def group_command(setup: ShapesSetup, model: Path, arm: str, world_rank: int, ranks: int, peers: list[str],
+                  run_dir: Path) -> list[str]:  # fmt: skip
+    """One group's trainer; a 2-rank group runs under torchrun, FULL_SHARD, half the batch per rank."""
+    launcher = [sys.executable] if ranks == 1 else [
+        str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={ranks}"]  # fmt: skip
+    return [
+        *launcher, "-m", "diloco.train", "--path-model", str(model), "--fake-data",
+        "--seq-length", str(setup.seq_length), "--per-device-train-batch-size", str(setup.batch // ranks),
+        "--total-batch-size", str(setup.batch), "--max-steps", str(setup.steps), "--lr", "1e-3",
+        "--warmup-steps", "1", "--precision", "32-true", "--no-torch-compile", "--metric-logger-type", "dummy",
+        "--sharding-strategy", "FULL_SHARD", "--hv.local-steps", str(setup.local_steps),
+        "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank),
+        "--hv.run-id", f"shapes-{arm.replace('+', '-')}",  # (a run id is letters, digits, - and _)
+        "--hv.matchmaking-time", str(setup.matchmaking_s), "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        "--hv.initial-peers", *peers, "--run-dir", str(run_dir),
+    ]  # fmt: skip
+
+
+def outer_rows(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """The rows of rounds this group averaged in, by outer step."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {row["outer_step"]: row for row in rows if "bytes_sent" in row}
+
+
+def arm_figures(name: str, run_dirs: list[Path]) -> dict[str, Any]:
+    """Rounds both groups took part in, whether they were identical after each, and their times and bytes."""
+    rows = [outer_rows(d) for d in run_dirs]
+    finals = [summary(d) for d in run_dirs]
+    shared = sorted(set.intersection(*({s for s, r in g.items() if r.get("num_peers") == 2} for g in rows)))
+    if not shared:
+        raise BenchError(f"{name}: no round had both groups ({', '.join(map(str, run_dirs))})")
+    rounds = []
+    for step in shared:
+        both = [g[step] for g in rows]
+        rounds.append({
+            "outer_step": step,
+            "allreduce_s": max(r["averaging_s"] - r["wait_s"] for r in both),  # the slower group's
+            "averaging_s": [r["averaging_s"] for r in both],
+            "mb": [(r["bytes_sent"] + r["bytes_received"]) / 1e6 for r in both],
+            "identical": len({r["params_sha256"] for r in both}) == 1 and len({r["outer_digest"] for r in both}) == 1,
+        })  # fmt: skip
+    return {
+        "name": name,
+        "ranks": list(ARMS[name]),
+        "rounds": rounds,
+        "outer_steps": [f["outer_steps"] for f in finals],
+        "identical_after_every_round": all(r["identical"] for r in rounds),
+        "same_final_model": len({f["params_sha256"] for f in finals}) == 1,
+        "median_allreduce_s": statistics.median(r["allreduce_s"] for r in rounds),
+        "median_mb_per_group": statistics.median(mb for r in rounds for mb in r["mb"]),
+    }
+
+
+def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Both arms, one after the other, against one bootstrap DHT peer. Returns the result document."""
+    setup = shapes_setup(quick)
+    model = write_model(setup.model, work_dir / "models")
+    arms, commands = [], {}
+    with ExitStack() as stack:
+        dht_log = work_dir / "dht.log"
+        dht = started(stack, [sys.executable, "-m", "diloco", "dht", "--identity", str(work_dir / "dht.pem"),
+                              "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], dht_log, procs.child_env())  # fmt: skip
+        peers = dht_peers(dht, dht_log)
+        for name, shape in ARMS.items():
+            run_dirs = [work_dir / name / f"group-{i}" for i in range(len(shape))]
+            launches = [group_command(setup, model, name, i, ranks, peers, d)
+                        for i, (ranks, d) in enumerate(zip(shape, run_dirs))]  # fmt: skip
+            with ExitStack() as arm_stack:
+                jobs = []
+                for i, command in enumerate(launches):
+                    log.info("bench shapes %s group %d: %s", name, i, shlex.join(command))
+                    log_path = work_dir / f"{name}-{i}.log"
+                    jobs.append((f"{name} group {i}", started(arm_stack, command, log_path, procs.child_env()),
+                                 log_path))  # fmt: skip
+                wait_all(jobs, setup.timeout_s)
+            arms.append(arm_figures(name, run_dirs))
+            commands[name] = [shlex.join(c) for c in launches]
+    equal, mixed = arms
+    return {
+        "setup": dataclasses.asdict(setup),
+        "arms": arms,
+        "mixed_over_equal_round_time": mixed["median_allreduce_s"] / equal["median_allreduce_s"],
+        "commands": commands,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """A dated section: setup, one row per arm, and the mixed arm's round time against the equal one's."""
+    s = result["setup"]
+    lines = [
+        f"## {result['bench']}{' (quick)' if result['quick'] else ''}: {result['date']}",
+        "",
+        f"- machine: {machine_line(result['machine'])}",
+        f"- command: `{result['command']}`",
+        f"- 1-minute load average at start / end: {result['machine']['load_avg_1m']:.1f} / "
+        f"{result['load_avg_1m_end']:.1f}",
+        f"- model {s['model']}, fake data, seq {s['seq_length']}, {s['batch']} sequences per inner step per group, "
+        f"`--max-steps {s['steps']} --hv.local-steps {s['local_steps']}`, `--hv.transport tcp`, no compression, "
+        "float32, one torch thread per process; the 2-rank group is FULL_SHARD under torchrun",
+        "- round time: from the round's group forming to the result (`averaging_s − wait_s`, the slower group's), "
+        "median over the rounds both groups took part in; MB: what the trainer counted, sent + received, per group "
+        "(all its ranks) and round",
+        "",
+        "| arm | ranks per group | shared rounds | identical after every round | same final model | round time, "
+        "median (s) | MB per group and round |",
+        "|---|---|---:|---|---|---:|---:|",
+    ]
+    for arm in result["arms"]:
+        lines.append(
+            f"| {arm['name']} | {' + '.join(map(str, arm['ranks']))} | {len(arm['rounds'])} | "
+            f"{'yes' if arm['identical_after_every_round'] else '**no**'} | "
+            f"{'yes' if arm['same_final_model'] else '**no**'} | {arm['median_allreduce_s']:.3f} | "
+            f"{arm['median_mb_per_group']:.2f} |"
+        )
+    lines += ["", f"Round time of 1+2 ÷ 1+1: {result['mixed_over_equal_round_time']:.2f}."]
+    return "\n".join(lines) + "\n"
