@@ -5,6 +5,7 @@ root."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import json
 import math
@@ -52,10 +53,12 @@ def namespaces() -> set[str]:
 
 
 def expected_arms() -> list[str]:
-    """Both transports once SwarmAverager has the parameter, hivemind's p2pd path alone before."""
+    """Both transports once SwarmAverager has the parameter, hivemind's p2pd path alone before; and the trainer's
+    rounds of whole groups once there are any."""
     from diloco.swarm.averager import SwarmAverager
 
-    return ["tcp", "p2pd"] if "transport" in inspect.signature(SwarmAverager).parameters else ["p2pd"]
+    arms = ["tcp", "p2pd"] if "transport" in inspect.signature(SwarmAverager).parameters else ["p2pd"]
+    return arms + (["groups"] if importlib.util.find_spec("diloco.swarm.group_round") else [])
 
 
 def run_quick(tmp_path: Path, mark: str) -> tuple[dict, str, int]:
@@ -84,7 +87,8 @@ def check_swarm(row: dict, peers: int, rounds: int) -> None:
             assert len(reports) == peers
             for report in reports:
                 assert report["ok"] and report["num_peers"] == peers, report
-                assert report.get("transport", transport) == transport, report  # what carried the bytes
+                carrier = "tcp" if transport == "groups" else transport  # what carried the bytes
+                assert report.get("transport", carrier) == carrier, report
                 assert 0 < report["allreduce_s"] <= report["round_s"], report
                 # each peer sends (k-1)/k of its values and the average of its 1/k to k-1 peers, receives as much
                 assert report["bytes_sent"] >= 2 * (peers - 1) / peers * sw["bytes"], report
@@ -149,6 +153,9 @@ def test_allreduce_quick(tmp_path: Path) -> None:
     tcp = f"{row['arms']['tcp']['median_s']:.2f} | {row['arms']['tcp']['mb_s']:.0f}" if "tcp" in arms else "– | –"
     assert f"| 0.25M | 1 | 2 | {tcp} | {hv['median_s']:.2f} | {hv['mb_s']:.0f} |" in doc
     assert "| parameters | peers | transport | round s | averager CPU s | p2pd CPU s |" in doc
+    if "groups" in arms:  # the trainer's path: its own columns after p2pd's, in both tables
+        assert "hivemind p2pd MB/s per peer | diloco groups s | diloco groups MB/s per peer | gloo s |" in doc
+        assert "| ratio | diloco groups s | ratio | gloo s | gloo ratio | kernel MB out tcp / p2pd / groups |" in doc
     assert "| parameters | peers | required MB out | ideal s | diloco tcp s | ratio | hivemind p2pd s |" in doc
     assert "netem qdisc is missing" in doc and "- quick: payloads this small" in doc
     for transport in arms:

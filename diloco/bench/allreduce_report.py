@@ -9,7 +9,8 @@ from typing import Any
 
 from diloco.bench import machine_line
 
-ARMS = {"tcp": "diloco tcp", "p2pd": "hivemind p2pd"}  # SwarmAverager transport -> name in the tables
+# SwarmAverager transport -> name in the tables; "groups": the trainer's rounds of whole groups over tcp
+ARMS = {"tcp": "diloco tcp", "p2pd": "hivemind p2pd", "groups": "diloco groups"}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -28,6 +29,9 @@ def markdown(result: dict[str, Any]) -> str:
         "through p2pd (p2pd); **s** = the group's forming to the result (`RoundReport.allreduce_seconds`; "
         "matchmaking excluded, the round with matchmaking in the JSON as `round_s`), slowest peer, median over "
         f"{result['plan']['rounds']} rounds; MB/s per peer = payload bytes ÷ that time (MB = 10^6 bytes)",
+        "- diloco groups: the trainer's path over tcp (since 2026-11-24): each peer a worker group of one rank whose "
+        "`SwarmAverager(match_only=True)` only forms the group, the round (`group_round.GroupRounds`) then running "
+        "over the TCP listener of the peer's own process, with the same tensor and timeouts",
         "- gloo: `torch.distributed.all_reduce` of the same tensor with k ranks, slowest rank, best call; socket / "
         "p2pd stream: the payload's bytes one way through one TCP connection / one libp2p stream between two p2pd "
         "daemons, best round",
@@ -35,7 +39,7 @@ def markdown(result: dict[str, Any]) -> str:
         *(["- quick: payloads this small time start-up and latency, not the transports' rates; the verdicts below "
            "mean something for the full run only"] if result["quick"] else []),  # fmt: skip
         "",
-        *loopback_table(result["loopback"]["rows"]),
+        *loopback_table(result["loopback"]["rows"], arms),
         "",
         *cpu_table(result["loopback"]["rows"], arms),
         "",
@@ -79,14 +83,21 @@ def cells(row: dict[str, Any], transport: str, *keys: str) -> list[str]:
     return [formats[key].format(swarm[key]) for key in keys]
 
 
-def loopback_table(rows: list[dict[str, Any]]) -> list[str]:
+def table_arms(arms: list[str]) -> list[str]:
+    """The transports that get columns: tcp and p2pd always ("–" when not measured), then any other measured."""
+    return ["tcp", "p2pd", *(t for t in arms if t not in ("tcp", "p2pd"))]
+
+
+def loopback_table(rows: list[dict[str, Any]], arms: list[str]) -> list[str]:
+    columns = table_arms(arms)
     lines = [
-        "| parameters | payload MB | peers | diloco tcp s | diloco tcp MB/s per peer | hivemind p2pd s | "
-        "hivemind p2pd MB/s per peer | gloo s | gloo MB/s | p2pd stream MB/s | socket MB/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| parameters | payload MB | peers | "
+        + "".join(f"{ARMS[t]} s | {ARMS[t]} MB/s per peer | " for t in columns)
+        + "gloo s | gloo MB/s | p2pd stream MB/s | socket MB/s |",
+        "|---:|---:|---:|" + "---:|---:|" * len(columns) + "---:|---:|---:|---:|",
     ]
     for row in rows:
-        measured = [*cells(row, "tcp", "median_s", "mb_s"), *cells(row, "p2pd", "median_s", "mb_s")]
+        measured = [cell for t in columns for cell in cells(row, t, "median_s", "mb_s")]
         gloo = row["gloo"]
         lines.append(
             f"| {row['size'] / 1e6:g}M | {row['bytes'] / 1e6:.0f} | {row['peers']} | {' | '.join(measured)} | "
@@ -129,6 +140,7 @@ def kernel_mb(row: dict[str, Any], transport: str) -> str:
 
 
 def shaped_table(sh: dict[str, Any], arms: list[str], target: float) -> list[str]:
+    columns = table_arms(arms)
     lines = [
         f"Shaped link: each peer in its own network namespace, its veth shaped with `tc tbf` to {sh['rate_mbit']:g} "
         f"Mbit/s both ways; latency: {sh['latency']}. One TCP stream across it moves {sh['tcp_stream']['mb_s']:.0f} "
@@ -137,16 +149,16 @@ def shaped_table(sh: dict[str, Any], arms: list[str], target: float) -> list[str
         "MB out = bytes the peer's veth carried out during the round (headers, framing and DHT traffic included), "
         "median over peers and rounds.",
         "",
-        "| parameters | peers | required MB out | ideal s | diloco tcp s | ratio | hivemind p2pd s | ratio | "
-        "gloo s | gloo ratio | kernel MB out tcp / p2pd |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| parameters | peers | required MB out | ideal s | " + "".join(f"{ARMS[t]} s | ratio | " for t in columns)
+        + f"gloo s | gloo ratio | kernel MB out {' / '.join(columns)} |",
+        "|---:|---:|---:|---:|" + "---:|---:|" * len(columns) + "---:|---:|---:|",
     ]
     for row in sh["rows"]:
-        measured = [*cells(row, "tcp", "median_s", "ratio"), *cells(row, "p2pd", "median_s", "ratio")]
+        measured = [cell for t in columns for cell in cells(row, t, "median_s", "ratio")]
         lines.append(
             f"| {row['size'] / 1e6:g}M | {row['peers']} | {row['required_bytes'] / 1e6:.0f} | {row['ideal_s']:.2f} | "
             f"{' | '.join(measured)} | {row['gloo']['best_s']:.2f} | {row['gloo_ratio']:.2f} | "
-            f"{kernel_mb(row, 'tcp')} / {kernel_mb(row, 'p2pd')} |"
+            f"{' / '.join(kernel_mb(row, t) for t in columns)} |"
         )
     lines.append("")
     for transport in arms:

@@ -11,12 +11,14 @@ the constants below without them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +27,8 @@ from diloco import procs
 if TYPE_CHECKING:  # the worker imports them once it runs (hivemind and torch take seconds to import)
     import torch
 
-    from diloco.swarm.averager import SwarmAverager
+    from diloco.swarm.averager import RoundReport
+    from diloco.swarm.group_round import GroupRounds
 
 MATCHMAKING_S = 20.0  # peers start together and the group forms as soon as all k joined: rarely waited out
 AVERAGING_TIMEOUT_S = 120.0  # one all-reduce may take this long; a silent groupmate is dropped after a quarter
@@ -150,7 +153,8 @@ def gloo_rank(master: str, port: int, rank: int, world: int, size: int, rounds: 
 
 def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: list[list], prefix: str) -> None:
     """One worker group's averager: a DHT peer, then for each [size, transport] of ``cases`` a SwarmAverager over
-    one tensor, READY, then per ``go`` on stdin one round and RESULT, until ``next``.
+    one tensor (transport "groups": the trainer's rounds of whole groups, ``group_round.GroupRounds``, for a group
+    of one rank), READY, then per ``go`` on stdin one round and RESULT, until ``next``.
 
     RESULT holds the round's report, ``round_s`` (seconds around the ``average`` call), ``allreduce_s`` (the
     report's ``allreduce_seconds``: from the group's forming to the result, matchmaking excluded) and a checksum that
@@ -168,6 +172,11 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
             # of what the case holds
             pss_before_mb = procs.tree_pss_mb(os.getpid())
             tensor = torch.randn(size, generator=torch.Generator().manual_seed(index))
+            if transport == "groups":
+                with whole_group(dht, f"{prefix}-{transport}-{size}", ip, size, k) as rounds:
+                    emit("READY", {"size": size, "transport": transport, "pss_before_mb": pss_before_mb})
+                    average_rounds(lambda i: rounds.average([tensor], i, 1.0, lambda: False), tensor)
+                continue
             # a group with any p2pd member averages over libp2p: each transport gets a key of its own
             with SwarmAverager(
                 dht, prefix=f"{prefix}-{transport}-{size}", tensors=[tensor], compression="none",
@@ -175,13 +184,43 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
                 transport=transport,
             ) as averager:  # fmt: skip
                 emit("READY", {"size": size, "transport": transport, "pss_before_mb": pss_before_mb})
-                average_rounds(averager, tensor)
+                average_rounds(lambda i: averager.average([tensor], round_index=i), tensor)
     finally:
         dht.shutdown()
 
 
-def average_rounds(averager: SwarmAverager, tensor: torch.Tensor) -> None:
-    """Per ``go`` on stdin one averaging round of ``tensor`` and its RESULT, until ``next``."""
+@contextlib.contextmanager
+def whole_group(dht: object, prefix: str, ip: str, size: int, k: int) -> Iterator[GroupRounds]:
+    """The rounds of a 1-rank worker group as ``swarm.join`` sets them up over tcp: a ``match_only`` averager
+    finds the round's groups, a TCP listener in this process carries the round (its timeouts the trainer's)."""
+    import torch
+
+    from diloco.swarm import tcp
+    from diloco.swarm.averager import SwarmAverager
+    from diloco.swarm.codecs import WIRE_FORMATS
+    from diloco.swarm.group_round import GroupRounds
+    from diloco.swarm.layout import Shape
+
+    matcher = SwarmAverager(
+        dht, prefix=prefix, tensors=[torch.zeros(1)], compression="none", matchmaking_time=MATCHMAKING_S,
+        averaging_timeout=AVERAGING_TIMEOUT_S, target_group_size=k, transport="tcp", match_only=True,
+    )  # fmt: skip
+    listening = tcp.listen_socket(ip, 0)
+    listener = tcp.Listener(listening, AVERAGING_TIMEOUT_S / 4, registration_timeout=AVERAGING_TIMEOUT_S).start()
+    try:
+        yield GroupRounds(
+            matcher, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[(size,)],
+            endpoints=[([ip], listening.getsockname()[1])], broadcast=lambda found: found, listener=listener,
+            codec=WIRE_FORMATS["none"].tcp, timeout=AVERAGING_TIMEOUT_S / 4, replicas=None,
+        )  # fmt: skip
+    finally:
+        listener.close()
+        matcher.shutdown()
+
+
+def average_rounds(average: Callable[[int], RoundReport], tensor: torch.Tensor) -> None:
+    """Per ``go`` on stdin one averaging round of ``tensor`` (``average(round_index)``) and its RESULT, until
+    ``next``."""
     for round_index in itertools.count():
         command = sys.stdin.readline().strip()
         if command == "next":
@@ -189,7 +228,7 @@ def average_rounds(averager: SwarmAverager, tensor: torch.Tensor) -> None:
         if command != "go":
             raise SystemExit(1)  # the bench is gone or out of step
         started = time.monotonic()
-        report = averager.average([tensor], round_index=round_index)
+        report = average(round_index)
         round_s = time.monotonic() - started
         emit("RESULT", asdict(report) | {"round_s": round_s, "allreduce_s": report.allreduce_seconds,
                                          "checksum": float(tensor.sum())})  # fmt: skip
