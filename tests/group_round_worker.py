@@ -1,8 +1,8 @@
 """One rank of a worker group in a cross-shape round, for `tests/test_group_round.py`: no hivemind, the round's
 members meet through files (each rank writes its TCP endpoint, then waits for everyone's).
 
-Usage: [torchrun --nproc-per-node W] tests/group_round_worker.py DIR GROUP STRATEGY W GROUPS...
-GROUPS: every group's STRATEGY:W, in round order. Group g trains canonical vector randn(seed g) and weighs 1 + g.
+Usage: [torchrun --nproc-per-node W] tests/group_round_worker.py DIR GROUP GROUPS...
+GROUPS: every group's STRATEGY:W:NODES, in round order (HYBRID_SHARD's nodes: ranks of one machine stand in). Group g trains canonical vector randn(seed g) and weighs 1 + g.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def sharded(full: torch.Tensor, shape: Shape) -> torch.nn.Module:
         offset += numel
     if shape.strategy == "NO_SHARD":
         mesh = init_device_mesh("cpu", (shape.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    elif shape.strategy == "HYBRID_SHARD":  # as diloco.parallel.build_mesh: replicated across nodes
+        per_node = shape.world_size // shape.nodes
+        mesh = init_device_mesh("cpu", (shape.nodes, per_node), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (shape.world_size,), mesh_dim_names=("shard",))
     fully_shard(module, mesh=mesh)
@@ -90,6 +93,6 @@ def main(folder: Path, group: int, shape: Shape, groups: list[Shape]) -> None:
 
 
 if __name__ == "__main__":
-    folder, group, strategy, size, *all_groups = sys.argv[1:]
-    shapes = [Shape(s.split(":")[0], int(s.split(":")[1])) for s in all_groups]
-    main(Path(folder), int(group), Shape(strategy, int(size)), shapes)
+    folder, group, *all_groups = sys.argv[1:]
+    shapes = [Shape(strategy, int(size), int(nodes)) for strategy, size, nodes in (s.split(":") for s in all_groups)]
+    main(Path(folder), int(group), shapes[int(group)], shapes)

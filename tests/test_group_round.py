@@ -1,5 +1,6 @@
 """A round of worker groups of different shapes (`diloco.swarm.group_round`) in real processes: a 1-rank group, a
-2-rank NO_SHARD group and a 2-rank FULL_SHARD group (torchrun, gloo), over TCP on loopback, end bit-identical."""
+2-rank NO_SHARD group and a 4-rank HYBRID_SHARD group of two "nodes" (torchrun, gloo; two shards, each replicated
+twice), over TCP on loopback, end bit-identical."""
 
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ import torch
 from tests.conftest import ROOT, TORCHRUN, child_env
 from tests.group_round_worker import MODEL_SHAPES, canonical
 
-GROUPS = [("FULL_SHARD", 1), ("NO_SHARD", 2), ("FULL_SHARD", 2)]
+GROUPS = [("FULL_SHARD", 1, 1), ("NO_SHARD", 2, 1), ("HYBRID_SHARD", 4, 2)]
 
 
-def start(folder: Path, group: int, strategy: str, size: int) -> subprocess.Popen[bytes]:
-    worker = ["tests/group_round_worker.py", str(folder), str(group), strategy, str(size),
-              *(f"{s}:{w}" for s, w in GROUPS)]  # fmt: skip
+def start(folder: Path, group: int, size: int) -> subprocess.Popen[bytes]:
+    worker = ["tests/group_round_worker.py", str(folder), str(group), *(f"{s}:{w}:{n}" for s, w, n in GROUPS)]
     launch = [sys.executable] if size == 1 else [str(TORCHRUN), "--standalone", f"--nproc-per-node={size}"]
     log = (folder / f"group-{group}.log").open("wb")
     env = child_env() | {"PYTHONPATH": str(ROOT)}
@@ -30,7 +30,7 @@ def start(folder: Path, group: int, strategy: str, size: int) -> subprocess.Pope
 
 @pytest.mark.slow
 def test_groups_of_three_shapes_end_bit_identical_and_replicas_complete_each_other(tmp_path: Path) -> None:
-    procs = [start(tmp_path, g, strategy, size) for g, (strategy, size) in enumerate(GROUPS)]
+    procs = [start(tmp_path, g, size) for g, (_, size, _) in enumerate(GROUPS)]
     try:
         deadline = time.monotonic() + 180
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -46,7 +46,7 @@ def test_groups_of_three_shapes_end_bit_identical_and_replicas_complete_each_oth
     weights = [1.0 + g for g in range(len(GROUPS))]
     expected = sum(w * canonical(g).double() for g, w in enumerate(weights)) / sum(weights)
     models = []
-    for g, (_, size) in enumerate(GROUPS):
+    for g, (_, size, _) in enumerate(GROUPS):
         model = torch.full((total,), float("nan"))
         for rank in range(size):
             result = torch.load(tmp_path / f"result-{g}-{rank}.pt")
