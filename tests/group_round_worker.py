@@ -19,6 +19,7 @@ import torch.distributed as dist
 from diloco.swarm import tcp
 from diloco.swarm.group_round import Member, Replicas, RoundInfo, run_round
 from diloco.swarm.layout import Shape, group_layout
+from diloco.swarm.listener import Listener, listen_socket
 
 MODEL_SHAPES = [(200, 16), (16,), (90, 16), (7,), (1, 4), (3, 5, 2)]  # (1, 4): an empty shard at 2 ranks
 GROUP_ID = b"a test round's secret group id.."
@@ -63,7 +64,7 @@ def main(folder: Path, group: int, shape: Shape, groups: list[Shape]) -> None:
     if shape.world_size > 1:
         dist.init_process_group("gloo")
     replicas = Replicas(shape, rank) if shape.world_size > 1 else None
-    listener = tcp.Listener(tcp.listen_socket("127.0.0.1", 0), 10.0).start()
+    listener = Listener(listen_socket("127.0.0.1", 0), 10.0).start()
     mine = folder / f"endpoint-{group}-{rank}.json"
     mine.with_suffix(".tmp").write_text(json.dumps(listener._sock.getsockname()[1]))
     mine.with_suffix(".tmp").rename(mine)  # whole or not at all

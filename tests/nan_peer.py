@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from diloco.model import load_model
-from diloco.swarm import tcp
 from diloco.swarm.addresses import announced_hosts
 from diloco.swarm.averager import SwarmAverager
 from diloco.swarm.codecs import WIRE_FORMATS
@@ -21,6 +20,7 @@ from diloco.swarm.dht import rendezvous, start_dht
 from diloco.swarm.fingerprint import model_id, run_key
 from diloco.swarm.group_round import GroupRounds
 from diloco.swarm.layout import Shape
+from diloco.swarm.listener import Listener, listen_socket
 
 MATCHMAKING_S = 8  # as the honest groups of the test: long enough under load for all three to gather
 AVERAGING_S = 15
@@ -36,8 +36,8 @@ def main(model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int,
         dht, prefix=prefix, tensors=[torch.zeros(1)], matchmaking_time=MATCHMAKING_S, averaging_timeout=AVERAGING_S,
         target_group_size=galaxy, match_only=True,
     )  # fmt: skip
-    listening = tcp.listen_socket("127.0.0.1", 0)
-    listener = tcp.Listener(listening, AVERAGING_S / 4, registration_timeout=AVERAGING_S).start()
+    listening = listen_socket("127.0.0.1", 0)
+    listener = Listener(listening, AVERAGING_S / 4, registration_timeout=AVERAGING_S).start()
     group = GroupRounds(
         averager, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[tuple(p.shape) for p in module.parameters()],
         endpoints=[(announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1])], broadcast=lambda o: o,

@@ -29,6 +29,7 @@ from diloco.swarm.averager import ExactAverager, RoundReport, SwarmAverager
 from diloco.swarm.dht import serve_dht, start_dht, visible_maddrs
 from diloco.swarm.identity import ensure_identity, identity_peer_id
 from diloco.swarm.layout import flat_parts
+from diloco.swarm.listener import listen_socket
 
 torch.set_num_threads(1)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -441,7 +442,7 @@ def test_groupmate_dying_mid_round_reports_failure(bootstrap, transport: str):
     dht_b = start_dht(initial_peers=initial_peers, host_maddrs=LOCAL, announce_maddrs=[])
     tensors = peer_tensors(1)
     original = [t.clone() for t in tensors]
-    listening = tcp.listen_socket("127.0.0.1", 0) if transport == "tcp" else None
+    listening = listen_socket("127.0.0.1", 0) if transport == "tcp" else None
     gather = {"tcp": [["127.0.0.1"], listening.getsockname()[1]]} if listening else None
     victim = ExactAverager([t.clone() for t in peer_tensors(2)], dht_b, start=False, prefix=f"dying-{transport}/rank0",
                            min_matchmaking_time=2.0, request_timeout=1.0, listen_socket=listening)

@@ -15,7 +15,8 @@ import torch
 from diloco.screening import all_finite, screen
 from diloco.swarm import tcp
 from diloco.swarm.layout import RankLayout, Schedule, Shape, flat_parts, group_layout, plan, plan_schedule
-from diloco.swarm.tcp import FP16, RAW, Listener, Round, RoundFailed, listen_socket
+from diloco.swarm.listener import Listener, listen_socket
+from diloco.swarm.tcp import FP16, RAW, Round, RoundFailed
 
 torch.set_num_threads(1)
 

@@ -11,9 +11,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from diloco.swarm import tcp, transfer
+from diloco.swarm import transfer
 from diloco.swarm.digest import CanonicalDigest
 from diloco.swarm.layout import RankLayout, Shape, group_layout
+from diloco.swarm.listener import Listener, listen_socket
 
 SHAPES = [(64, 32), (32,), (33, 16), (7, 3), (5,), (10, 64)]
 TOTAL = sum(math.prod(s) for s in SHAPES)
@@ -29,8 +30,8 @@ def serving(shape: Shape, tensors: list[torch.Tensor], meta: dict) -> Iterator[l
     listeners, endpoints = [], []
     try:
         for layout in group_layout(SHAPES, shape):
-            sock = tcp.listen_socket("127.0.0.1", 0)
-            listener = tcp.Listener(sock, handshake_timeout=10).start()
+            sock = listen_socket("127.0.0.1", 0)
+            listener = Listener(sock, handshake_timeout=10).start()
             state = (meta, [local(t, layout) for t in tensors])
             listener.serve(transfer.MAGIC, transfer.StateService(layout, lambda s=state: s, timeout=10))
             listeners.append(listener)

@@ -195,18 +195,18 @@ def whole_group(dht: object, prefix: str, ip: str, size: int, k: int) -> Iterato
     finds the round's groups, a TCP listener in this process carries the round (its timeouts the trainer's)."""
     import torch
 
-    from diloco.swarm import tcp
     from diloco.swarm.averager import SwarmAverager
     from diloco.swarm.codecs import WIRE_FORMATS
     from diloco.swarm.group_round import GroupRounds
     from diloco.swarm.layout import Shape
+    from diloco.swarm.listener import Listener, listen_socket
 
     matcher = SwarmAverager(
         dht, prefix=prefix, tensors=[torch.zeros(1)], compression="none", matchmaking_time=MATCHMAKING_S,
         averaging_timeout=AVERAGING_TIMEOUT_S, target_group_size=k, transport="tcp", match_only=True,
     )  # fmt: skip
-    listening = tcp.listen_socket(ip, 0)
-    listener = tcp.Listener(listening, AVERAGING_TIMEOUT_S / 4, registration_timeout=AVERAGING_TIMEOUT_S).start()
+    listening = listen_socket(ip, 0)
+    listener = Listener(listening, AVERAGING_TIMEOUT_S / 4, registration_timeout=AVERAGING_TIMEOUT_S).start()
     try:
         yield GroupRounds(
             matcher, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[(size,)],

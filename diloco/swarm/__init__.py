@@ -13,7 +13,9 @@ One module per concept:
   ``SwarmPeer`` (DHT + averager + records);
 - ``averager``: the swarm averager (rounds with whoever is ready, bit-identical results);
 - ``codecs``: the ``--hv.compression`` wire formats on both transports;
-- ``tcp`` and ``libp2p``: the two transports that carry a round's bytes;
+- ``tcp`` and ``libp2p``: the two transports that carry a round's bytes; ``listener``: a rank's listening socket;
+- ``layout`` and ``group_round``: rounds of whole groups of any shape over tcp; ``transfer``: their state downloads,
+  and ``digest``: the outer digest that is the same for one state in every shape;
 - ``memory``: an in-memory stand-in for tests and benches.
 
 Importing the package itself loads no hivemind (``join`` imports what it needs): ``progress``, ``status`` and
@@ -182,17 +184,17 @@ def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager
                  model_shapes: list[tuple[int, ...]], sharding: str, port: int):  # fmt: skip
     """Collective: this rank's TCP listener, every rank's endpoint, and the replicas' process groups, for rounds
     of whole groups (``group_round.GroupRounds``)."""
-    from diloco.swarm import tcp
     from diloco.swarm.addresses import announced_hosts, listen_host
     from diloco.swarm.averager import listen
     from diloco.swarm.codecs import WIRE_FORMATS
     from diloco.swarm.group_round import GroupRounds, Replicas
     from diloco.swarm.layout import Shape
+    from diloco.swarm.listener import Listener
 
     shape = Shape(sharding or "FULL_SHARD", env.world_size, env.num_nodes)
     listening = listen(listen_host(hv.host_maddrs), port)
     timeout = hv.averaging_timeout / 4  # as the per-rank way drops a silent groupmate
-    listener = tcp.Listener(listening, timeout, registration_timeout=hv.averaging_timeout).start()
+    listener = Listener(listening, timeout, registration_timeout=hv.averaging_timeout).start()
     try:
         endpoints = group.gather((announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1]))
         replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None

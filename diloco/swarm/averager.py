@@ -54,6 +54,7 @@ from diloco.swarm.addresses import announced_hosts
 from diloco.swarm.codecs import WIRE_FORMATS, Uniform8Bit, WireFormat
 from diloco.swarm.dht import detach_from_parent
 from diloco.swarm.libp2p import ExactAllReduceRunner, average_into
+from diloco.swarm.listener import Listener, listen_socket
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
     The bytes of a round travel over plain TCP (``diloco.swarm.tcp``) when every groupmate gathered a TCP endpoint
     (``step(gather={"tcp": [hosts, port]})``), otherwise over libp2p (``diloco.swarm.libp2p``); both screen alike.
 
-    :param listen_socket: a listening socket for the TCP transport (``tcp.listen_socket``), taken over by the
+    :param listen_socket: a listening socket for the TCP transport (``listener.listen_socket``), taken over by the
         averager process; None: this averager only averages over libp2p.
     :param wire: the wire format of parts and averages, on both transports.
     :param match_only: form groups and gather, move no bytes: the group's id goes to ``matched_id`` and its members'
@@ -121,7 +122,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
         self.match_only = match_only
         self.matched_id = mp.RawArray(ctypes.c_char, 1 + GROUP_ID_MAX)  # length byte, then the last group's id
         self._listen_socket = listen_socket  # inherited by the forked averager process
-        self._listener: tcp.Listener | None = None
+        self._listener: Listener | None = None
         # the TCP rounds' output, in shared memory (the caller copies its result from here: one copy fewer than
         # through the averaged tensors) and touched now (fresh pages in the first round cost more than a copy)
         numel = sum(tensor.numel() for tensor in averaged_tensors)
@@ -140,7 +141,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
         if self._listen_socket is not None:
             timeout = self.allreduce_kwargs["sender_timeout"]
             # a groupmate that learnt of the group first waits for us as long as the round may last
-            self._listener = tcp.Listener(self._listen_socket, timeout, self._allreduce_timeout).start()
+            self._listener = Listener(self._listen_socket, timeout, self._allreduce_timeout).start()
         super().run()
 
     # State sharing: hivemind serves ``get_current_state()`` (run in the host process by a background thread) to
@@ -564,7 +565,7 @@ def _cancel(control: StepControl) -> None:
 def listen(host: str, port: int) -> socket.socket:
     """A TCP socket listening on ``host:port`` for the transport; `FieldError` naming the flag when it cannot."""
     try:
-        return tcp.listen_socket(host, port)
+        return listen_socket(host, port)
     except OSError as e:
         why = e.strerror or str(e)
         field = "averaging_port" if port else "host_maddrs"  # port 0 fails only for a host not on this machine

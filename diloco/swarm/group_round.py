@@ -25,6 +25,7 @@ import torch.distributed as dist
 from diloco.config import ShardingStrategy
 from diloco.swarm import tcp
 from diloco.swarm.layout import Shape, group_layout, plan, plan_schedule, replica_slice
+from diloco.swarm.listener import Listener
 
 log = logging.getLogger("diloco")
 
@@ -108,7 +109,7 @@ def run_round(
     vector: torch.Tensor,
     out: torch.Tensor,
     *,
-    listener: tcp.Listener,
+    listener: Listener,
     codec: tcp.Codec,
     timeout: float,
 ) -> Outcome:
@@ -161,7 +162,7 @@ class GroupRounds:
         model_shapes: Sequence[Sequence[int]],
         endpoints: Sequence[Endpoint],
         broadcast: Callable[[object], object],
-        listener: tcp.Listener,
+        listener: Listener,
         codec: tcp.Codec,
         timeout: float,
         replicas: Replicas | None,

@@ -127,7 +127,7 @@ def _mac(key: bytes, data: bytes) -> bytes:
     return hmac.new(key, data, hashlib.sha256).digest()
 
 
-def _close(sock: socket.socket) -> None:
+def close_socket(sock: socket.socket) -> None:
     """Wake any thread blocked on the socket (shutdown), then release it."""
     for call in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
         try:
@@ -225,7 +225,7 @@ class Round:
             self._aborted = True  # late connections are refused from now on
             sockets = list(self._sockets)
         for sock in sockets:
-            _close(sock)
+            close_socket(sock)
         problems = list(self._errors)
         if self.index in self._banned:
             problems.append(f"our own contribution was left out ({self._banned[self.index]})")
@@ -243,7 +243,7 @@ class Round:
             self._cv.notify_all()
             sockets = list(self._sockets)
         for sock in sockets:
-            _close(sock)
+            close_socket(sock)
 
     def attach(self, sock: socket.socket, hello: bytes) -> None:
         """Take over a sender's connection whose hello (fields and MAC) was read by the ``Listener``."""
@@ -392,7 +392,7 @@ class Round:
                 if not self._aborted:
                     self._ban(sender, f"its averages could not be sent: {type(e).__name__}: {e}")
         finally:
-            _close(sock)  # a banned sender sees its averages end short: its round fails
+            close_socket(sock)  # a banned sender sees its averages end short: its round fails
 
     def _release(self) -> int:
         """Forget the averages every live sender of theirs has been sent (call with the lock held); returns how many
@@ -426,7 +426,7 @@ class Round:
             self._fail(f"reducer #{reducer}: {type(e).__name__}: {e}")
         finally:
             if sock is not None:
-                _close(sock)
+                close_socket(sock)
 
     def _read_averages(self, sock: socket.socket, reducer: int) -> None:
         try:
@@ -441,7 +441,7 @@ class Round:
                 self._complete.add(reducer)
         except (OSError, ValueError, RuntimeError) as e:
             self._fail(f"averages of reducer #{reducer}: {type(e).__name__}: {e}")
-            _close(sock)  # stops our sending thread too
+            close_socket(sock)  # stops our sending thread too
 
     def _connect(self, reducer: int) -> socket.socket:
         """A connection to ``reducer`` past the handshake, trying its hosts in order (a host may be this machine's
@@ -475,7 +475,7 @@ class Round:
             if not hmac.compare_digest(bytes(ack), _mac(self.group_id, b"ack" + hello)):
                 raise ConnectionError("the peer answered with a wrong MAC")
         except OSError:
-            _close(sock)
+            close_socket(sock)
             raise
         with self._cv:
             self.bytes_sent += len(hello)
@@ -533,82 +533,3 @@ class Round:
         thread = threading.Thread(target=target, args=args, daemon=True, name=f"butterfly-{target.__name__}")
         thread.start()
         return thread
-
-
-class Listener:
-    """The averager process's listening socket: hands each incoming connection to the ``Round`` it names.
-
-    :param sock: a bound, listening TCP socket (``listen_socket``); owned from now on.
-    :param handshake_timeout: seconds a connection may take to send its hello.
-    :param registration_timeout: seconds a connection waits for its round to be registered here: a groupmate
-        may learn of the group and start the round seconds before this peer does (None: ``handshake_timeout``).
-    """
-
-    def __init__(self, sock: socket.socket, handshake_timeout: float, registration_timeout: float | None = None):
-        self._sock, self._timeout = sock, handshake_timeout
-        self._registration_timeout = handshake_timeout if registration_timeout is None else registration_timeout
-        self._rounds: dict[bytes, Round] = {}
-        self._services: dict[bytes, Callable[[socket.socket], None]] = {}
-        self._cv = threading.Condition()
-        self._closed = False
-
-    def start(self) -> Listener:
-        threading.Thread(target=self._accept, daemon=True, name="butterfly-accept").start()
-        return self
-
-    def serve(self, magic: bytes, handler: Callable[[socket.socket], None]) -> None:
-        """Hand connections that open with the 4 bytes `magic` to `handler` (on their own thread; closed after)."""
-        self._services[magic] = handler
-
-    def register(self, round_: Round) -> None:
-        with self._cv:
-            self._rounds[round_.tag] = round_
-            self._cv.notify_all()
-
-    def unregister(self, round_: Round) -> None:
-        with self._cv:
-            self._rounds.pop(round_.tag, None)
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        _close(self._sock)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="butterfly-hello").start()
-
-    def _handshake(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(self._timeout)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = bytearray(HELLO.size + MAC_SIZE)
-            recv_exact(conn, memoryview(hello)[: len(MAGIC)])
-            if (service := self._services.get(bytes(hello[: len(MAGIC)]))) is not None:
-                try:
-                    return service(conn)
-                finally:
-                    _close(conn)
-            recv_exact(conn, memoryview(hello)[len(MAGIC) :])
-            magic, tag = HELLO.unpack_from(hello)[:2]
-            if magic != MAGIC:
-                raise ConnectionError("not a butterfly connection")
-            with self._cv:
-                self._cv.wait_for(lambda: tag in self._rounds or self._closed, timeout=self._registration_timeout)
-                round_ = self._rounds.get(tag)
-            if round_ is None:
-                raise ConnectionError("no round with this tag")
-            round_.attach(conn, bytes(hello))
-        except Exception as e:  # a stranger, a late or duplicate sender: drop the connection, never the process
-            logger.debug(f"butterfly connection dropped: {type(e).__name__}: {e}")
-            _close(conn)
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on ``host:port`` (port 0: any free port), for ``Listener``."""
-    return socket.create_server((host, port), backlog=128)

@@ -9,7 +9,7 @@ The answers must all describe one state (the same metadata); the caller then che
 digest in that metadata (``diloco.swarm.digest``), which proves every rank got all of it.
 
 Wire protocol, one connection per (downloading rank, source rank), opened by the downloader on the source rank's
-``tcp.Listener``:
+``listener.Listener``:
 
 * request: ``MAGIC``, the number of runs (u32), then each run's canonical ``[start, stop)`` (u64, u64);
 * answer: the metadata as JSON (u32 length first), the number of tensors (u8: the outer parameters, and the
@@ -64,7 +64,7 @@ def requests(me: RankLayout, source: Sequence[RankLayout]) -> dict[int, list[Run
 
 
 class StateService:
-    """Answers state downloads on this rank's ``tcp.Listener`` (``listener.serve(MAGIC, service)``).
+    """Answers state downloads on this rank's ``listener.Listener`` (``listener.serve(MAGIC, service)``).
 
     :param layout: this rank's; a run is served when it lies inside one of the runs this rank holds.
     :param provider: this rank's current state (copies, taken at one moment).

@@ -1,0 +1,93 @@
+"""A rank's listening TCP socket, shared by the protocols that reach it: each incoming connection goes to the round
+of ``diloco.swarm.tcp`` that its hello names, or to a service registered for its first four bytes (the state
+downloads of ``diloco.swarm.transfer``)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+from diloco.swarm.tcp import HELLO, MAC_SIZE, MAGIC, Round, close_socket, recv_exact
+
+logger = logging.getLogger(__name__)
+
+
+class Listener:
+    """The averager process's listening socket: hands each incoming connection to the ``Round`` it names.
+
+    :param sock: a bound, listening TCP socket (``listen_socket``); owned from now on.
+    :param handshake_timeout: seconds a connection may take to send its hello.
+    :param registration_timeout: seconds a connection waits for its round to be registered here: a groupmate
+        may learn of the group and start the round seconds before this peer does (None: ``handshake_timeout``).
+    """
+
+    def __init__(self, sock: socket.socket, handshake_timeout: float, registration_timeout: float | None = None):
+        self._sock, self._timeout = sock, handshake_timeout
+        self._registration_timeout = handshake_timeout if registration_timeout is None else registration_timeout
+        self._rounds: dict[bytes, Round] = {}
+        self._services: dict[bytes, Callable[[socket.socket], None]] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def start(self) -> Listener:
+        threading.Thread(target=self._accept, daemon=True, name="butterfly-accept").start()
+        return self
+
+    def serve(self, magic: bytes, handler: Callable[[socket.socket], None]) -> None:
+        """Hand connections that open with the 4 bytes `magic` to `handler` (on their own thread; closed after)."""
+        self._services[magic] = handler
+
+    def register(self, round_: Round) -> None:
+        with self._cv:
+            self._rounds[round_.tag] = round_
+            self._cv.notify_all()
+
+    def unregister(self, round_: Round) -> None:
+        with self._cv:
+            self._rounds.pop(round_.tag, None)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        close_socket(self._sock)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="butterfly-hello").start()
+
+    def _handshake(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self._timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = bytearray(HELLO.size + MAC_SIZE)
+            recv_exact(conn, memoryview(hello)[: len(MAGIC)])
+            if (service := self._services.get(bytes(hello[: len(MAGIC)]))) is not None:
+                try:
+                    return service(conn)
+                finally:
+                    close_socket(conn)
+            recv_exact(conn, memoryview(hello)[len(MAGIC) :])
+            magic, tag = HELLO.unpack_from(hello)[:2]
+            if magic != MAGIC:
+                raise ConnectionError("not a butterfly connection")
+            with self._cv:
+                self._cv.wait_for(lambda: tag in self._rounds or self._closed, timeout=self._registration_timeout)
+                round_ = self._rounds.get(tag)
+            if round_ is None:
+                raise ConnectionError("no round with this tag")
+            round_.attach(conn, bytes(hello))
+        except Exception as e:  # a stranger, a late or duplicate sender: drop the connection, never the process
+            logger.debug(f"butterfly connection dropped: {type(e).__name__}: {e}")
+            close_socket(conn)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (port 0: any free port), for ``Listener``."""
+    return socket.create_server((host, port), backlog=128)
