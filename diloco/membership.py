@@ -50,7 +50,7 @@ class RoundResult(Protocol):
     seconds: float
     bytes_sent: int
     bytes_received: int
-    ok: bool  # False: the round failed (or was stopped) and the tensors were left as they were
+    ok: bool  # False: the round failed (or was stopped): the tensors are not the average (nothing to apply)
     allreduce_seconds: float  # of `seconds`, from the group's forming to the result (the rest: waiting for it)
     rejected: int  # contributions of other groups this rank rejected (non-finite, or an outlier norm)
     transport: str  # what carried the bytes: "tcp", "p2pd", or "" (no group formed)

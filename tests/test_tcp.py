@@ -29,16 +29,18 @@ def run_group(
     endpoints: list[tuple[list[str], int]] | None = None,
     members: list[int] | None = None,
     schedules: list[Schedule] | None = None,
+    in_place: bool = False,
 ) -> tuple[list[torch.Tensor], list[str | None], list[Round], float]:
     """One round of a group of ``len(vectors)`` peers (only ``members`` take part; the others are silent), with a
-    flat schedule unless ``schedules`` are given. Returns (outputs, error of each member or None, rounds, seconds)."""
+    flat schedule unless ``schedules`` are given; `in_place`: each peer's output is its vector. Returns (outputs,
+    error of each member or None, rounds, seconds)."""
     k = len(vectors)
     members = list(range(k)) if members is None else members
     listeners = [Listener(listen_socket("127.0.0.1", 0), timeout).start() for _ in range(k)]
     ports = [listener._sock.getsockname()[1] for listener in listeners]
     endpoints = endpoints or [(["127.0.0.1"], port) for port in ports]
     group_id = os.urandom(32)
-    outs = [torch.full_like(v, float("nan")) for v in vectors]
+    outs = list(vectors) if in_place else [torch.full_like(v, float("nan")) for v in vectors]
     weights = weights or [1.0] * k
     schedules = schedules or [None] * k
     rounds = [
@@ -136,7 +138,9 @@ def canonical(outs: list[torch.Tensor], layout: list[RankLayout]) -> torch.Tenso
      [Shape("FULL_SHARD", 3), Shape("DDP", 1), Shape("HYBRID_SHARD", 4, nodes=2)]],
     ids=["1+2", "noshard2+fsdp2", "3+1+hybrid4"],
 )  # fmt: skip
-def test_groups_of_different_shapes_average_bit_identically(mix: list[Shape], codec: tcp.Codec):
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in-place"])
+def test_groups_of_different_shapes_average_bit_identically(mix: list[Shape], codec: tcp.Codec, in_place: bool):
+    """Also in place, as the trainer runs it: a part's average arrives only after the part was sent."""
     codec = dataclasses.replace(codec, part_numel=1000)  # many parts, cut across the shards
     layouts = [group_layout(MODEL_SHAPES, shape) for shape in mix]
     round_plan = plan(layouts, MODEL_NUMEL)
@@ -146,7 +150,7 @@ def test_groups_of_different_shapes_average_bit_identically(mix: list[Shape], co
     group_weights = [1.0 + g for g in range(len(mix))]
     schedules = [plan_schedule(round_plan, layouts, p, codec.part_numel) for p in participants]
     weights = [group_weights[g] for g, _ in participants]
-    outs, errors, rounds, _ = run_group(vectors, codec, weights, schedules=schedules)
+    outs, errors, rounds, _ = run_group(vectors, codec, weights, schedules=schedules, in_place=in_place)
     assert errors == [None] * len(participants)
     results = [canonical([outs[i] for i, (h, _) in enumerate(participants) if h == g], layout)
                for g, layout in enumerate(layouts)]  # fmt: skip

@@ -114,7 +114,8 @@ def run_round(
     timeout: float,
 ) -> Outcome:
     """This rank's part of the round: `vector` is its local buffer (its shard of every parameter, concatenated in
-    the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``).
+    the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``); it may
+    be `vector` itself.
     Never raises on network failures."""
     layouts = [group_layout(model_shapes, member.shape) for member in info.members]
     total = sum(int(torch.Size(shape).numel()) for shape in model_shapes)
@@ -173,10 +174,11 @@ class GroupRounds:
             broadcast, listener, codec, timeout, replicas
         )  # fmt: skip
         self.layout = group_layout(self.model_shapes, shape)[rank]  # this rank's part of the canonical vector
-        self._out: torch.Tensor | None = None
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]):
-        """Collective: one round (see ``SwarmAverager.average`` for the contract); returns a ``RoundReport``."""
+        """Collective: one round (see ``SwarmAverager.average`` for the contract), averaged in place: after a round
+        that failed the tensors hold averages where they arrived (the caller applies nothing then). Returns a
+        ``RoundReport``."""
         from diloco.swarm.averager import RoundReport
 
         started = time.monotonic()
@@ -185,15 +187,14 @@ class GroupRounds:
         if info is None:
             return RoundReport(num_peers, time.monotonic() - started, 0, 0, ok)
         formed = time.monotonic()
+        # in place: no second copy of the pseudo-gradient (the trainer's one tensor is viewed flat, not copied)
         vector = tcp.flatten(list(tensors))
-        if self._out is None or self._out.numel() != vector.numel():
-            self._out = torch.empty_like(vector)
-        outcome = run_round(info, self.rank, self.model_shapes, vector, self._out, listener=self.listener,
+        outcome = run_round(info, self.rank, self.model_shapes, vector, vector, listener=self.listener,
                             codec=self.codec, timeout=self.timeout)  # fmt: skip
         if self.replicas is not None:
-            self.replicas.fill(self._out)  # collective: also when this rank's part failed
-        if outcome.ok:
-            tcp.unflatten_into(self._out, list(tensors))
+            self.replicas.fill(vector)  # collective: also when this rank's part failed
+        if outcome.ok and len(tensors) > 1:
+            tcp.unflatten_into(vector, list(tensors))
         return RoundReport(
             len(info.members), time.monotonic() - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
             rejected=outcome.rejected, transport="tcp", allreduce_seconds=time.monotonic() - formed,

@@ -52,7 +52,7 @@ WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of
 
 
 class RoundFailed(Exception):
-    """The round did not leave this peer with the whole average; its tensors must stay as they were."""
+    """The round did not leave this peer with the whole average (its output holds part of it at most)."""
 
 
 class _LocalFailure(Exception):
@@ -139,9 +139,10 @@ def close_socket(sock: socket.socket) -> None:
 class Round:
     """One all-reduce of ``vector`` into ``out`` with the group; ``run()`` blocks until it is over.
 
-    :param vector: this peer's flat float32 contribution (read only).
+    :param vector: this peer's flat float32 contribution.
     :param out: flat float32 tensor of the same size that receives the average (garbage if the round fails) where
-        this peer takes part in a part (with a flat schedule, everywhere).
+        this peer takes part in a part (with a flat schedule, everywhere). It may be `vector` itself: the average of
+        a part arrives only once the reducer has the part, so after it was sent (or, as reducer, averaged).
     :param group_id: the group's secret id from matchmaking (HMAC key).
     :param index: this peer's position in the group order, which every peer sees alike.
     :param endpoints: per peer of the group, ([hosts], port) where its ``Listener`` accepts connections.
