@@ -64,7 +64,7 @@ def test_hetero_quick(tmp_path: Path) -> None:
         assert arm["swarm_tokens"] == sum(g["tokens"] for g in arm["groups"])
         for g in arm["groups"]:
             assert g["tokens"] == g["inner_steps"] * setup["tokens_per_step"]
-            assert sum(g["steps_per_round"]) == g["inner_steps"] and g["outer_steps"] == len(g["steps_per_round"])
+            assert sum(g["steps_per_round"]) == g["inner_steps"] and len(g["num_peers"]) == len(g["steps_per_round"])
             assert g["tokens_per_s"] > 0 and g["averaging_s"] >= 0 and len(g["evals"]) == 1  # at the end only
             assert len(g["losses"]) == g["inner_steps"]
             assert g["step_tokens_per_s"] > g["tokens_per_s"]  # it also sat in rounds
@@ -76,12 +76,17 @@ def test_hetero_quick(tmp_path: Path) -> None:
         token = data["arms"][1]
         fast, slow = token["groups"][0], token["groups"][2]
         assert fast["inner_steps"] > slow["inner_steps"], token
-        assert token["same_model"] and all(set(g["num_peers"]) == {3} for g in token["groups"]), token
+        # every round that formed had all three groups (under the suite's load one can fail: num_peers 0, nothing
+        # applied, its tokens carried into the group's next round)
+        assert token["same_model"] and all(set(g["num_peers"]) - {0} == {3} for g in token["groups"]), token
         for g in token["groups"]:
-            assert sum(g["weights"]) == g["tokens_counted_by_trainer"] == g["tokens"]  # weight = tokens, each round
-        # nobody waits for the others longer than the slowest group's inner step, beyond forming the group
+            applied = sum(w for w, n in zip(g["weights"], g["num_peers"]) if n)
+            assert applied == g["tokens_counted_by_trainer"] == g["tokens"]  # weight = tokens, each round
+        # nobody waits for the others longer than the slowest group's inner step, beyond forming the group (unless a
+        # round failed: the groups then meet again at the next one, and whoever was in time waits for it)
         slow_step_s = setup["tokens_per_step"] / data["solo"][2]["tokens_per_s"]
-        assert all(g["wait_s"] / g["outer_steps"] <= slow_step_s + MATCHMAKING_S for g in token["groups"]), token
+        if all(0 not in g["num_peers"] for g in token["groups"]):
+            assert all(g["wait_s"] / g["outer_steps"] <= slow_step_s + MATCHMAKING_S for g in token["groups"]), token
     targets = data["targets"]
     if "target-tokens" in expected:
         assert targets["ratio"] == data["arms"][1]["ratio_to_solo_sum"] and isinstance(targets["ratio_met"], bool)

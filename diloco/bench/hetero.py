@@ -259,7 +259,8 @@ def group_figures(run_dir: Path, setup: HeteroSetup) -> dict[str, Any]:
     if not inner or not outer:
         raise BenchError(f"{run_dir}: {len(inner)} inner steps and {len(outer)} outer steps logged")
     waits = [row["wait_s"] for row in outer if "wait_s" in row]
-    counted = [row["tokens"] for row in outer if "tokens" in row]
+    # a round that failed (num_peers 0) applied nothing: its tokens count again in the group's next round
+    counted = [row["tokens"] for row in outer if "tokens" in row and row.get("num_peers") != 0]
     return {
         "steps": [(step_start(row, setup.tokens_per_step), setup.tokens_per_step / row["tokens_per_s"])
                   for row in inner],  # (unix start, seconds) of each inner step  # fmt: skip
@@ -268,10 +269,10 @@ def group_figures(run_dir: Path, setup: HeteroSetup) -> dict[str, Any]:
         "inner_steps": len(inner),
         "tokens": len(inner) * setup.tokens_per_step,
         "tokens_counted_by_trainer": sum(counted) if counted else None,  # the outer rows' own `tokens`
-        "outer_steps": len(outer),
+        "outer_steps": outer[-1]["outer_step"],  # where it ended (a failed round's row adds none)
         "steps_per_round": rounds_of(rows),
         "num_peers": [row.get("num_peers") for row in outer],
-        "weights": [row["weight"] for row in outer if "weight" in row] or None,
+        "weights": [row.get("weight") for row in outer] if any("weight" in row for row in outer) else None,
         "wait_s": sum(waits) if waits else None,  # absent from trainers that do not log it
         "averaging_s": sum(row.get("averaging_s", 0.0) for row in outer),
         "outer_digests": [row.get("outer_digest") for row in outer],
