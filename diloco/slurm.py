@@ -131,7 +131,8 @@ def _header(layout: Layout, job: Job, workdir: Path) -> list[str]:
 def _dht_step(bin_dir: Path) -> list[str]:
     """The bootstrap peer on the job's first node, sharing its CPUs (--overlap); its line of initial peers is
     kept in $OUT/initial-peers. It is the job's first srun, step 0: stopped with SIGTERM by scancel when the script
-    exits (a signal to srun would end it with SIGKILL, leaving no time to stop p2pd)."""
+    exits (a signal to srun would end it with SIGKILL, leaving no time to stop p2pd), and killed if it is still
+    there 10 s later (a DHT stuck in its shutdown once held a finished job until its time limit)."""
     diloco = shlex.quote(str(bin_dir / "diloco"))
     return [
         "",
@@ -139,8 +140,12 @@ def _dht_step(bin_dir: Path) -> list[str]:
         f'srun --overlap --nodes=1 --ntasks=1 --nodelist="${{NODES[0]}}" {diloco} dht --identity "$OUT/dht-id.pem" \\',
         '  --host-maddrs /ip4/0.0.0.0/tcp/0 >"$OUT/dht.log" 2>&1 &',
         "DHT=$!",
-        "trap 'scancel --signal=TERM \"$SLURM_JOB_ID.0\" 2>/dev/null; wait $DHT 2>/dev/null' EXIT  # SIGTERM, as "
-        "srun's own would be SIGKILL",
+        "stop_dht() {  # SIGTERM, as srun's own would be SIGKILL; the step is killed if it is not gone after 10 s",
+        '  scancel --signal=TERM "$SLURM_JOB_ID.0" 2>/dev/null',
+        '  for _ in $(seq 20); do kill -0 "$DHT" 2>/dev/null || return 0; sleep 0.5; done',
+        '  scancel "$SLURM_JOB_ID.0" 2>/dev/null; wait "$DHT" 2>/dev/null',
+        "}",
+        "trap stop_dht EXIT",
         f"for _ in $(seq {DHT_WAIT_S * 2}); do",
         '  grep -q -- "--hv.initial-peers" "$OUT/dht.log" && break',
         '  kill -0 "$DHT" 2>/dev/null || break',

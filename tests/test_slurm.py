@@ -62,7 +62,8 @@ def test_the_dht_step_runs_first_and_hands_its_peers_to_the_groups(
     dht = script.index(" dht --identity")
     assert script[:dht].rsplit("\n", 1)[1].startswith('srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}"')
     assert '>"$OUT/initial-peers"' in script and 'PEERS=$(cat "$OUT/initial-peers")' in script
-    assert "trap 'scancel --signal=TERM \"$SLURM_JOB_ID.0\"" in script  # the DHT (step 0) ends with the script
+    assert "trap stop_dht EXIT" in script and 'scancel --signal=TERM "$SLURM_JOB_ID.0"' in script  # the DHT (step 0)
+    assert 'scancel "$SLURM_JOB_ID.0"' in script  # ends with the script, killed if SIGTERM did not end it
     assert dht < script.index("PEERS=") < script.index("# worker group 0")
 
 
