@@ -149,8 +149,10 @@ class SwarmPeer:
             self.averager.serve_state(provider)
 
     def download_state(self, record: Progress, rank: int) -> State | None:
-        if self.rounds is None:
-            return self.averager.download_state(record.peers[rank], self.request_timeout) if rank < len(record.peers) else None
+        if self.rounds is None:  # rank r from rank r of a group of this shape
+            if rank >= len(record.peers):
+                return None
+            return self.averager.download_state(record.peers[rank], self.request_timeout)
         try:  # a record of another version, or garbage: no state from it
             source = member_of({"shape": record.shape, "endpoints": record.endpoints, "weight": 0.0})
         except (TypeError, ValueError, KeyError) as e:

@@ -99,7 +99,9 @@ class StateService:
                 conn.sendall(memoryview(flat[local : local + numel].numpy()).cast("B"))
 
 
-def download(me: RankLayout, source: Sequence[RankLayout], endpoints: Sequence[Endpoint], timeout: float) -> State | None:
+def download(
+    me: RankLayout, source: Sequence[RankLayout], endpoints: Sequence[Endpoint], timeout: float
+) -> State | None:
     """This rank's outer state (in `me`'s layout) from the ranks of a group laid out as `source`, reached at
     `endpoints` (in rank order). None when a rank does not answer in full or the answers describe different
     states."""
