@@ -136,13 +136,21 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
     assert "resumed from" in logs[2].read_text()
 
 
-def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(tmp_path: Path, dht_peer: list[str]) -> None:
-    """The joiner is a 2-rank FULL_SHARD group in a swarm of 1-rank groups: each of its ranks downloads its half of
-    the rows from the other shape, and the digests of both shapes agree."""
+@pytest.mark.parametrize(
+    ("transport", "early_ranks", "joiner_ranks"), [("tcp", (1, 1), 2), ("p2pd", (2, 1), 1)], ids=["tcp", "p2pd"]
+)
+def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(
+    tmp_path: Path, dht_peer: list[str], transport: str, early_ranks: tuple[int, int], joiner_ranks: int
+) -> None:
+    """Over tcp the joiner is a 2-rank FULL_SHARD group in a swarm of 1-rank groups: each of its ranks downloads its
+    half of the rows from the other shape. Over p2pd it is the other way round: a 1-rank group loads the state of
+    group 0, of two ranks, over libp2p streams. The digests of both shapes agree."""
     dirs = [tmp_path / f"w{i}" for i in range(3)]
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
-    steps = ["--max-steps", "40"]
-    early = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
+    steps = ["--max-steps", "40", "--hv.transport", transport]
+    per_rank = {1: [], 2: ["--per-device-train-batch-size", "1"]}  # the same total batch in every shape
+    early = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps, *per_rank[ranks]), logs[i], torchrun=ranks > 1,
+                         ranks=ranks) for i, ranks in enumerate(early_ranks)]  # fmt: skip
     procs = list(early)
     try:
         wait_for(lambda: len(outer_rows(dirs[0])) >= 2, 120, "two outer steps of the first groups", early, logs)
@@ -150,8 +158,8 @@ def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(tmp_p
         # go on serving) while the joiner starts up, which under load took longer than their whole run
         for proc in early:
             os.kill(proc.pid, signal.SIGSTOP)
-        joiner = group_args(2, 3, dht_peer, dirs[2], *steps, "--seed", "7", "--per-device-train-batch-size", "1")
-        procs.append(start_group(joiner, logs[2], torchrun=True, ranks=2))
+        joiner = group_args(2, 3, dht_peer, dirs[2], *steps, "--seed", "7", *per_rank[joiner_ranks])
+        procs.append(start_group(joiner, logs[2], torchrun=joiner_ranks > 1, ranks=joiner_ranks))
         try:
             wait_for(lambda: "worker group 2 starting" in logs[2].read_text(), 120, "the joiner", procs[2:], logs[2:])
         finally:

@@ -165,6 +165,16 @@ def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_pa
     assert_trained_together(train_groups(tmp_path, dht_peer, 8, groups), groups=3, outer_steps=2)
 
 
+def test_over_p2pd_a_one_rank_and_a_two_rank_group_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
+    """The same whole-group rounds with every byte on libp2p streams through the ranks' p2pd daemons (no TCP
+    listener at all), int8 on the wire."""
+    p2pd = ["--hv.transport", "p2pd", "--hv.compression", "int8"]
+    run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, p2pd), (2, p2pd)])
+    assert_trained_together(run_dirs, groups=2, outer_steps=2)
+    rows = [r for d in run_dirs for r in outer_rows(d) if r.get("num_peers") == 2]
+    assert rows and all(r["transport"] == "p2pd" for r in rows), rows
+
+
 def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Path, dht_peer: list[str]) -> None:
     """Under DDP and ZERO1 every rank's local shards are the whole model (as under NO_SHARD): the replicas of a
     group each exchange a slice of it and pass each other the averages, and both groups end on one model."""

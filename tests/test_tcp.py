@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diloco.screening import all_finite, screen
+from diloco.swarm.codecs import WIRE_FORMATS
 from diloco.swarm import tcp
 from diloco.swarm.layout import RankLayout, Schedule, Shape, flat_parts, group_layout, plan, plan_schedule
 from diloco.swarm.listener import Listener, listen_socket
@@ -131,7 +132,7 @@ def canonical(outs: list[torch.Tensor], layout: list[RankLayout]) -> torch.Tenso
     return vector
 
 
-@pytest.mark.parametrize("codec", [RAW, FP16], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [RAW, FP16, WIRE_FORMATS["int8"].tcp], ids=lambda c: c.name)
 @pytest.mark.parametrize(
     "mix",
     [[Shape("FULL_SHARD", 1), Shape("FULL_SHARD", 2)], [Shape("NO_SHARD", 2), Shape("FULL_SHARD", 2)],
@@ -157,8 +158,10 @@ def test_groups_of_different_shapes_average_bit_identically(mix: list[Shape], co
     assert not results[0].isnan().any()
     assert all(torch.equal(results[0], result) for result in results)  # bit-identical in every group
     expected = sum(w * m.double() for w, m in zip(group_weights, models)) / sum(group_weights)
-    tolerance = 1e-6 if codec.raw else 2e-3
-    assert float((results[0].double() - expected).abs().max()) <= tolerance
+    if codec.name == "int8":  # a codebook per part: judged as test_swarm judges it (measured there: 0.02)
+        assert float((results[0].double() - expected).norm() / expected.norm()) <= 0.05
+    else:
+        assert float((results[0].double() - expected).abs().max()) <= (1e-6 if codec.raw else 2e-3)
     # a rank sends at most its own shard plus the averages of what it reduces, each once per other contributor
     for (g, r), round_ in zip(participants, rounds):
         reduced = sum(s.numel for s in round_plan.reduced_by((g, r)))

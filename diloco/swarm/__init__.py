@@ -13,8 +13,9 @@ One module per concept:
   ``SwarmPeer`` (DHT + averager + records);
 - ``averager``: the swarm averager (rounds with whoever is ready, bit-identical results);
 - ``codecs``: the ``--hv.compression`` wire formats on both transports;
-- ``tcp`` and ``libp2p``: the two transports that carry a round's bytes; ``listener``: a rank's listening socket;
-- ``layout`` and ``group_round``: rounds of whole groups of any shape over tcp; ``transfer``: their state downloads,
+- ``tcp`` and ``libp2p``: the two transports that carry a round's bytes; ``listener``: a rank's listening socket,
+  and ``tunnel``: libp2p streams to and from it (``--hv.transport p2pd``);
+- ``layout`` and ``group_round``: rounds of whole groups of any shape; ``transfer``: their state downloads,
   and ``digest``: the outer digest that is the same for one state in every shape;
 - ``memory``: an in-memory stand-in for tests and benches.
 
@@ -58,11 +59,11 @@ def join(
     world rank, and wait (at most ``hv.averaging_timeout``) until the other groups are there. Returns the group's
     outer loop, which owns them all from then on (``close()`` stops them).
 
-    Nothing is ever gathered to one rank. Over ``--hv.transport tcp`` groups average as wholes: one matchmaking per
-    group (its rank 0), then every rank sends the parts of its shard to the ranks that reduce them, in whatever
-    group and shape (``group_round``); groups of any number of ranks and any sharding average together. Over
-    ``p2pd`` each rank averages its own shard with the same rank of the other groups: rank r meets only rank r of
-    groups with the same number of ranks, whose shards line up.
+    Nothing is ever gathered to one rank. Groups average as wholes: one matchmaking per group (its rank 0), then
+    every rank sends the parts of its shard to the ranks that reduce them, in whatever group and shape
+    (``group_round``); groups of any number of ranks and any sharding average together. The bytes go over plain
+    TCP (``--hv.transport tcp``) or as libp2p streams through each rank's p2pd daemon (``p2pd``: ``tunnel``); the
+    groups of a run use one transport.
 
     :param hv: the swarm's settings (``Config.hv``).
     :param env: where this process sits in its group (its rank shifts fixed ports).
@@ -76,7 +77,8 @@ def join(
         meet this one (it is part of the matchmaking and progress keys), and one already training makes this
         group leave with a `FieldError` naming ``run_id``.
     :param model_shapes: every parameter's full shape, in the model's order (what ``shards`` are cut from); None:
-        groups average rank by rank (the ``p2pd`` way) over either transport.
+        groups average rank by rank (rank r with rank r of groups of as many ranks, whose shards line up), the way
+        of diloco before groups of any shape.
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
         holds), naming the ``HvConfig`` field; nothing is left running.
     """
@@ -100,10 +102,12 @@ def join(
         announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
     )
     run = run_key(hv.run_id, model)
-    whole = hv.transport == "tcp" and model_shapes is not None  # groups average as wholes
-    # rank 0 matchmakes for its whole group under a key every shape shares; states travel over the ranks' TCP
-    # listeners (``transfer``), so the other ranks need no averager
-    prefix = f"{run}-groups" if whole else f"{run}-rank{env.rank}of{env.world_size}"
+    whole = model_shapes is not None  # groups average as wholes
+    # rank 0 matchmakes for its whole group under a key every shape shares (and one transport: their rounds travel
+    # differently); states travel over the ranks' listeners (``transfer``), so the other ranks need no averager
+    prefix = f"{run}-groups" + ("" if hv.transport == "tcp" else f"-{hv.transport}")
+    if not whole:
+        prefix = f"{run}-rank{env.rank}of{env.world_size}"
     port = hv.averaging_port + env.local_rank if hv.averaging_port else 0
     averager = None
     try:
@@ -182,27 +186,38 @@ def join(
 
 def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager: object,
                  model_shapes: list[tuple[int, ...]], sharding: str, port: int):  # fmt: skip
-    """Collective: this rank's TCP listener, every rank's endpoint, and the replicas' process groups, for rounds
-    of whole groups (``group_round.GroupRounds``)."""
+    """Collective: this rank's listener (a TCP socket, or libp2p streams through a ``tunnel.Tunnel``), every rank's
+    endpoint, and the replicas' process groups, for rounds of whole groups (``group_round.GroupRounds``)."""
+    from diloco.swarm import tcp
     from diloco.swarm.addresses import announced_hosts, listen_host
     from diloco.swarm.averager import listen
     from diloco.swarm.codecs import WIRE_FORMATS
     from diloco.swarm.group_round import GroupRounds, Replicas
     from diloco.swarm.layout import Shape
     from diloco.swarm.listener import Listener
+    from diloco.swarm.tunnel import Tunnel
 
     shape = Shape(sharding or "FULL_SHARD", env.world_size, env.num_nodes)
-    listening = listen(listen_host(hv.host_maddrs), port)
     timeout = hv.averaging_timeout / 4  # as the per-rank way drops a silent groupmate
+    over_tcp = hv.transport == "tcp"
+    listening = listen(listen_host(hv.host_maddrs), port) if over_tcp else None
     listener = Listener(listening, timeout, registration_timeout=hv.averaging_timeout).start()
+    tunnel = None
     try:
-        endpoints = group.gather((announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1]))
+        if over_tcp:
+            endpoint, connect = (announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1]), tcp.connect
+        else:
+            tunnel = Tunnel(dht, listener)
+            endpoint, connect = ((tunnel.peer_id,), 0), tunnel.connect
+        endpoints = group.gather(endpoint)
         replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None
     except BaseException:
+        if tunnel is not None:
+            tunnel.close()
         listener.close()
         raise
     return GroupRounds(
         averager if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
         endpoints=endpoints, broadcast=group.broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
-        timeout=timeout, replicas=replicas,
+        timeout=timeout, replicas=replicas, transport=hv.transport, connect=connect, tunnel=tunnel,
     )  # fmt: skip

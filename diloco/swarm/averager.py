@@ -189,6 +189,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
             if len(group_id) > GROUP_ID_MAX:
                 raise AllreduceException(f"a group id of {len(group_id)} bytes")
             self.matched_id.raw = bytes([len(group_id)]) + group_id.ljust(GROUP_ID_MAX, b"\0")
+            self._running_groups[group_id].set_result(_TcpGroup(None))  # done here (else hivemind warns each round)
             return
         endpoints = self._tcp_endpoints(group_info)
         self.stats.over_tcp = int(endpoints is not None and self._listener is not None)
@@ -257,13 +258,15 @@ class ExactAverager(hivemind.DecentralizedAverager):
 
 
 class _TcpGroup:
-    """Stands in for hivemind's ``AllReduceRunner`` in ``_running_groups`` while the group averages over TCP."""
+    """Stands in for hivemind's ``AllReduceRunner`` in ``_running_groups`` while the group averages over TCP, or
+    once a ``match_only`` averager handed the group to its caller (`round_` None)."""
 
-    def __init__(self, round_: tcp.Round):
+    def __init__(self, round_: tcp.Round | None):
         self.round = round_
 
     def finalize(self, cancel: bool = False) -> set:
-        self.round.abort()  # the averager shuts down: end the round's threads
+        if self.round is not None:
+            self.round.abort()  # the averager shuts down: end the round's threads
         return set()
 
     async def rpc_aggregate_part(self, stream: AsyncIterator, context) -> AsyncIterator[averaging_pb2.AveragingData]:

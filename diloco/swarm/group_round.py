@@ -1,7 +1,8 @@
 """One averaging round of worker groups of any shape, once matchmaking has told every rank who is in it.
 
 Matchmaking happens once per group (its rank 0); what it learns, ``RoundInfo``, reaches the group's other ranks over
-the group's own process group. Then every rank of every group runs its part of one TCP round (``diloco.swarm.tcp``)
+the group's own process group. Then every rank of every group runs its part of one round (``diloco.swarm.tcp``, over
+TCP or, with ``--hv.transport p2pd``, over libp2p streams: ``diloco.swarm.tunnel``)
 over the round's plan (``diloco.swarm.layout``): it sends the canonical runs it exchanges to their reducers, reduces
 its own spans, and receives the averages of what it sent. Replicas of a shard (NO_SHARD, DDP, ZERO1, the nodes of
 HYBRID_SHARD) exchanged a slice each; they pass each other those slices over the group's process group, so every
@@ -29,14 +30,14 @@ from diloco.swarm.listener import Listener
 
 log = logging.getLogger("diloco")
 
-Endpoint = tuple[tuple[str, ...], int]  # the hosts a rank's TCP listener may be reached at, and its port
+Endpoint = tuple[tuple[str, ...], int]  # a rank's listener: TCP ([hosts], port), or p2pd ((peer id,), 0)
 STRATEGIES = set(get_args(ShardingStrategy))
 
 
 @dataclass(frozen=True)
 class Member:
-    """A worker group in a round, as it announced itself in matchmaking: its shape, each rank's TCP endpoint (in
-    rank order) and its weight in the average."""
+    """A worker group in a round, as it announced itself in matchmaking: its shape, each rank's endpoint (in rank
+    order) and its weight in the average."""
 
     shape: Shape
     endpoints: tuple[Endpoint, ...]
@@ -112,6 +113,7 @@ def run_round(
     listener: Listener,
     codec: tcp.Codec,
     timeout: float,
+    connect: tcp.Connect = tcp.connect,
 ) -> Outcome:
     """This rank's part of the round: `vector` is its local buffer (its shard of every parameter, concatenated in
     the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``); it may
@@ -125,7 +127,7 @@ def run_round(
     endpoints = [(list(hosts), port) for member in info.members for hosts, port in member.endpoints]
     round_ = tcp.Round(
         vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints,
-        weight=info.members[info.me].weight, codec=codec, timeout=timeout, schedule=schedule,
+        weight=info.members[info.me].weight, codec=codec, timeout=timeout, schedule=schedule, connect=connect,
     )  # fmt: skip
     listener.register(round_)
     try:
@@ -148,10 +150,13 @@ class GroupRounds:
     :param matcher: rank 0's ``SwarmAverager`` made with ``match_only``; None on the other ranks.
     :param rank: this rank in its group; ``shape``: the group's; ``model_shapes``: every parameter's full shape, in
         the model's order.
-    :param endpoints: every rank's TCP endpoint, in rank order (this rank's ``listener`` accepts on its own).
+    :param endpoints: every rank's endpoint, in rank order (this rank's ``listener`` accepts on its own).
     :param broadcast: rank 0's object on every rank of the group.
     :param replicas: passes replicas' slices (None: the group has no replicas).
     :param timeout: seconds any single step of a round may take (a silent groupmate is dropped after it).
+    :param transport: what carries the bytes, "tcp" or "p2pd" (every group of a run uses one); ``connect``
+        reaches other ranks' listeners that way, and ``tunnel`` (over p2pd: a ``diloco.swarm.tunnel.Tunnel``)
+        brings their streams to ``listener``. ``close()`` closes both.
     """
 
     def __init__(
@@ -167,6 +172,9 @@ class GroupRounds:
         codec: tcp.Codec,
         timeout: float,
         replicas: Replicas | None,
+        transport: str = "tcp",
+        connect: tcp.Connect = tcp.connect,
+        tunnel: object | None = None,
     ):
         self.matcher, self.rank, self.shape, self.model_shapes = matcher, rank, shape, [tuple(s) for s in model_shapes]
         self.endpoints = tuple((tuple(hosts), int(port)) for hosts, port in endpoints)
@@ -174,6 +182,15 @@ class GroupRounds:
             broadcast, listener, codec, timeout, replicas
         )  # fmt: skip
         self.layout = group_layout(self.model_shapes, shape)[rank]  # this rank's part of the canonical vector
+        self.transport, self.connect, self.tunnel = transport, connect, tunnel
+
+    def close(self) -> None:
+        """Stop taking connections (the tunnel's streams first)."""
+        try:
+            if self.tunnel is not None:
+                self.tunnel.close()
+        finally:
+            self.listener.close()
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]):
         """Collective: one round (see ``SwarmAverager.average`` for the contract), averaged in place: after a round
@@ -190,14 +207,14 @@ class GroupRounds:
         # in place: no second copy of the pseudo-gradient (the trainer's one tensor is viewed flat, not copied)
         vector = tcp.flatten(list(tensors))
         outcome = run_round(info, self.rank, self.model_shapes, vector, vector, listener=self.listener,
-                            codec=self.codec, timeout=self.timeout)  # fmt: skip
+                            codec=self.codec, timeout=self.timeout, connect=self.connect)  # fmt: skip
         if self.replicas is not None:
             self.replicas.fill(vector)  # collective: also when this rank's part failed
         if outcome.ok and len(tensors) > 1:
             tcp.unflatten_into(vector, list(tensors))
         return RoundReport(
             len(info.members), time.monotonic() - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
-            rejected=outcome.rejected, transport="tcp", allreduce_seconds=time.monotonic() - formed,
+            rejected=outcome.rejected, transport=self.transport, allreduce_seconds=time.monotonic() - formed,
         )  # fmt: skip
 
     def _match(self, round_index: int, weight: float, stop: Callable[[], bool]) -> tuple[RoundInfo | None, int, bool]:

@@ -1,6 +1,7 @@
 """A rank's listening TCP socket, shared by the protocols that reach it: each incoming connection goes to the round
 of ``diloco.swarm.tcp`` that its hello names, or to a service registered for its first four bytes (the state
-downloads of ``diloco.swarm.transfer``)."""
+downloads of ``diloco.swarm.transfer``). Connections that arrive otherwise (the libp2p streams of
+``diloco.swarm.tunnel``) are handed in as sockets and dispatched alike."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ logger = logging.getLogger(__name__)
 class Listener:
     """The averager process's listening socket: hands each incoming connection to the ``Round`` it names.
 
-    :param sock: a bound, listening TCP socket (``listen_socket``); owned from now on.
+    :param sock: a bound, listening TCP socket (``listen_socket``); owned from now on. None: connections only come
+        through ``handle``.
     :param handshake_timeout: seconds a connection may take to send its hello.
     :param registration_timeout: seconds a connection waits for its round to be registered here: a groupmate
         may learn of the group and start the round seconds before this peer does (None: ``handshake_timeout``).
     """
 
-    def __init__(self, sock: socket.socket, handshake_timeout: float, registration_timeout: float | None = None):
+    def __init__(self, sock: socket.socket | None, handshake_timeout: float, registration_timeout: float | None = None):
         self._sock, self._timeout = sock, handshake_timeout
         self._registration_timeout = handshake_timeout if registration_timeout is None else registration_timeout
         self._rounds: dict[bytes, Round] = {}
@@ -32,8 +34,13 @@ class Listener:
         self._closed = False
 
     def start(self) -> Listener:
-        threading.Thread(target=self._accept, daemon=True, name="butterfly-accept").start()
+        if self._sock is not None:
+            threading.Thread(target=self._accept, daemon=True, name="butterfly-accept").start()
         return self
+
+    def handle(self, conn: socket.socket) -> None:
+        """Dispatch a connection that did not come through the listening socket (owned from now on)."""
+        threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="butterfly-hello").start()
 
     def serve(self, magic: bytes, handler: Callable[[socket.socket], None]) -> None:
         """Hand connections that open with the 4 bytes `magic` to `handler` (on their own thread; closed after)."""
@@ -52,7 +59,8 @@ class Listener:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        close_socket(self._sock)
+        if self._sock is not None:
+            close_socket(self._sock)
 
     def _accept(self) -> None:
         while True:
@@ -60,12 +68,13 @@ class Listener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="butterfly-hello").start()
+            self.handle(conn)
 
     def _handshake(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(self._timeout)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.family in (socket.AF_INET, socket.AF_INET6):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = bytearray(HELLO.size + MAC_SIZE)
             recv_exact(conn, memoryview(hello)[: len(MAGIC)])
             if (service := self._services.get(bytes(hello[: len(MAGIC)]))) is not None:

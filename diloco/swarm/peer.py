@@ -159,7 +159,8 @@ class SwarmPeer:
             log.debug("the progress record of group %d names no reachable shape (%s)", record.world_rank, e)
             return None
         layouts = group_layout(self.rounds.model_shapes, source.shape)
-        return transfer.download(self.rounds.layout, layouts, source.endpoints, self.request_timeout)
+        return transfer.download(self.rounds.layout, layouts, source.endpoints, self.request_timeout,
+                                 self.rounds.connect)  # fmt: skip
 
     def shutdown(self) -> None:
         deadline = time.monotonic() + LAST_STATUS_WAIT_S
@@ -168,7 +169,7 @@ class SwarmPeer:
                 future.result(timeout=max(deadline - time.monotonic(), 0.0))
         try:
             if self.rounds is not None:
-                self.rounds.listener.close()
+                self.rounds.close()
             if self.averager is not None:
                 self.averager.shutdown()
         finally:

@@ -32,6 +32,7 @@ import logging
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +50,12 @@ HELLO = struct.Struct("!4s16sHHH16s8sd")
 MAC_SIZE = 32
 LENGTH = struct.Struct("!Q")
 WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of its slowest reply: bounds memory
+
+Endpoint = tuple[Sequence[str], int]  # the hosts a rank's listener may be reached at, and its port
+Handshake = Callable[[socket.socket], socket.socket]
+# (endpoint, timeout, handshake or None) -> a connected socket past the handshake: ``connect`` over TCP, or
+# ``diloco.swarm.tunnel.Tunnel.connect`` over libp2p
+Connect = Callable[[Endpoint, float, "Handshake | None"], socket.socket]
 
 
 class RoundFailed(Exception):
@@ -136,6 +143,22 @@ def close_socket(sock: socket.socket) -> None:
             pass
 
 
+def connect(endpoint: Endpoint, timeout: float, handshake: Handshake | None = None) -> socket.socket:
+    """A TCP connection to `endpoint` (past `handshake`, which closes the socket if it fails), trying its hosts in
+    order: a host may be this machine's loopback, or an address not reachable from here, and the handshake tells
+    the right peer from any other."""
+    hosts, port = endpoint
+    errors = []
+    for host in hosts:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return handshake(sock) if handshake is not None else sock
+        except OSError as e:
+            errors.append(f"{host}:{port}: {e}")
+    raise ConnectionError(f"could not connect: {'; '.join(errors) or 'no address'}")
+
+
 class Round:
     """One all-reduce of ``vector`` into ``out`` with the group; ``run()`` blocks until it is over.
 
@@ -146,6 +169,7 @@ class Round:
     :param group_id: the group's secret id from matchmaking (HMAC key).
     :param index: this peer's position in the group order, which every peer sees alike.
     :param endpoints: per peer of the group, ([hosts], port) where its ``Listener`` accepts connections.
+    :param connect: how to reach an endpoint (``connect``: over TCP).
     :param weight: this peer's weight in the average; 0 takes the others' average and adds nothing.
     :param timeout: seconds any single step may take: connecting, a groupmate's next part, a reply. A sender
         silent that long is dropped from the average (the others go on); a silent reducer fails the round.
@@ -160,14 +184,16 @@ class Round:
         *,
         group_id: bytes,
         index: int,
-        endpoints: list[tuple[list[str], int]],
+        endpoints: Sequence[Endpoint],
         weight: float,
         codec: Codec,
         timeout: float,
         max_norm_ratio: float = MAX_NORM_RATIO,
         schedule: Schedule | None = None,
+        connect: Connect = connect,
     ):
         self.vector, self.out, self.group_id, self.index = vector, out, group_id, index
+        self.connector = connect
         self.endpoints, self.codec, self.timeout, self.max_norm_ratio = endpoints, codec, timeout, max_norm_ratio
         self.k = len(endpoints)
         self.schedule = schedule or flat_schedule(vector.numel(), self.k, codec.part_numel, index)
@@ -445,16 +471,8 @@ class Round:
             close_socket(sock)  # stops our sending thread too
 
     def _connect(self, reducer: int) -> socket.socket:
-        """A connection to ``reducer`` past the handshake, trying its hosts in order (a host may be this machine's
-        loopback, or an address not reachable from here: the handshake tells the right peer from any other)."""
-        hosts, port = self.endpoints[reducer]
-        errors = []
-        for host in hosts:
-            try:
-                return self._handshake(socket.create_connection((host, port), timeout=min(self.timeout, 5.0)), reducer)
-            except OSError as e:
-                errors.append(f"{host}:{port}: {e}")
-        raise ConnectionError(f"could not connect: {'; '.join(errors) or 'no address'}")
+        """A connection to ``reducer`` past the handshake."""
+        return self.connector(self.endpoints[reducer], min(self.timeout, 5.0), lambda s: self._handshake(s, reducer))
 
     def _handshake(self, sock: socket.socket, reducer: int) -> socket.socket:
         with self._cv:
@@ -464,7 +482,6 @@ class Round:
         # a reducer may hold our next part (or its average) back for up to `timeout` while it waits for a slow
         # groupmate before dropping it: give our side of the connection twice that
         sock.settimeout(2 * self.timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         codec = self.codec.name.encode()
         weight = self._weights[self.index]
         fields = HELLO.pack(MAGIC, self.tag, self.index, reducer, self.k, self.digest, codec, weight)

@@ -1,4 +1,5 @@
-"""Downloading a worker group's outer state into a group of any shape, rank by rank over the ranks' TCP listeners.
+"""Downloading a worker group's outer state into a group of any shape, rank by rank over the ranks' listeners (over
+TCP, or libp2p streams with ``--hv.transport p2pd``: ``diloco.swarm.tunnel``).
 
 A group that is behind, diverged or just joined loads the swarm's state from a group that holds it, and that group
 may be sharded otherwise: its rank r holds other rows than this group's rank r. So each rank of the downloading
@@ -31,7 +32,8 @@ from typing import Any
 import torch
 
 from diloco.swarm.layout import RankLayout
-from diloco.swarm.tcp import recv_exact
+from diloco.swarm import tcp
+from diloco.swarm.tcp import Endpoint, recv_exact
 
 log = logging.getLogger("diloco")
 
@@ -43,7 +45,6 @@ MAX_RUNS = 2**20
 MAX_META_BYTES = 2**16
 
 State = tuple[dict[str, Any], list[torch.Tensor]]  # (metadata, [outer parameters, momentum?]) of one rank
-Endpoint = tuple[Sequence[str], int]
 Run = tuple[int, int, int]  # canonical start, stop, and where the values go in the downloader's buffer
 
 
@@ -100,11 +101,12 @@ class StateService:
 
 
 def download(
-    me: RankLayout, source: Sequence[RankLayout], endpoints: Sequence[Endpoint], timeout: float
+    me: RankLayout, source: Sequence[RankLayout], endpoints: Sequence[Endpoint], timeout: float,
+    connect: tcp.Connect = tcp.connect,
 ) -> State | None:
     """This rank's outer state (in `me`'s layout) from the ranks of a group laid out as `source`, reached at
-    `endpoints` (in rank order). None when a rank does not answer in full or the answers describe different
-    states."""
+    `endpoints` (in rank order) through `connect`. None when a rank does not answer in full or the answers describe
+    different states."""
     outer = torch.empty(me.local_numel)
     made: list[list[torch.Tensor]] = []  # the outer parameters, and the momentum once an answer has one
 
@@ -120,7 +122,7 @@ def download(
     meta: dict[str, Any] | None = None
     for rank, runs in (requests(me, source) or {0: []}).items():  # a rank that holds nothing still needs the meta
         try:
-            got = _fetch(endpoints[rank], runs, timeout, buffers)
+            got = _fetch(connect(endpoints[rank], timeout, None), runs, timeout, buffers)
         except (OSError, ValueError, UnicodeDecodeError) as e:
             log.debug("state download from rank %d failed: %s: %s", rank, type(e).__name__, e)
             return None
@@ -131,10 +133,11 @@ def download(
     return None if meta is None else (meta, made[0] if made else [outer])
 
 
-def _fetch(endpoint: Endpoint, runs: list[Run], timeout: float,
+def _fetch(sock: socket.socket, runs: list[Run], timeout: float,
            buffers: Callable[[int], list[torch.Tensor]]) -> dict[str, Any]:  # fmt: skip
-    """Ask one source rank for `runs`; its values go into ``buffers(count)`` at the runs' places."""
-    sock = _connect(endpoint, timeout)
+    """Ask one source rank, connected on `sock` (closed after), for `runs`; its values go into ``buffers(count)`` at
+    the runs' places."""
+    sock.settimeout(timeout)
     try:
         request = MAGIC + COUNT.pack(len(runs)) + b"".join(RUN.pack(start, stop) for start, stop, _ in runs)
         sock.sendall(request)
@@ -151,19 +154,6 @@ def _fetch(endpoint: Endpoint, runs: list[Run], timeout: float,
         return meta
     finally:
         sock.close()
-
-
-def _connect(endpoint: Endpoint, timeout: float) -> socket.socket:
-    hosts, port = endpoint
-    errors = []
-    for host in hosts:
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-            sock.settimeout(timeout)
-            return sock
-        except OSError as e:
-            errors.append(f"{host}:{port}: {e}")
-    raise ConnectionError("; ".join(errors) or "no address")
 
 
 def _receive(sock: socket.socket, size: int) -> memoryview:
