@@ -54,11 +54,12 @@ def namespaces() -> set[str]:
 
 def expected_arms() -> list[str]:
     """Both transports once SwarmAverager has the parameter, hivemind's p2pd path alone before; and the trainer's
-    rounds of whole groups once there are any."""
+    rounds of whole groups once there are any, over p2pd too once they can be."""
     from diloco.swarm.averager import SwarmAverager
 
     arms = ["tcp", "p2pd"] if "transport" in inspect.signature(SwarmAverager).parameters else ["p2pd"]
-    return arms + (["groups"] if importlib.util.find_spec("diloco.swarm.group_round") else [])
+    arms += ["groups"] if importlib.util.find_spec("diloco.swarm.group_round") else []
+    return arms + (["groups-p2pd"] if importlib.util.find_spec("diloco.swarm.tunnel") else [])
 
 
 def run_quick(tmp_path: Path, mark: str) -> tuple[dict, str, int]:
@@ -87,7 +88,7 @@ def check_swarm(row: dict, peers: int, rounds: int) -> None:
             assert len(reports) == peers
             for report in reports:
                 assert report["ok"] and report["num_peers"] == peers, report
-                carrier = "tcp" if transport == "groups" else transport  # what carried the bytes
+                carrier = {"groups": "tcp", "groups-p2pd": "p2pd"}.get(transport, transport)  # what carried them
                 assert report.get("transport", carrier) == carrier, report
                 assert 0 < report["allreduce_s"] <= report["round_s"], report
                 # each peer sends (k-1)/k of its values and the average of its 1/k to k-1 peers, receives as much
@@ -97,7 +98,7 @@ def check_swarm(row: dict, peers: int, rounds: int) -> None:
         assert sw["median_s"] > 0 and sw["mb_s"] == pytest.approx(sw["bytes"] / sw["median_s"] / 1e6)
         cpu = sw["cpu_s_median"]
         assert cpu["averager"] + cpu["caller"] > 0, cpu
-        if transport == "p2pd":
+        if transport in ("p2pd", "groups-p2pd"):
             assert cpu["p2pd"] > 0, cpu  # the bytes go through the daemons
         assert sw["tree_peak_rss_mb"] > 0
         # measured, not checked: at 1 MB the PSS of shared libraries moving between processes (the suite's) swamps
@@ -153,9 +154,11 @@ def test_allreduce_quick(tmp_path: Path) -> None:
     tcp = f"{row['arms']['tcp']['median_s']:.2f} | {row['arms']['tcp']['mb_s']:.0f}" if "tcp" in arms else "– | –"
     assert f"| 0.25M | 1 | 2 | {tcp} | {hv['median_s']:.2f} | {hv['mb_s']:.0f} |" in doc
     assert "| parameters | peers | transport | round s | averager CPU s | p2pd CPU s |" in doc
-    if "groups" in arms:  # the trainer's path: its own columns after p2pd's, in both tables
-        assert "hivemind p2pd MB/s per peer | diloco groups s | diloco groups MB/s per peer | gloo s |" in doc
-        assert "| ratio | diloco groups s | ratio | gloo s | gloo ratio | kernel MB out tcp / p2pd / groups |" in doc
+    if "groups-p2pd" in arms:  # the trainer's path, over tcp and p2pd: columns after p2pd's, in both tables
+        assert ("hivemind p2pd MB/s per peer | diloco groups s | diloco groups MB/s per peer | diloco groups p2pd s | "
+                "diloco groups p2pd MB/s per peer | gloo s |") in doc
+        assert ("| ratio | diloco groups s | ratio | diloco groups p2pd s | ratio | gloo s | gloo ratio | kernel MB out "
+                "tcp / p2pd / groups / groups-p2pd |") in doc
     assert "| parameters | peers | required MB out | ideal s | diloco tcp s | ratio | hivemind p2pd s |" in doc
     assert "netem qdisc is missing" in doc and "- quick: payloads this small" in doc
     for transport in arms:

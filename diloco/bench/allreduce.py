@@ -45,7 +45,7 @@ import psutil
 
 from diloco import procs
 from diloco.bench import BenchError, netns
-from diloco.bench.allreduce_report import ARMS, markdown
+from diloco.bench.allreduce_report import ARMS, CARRIER, markdown
 from diloco.bench.allreduce_worker import AVERAGING_TIMEOUT_S, MATCHMAKING_S
 
 __all__ = ["markdown", "measure"]  # `diloco.bench.run` calls both on this module
@@ -365,7 +365,7 @@ def swarm_case(children: list[Child], size: int, transport: str, rounds: int, ho
             if len({r["checksum"] for r in reports}) != 1:
                 raise BenchError(f"{ARMS[transport]} peers hold different results after a round: {reports}")
             carried = {r.get("transport", transport) for r in reports}  # what carried the bytes, where reported
-            if carried != {"tcp" if transport == "groups" else transport}:
+            if carried != {CARRIER.get(transport, transport)}:
                 raise BenchError(f"a {ARMS[transport]} round went over {sorted(carried)}: {reports}")
             done.append(attempt)
             continue

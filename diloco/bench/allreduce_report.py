@@ -10,7 +10,8 @@ from typing import Any
 from diloco.bench import machine_line
 
 # SwarmAverager transport -> name in the tables; "groups": the trainer's rounds of whole groups over tcp
-ARMS = {"tcp": "diloco tcp", "p2pd": "hivemind p2pd", "groups": "diloco groups"}
+ARMS = {"tcp": "diloco tcp", "p2pd": "hivemind p2pd", "groups": "diloco groups", "groups-p2pd": "diloco groups p2pd"}
+CARRIER = {"groups": "tcp", "groups-p2pd": "p2pd"}  # what carries an arm's bytes, where it is not the arm's name
 
 
 def markdown(result: dict[str, Any]) -> str:

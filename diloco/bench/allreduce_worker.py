@@ -153,8 +153,8 @@ def gloo_rank(master: str, port: int, rank: int, world: int, size: int, rounds: 
 
 def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: list[list], prefix: str) -> None:
     """One worker group's averager: a DHT peer, then for each [size, transport] of ``cases`` a SwarmAverager over
-    one tensor (transport "groups": the trainer's rounds of whole groups, ``group_round.GroupRounds``, for a group
-    of one rank), READY, then per ``go`` on stdin one round and RESULT, until ``next``.
+    one tensor (transport "groups" and "groups-p2pd": the trainer's rounds of whole groups, ``group_round.GroupRounds``,
+    for a group of one rank, over tcp and p2pd), READY, then per ``go`` on stdin one round and RESULT, until ``next``.
 
     RESULT holds the round's report, ``round_s`` (seconds around the ``average`` call), ``allreduce_s`` (the
     report's ``allreduce_seconds``: from the group's forming to the result, matchmaking excluded) and a checksum that
@@ -172,8 +172,9 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
             # of what the case holds
             pss_before_mb = procs.tree_pss_mb(os.getpid())
             tensor = torch.randn(size, generator=torch.Generator().manual_seed(index))
-            if transport == "groups":
-                with whole_group(dht, f"{prefix}-{transport}-{size}", ip, size, k) as rounds:
+            if transport in ("groups", "groups-p2pd"):
+                over = "tcp" if transport == "groups" else "p2pd"
+                with whole_group(dht, f"{prefix}-{transport}-{size}", ip, size, k, over) as rounds:
                     emit("READY", {"size": size, "transport": transport, "pss_before_mb": pss_before_mb})
                     average_rounds(lambda i: rounds.average([tensor], i, 1.0, lambda: False), tensor)
                 continue
@@ -190,30 +191,41 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
 
 
 @contextlib.contextmanager
-def whole_group(dht: object, prefix: str, ip: str, size: int, k: int) -> Iterator[GroupRounds]:
-    """The rounds of a 1-rank worker group as ``swarm.join`` sets them up over tcp: a ``match_only`` averager
-    finds the round's groups, a TCP listener in this process carries the round (its timeouts the trainer's)."""
+def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport: str) -> Iterator[GroupRounds]:
+    """The rounds of a 1-rank worker group as ``swarm.join`` sets them up: a ``match_only`` averager finds the
+    round's groups, a listener in this process carries the round (its timeouts the trainer's), reached over TCP or,
+    with `transport` "p2pd", over libp2p streams through this peer's daemon (``tunnel``)."""
     import torch
 
+    from diloco.swarm import tcp
     from diloco.swarm.averager import SwarmAverager
     from diloco.swarm.codecs import WIRE_FORMATS
     from diloco.swarm.group_round import GroupRounds
     from diloco.swarm.layout import Shape
     from diloco.swarm.listener import Listener, listen_socket
+    from diloco.swarm.tunnel import Tunnel
 
     matcher = SwarmAverager(
         dht, prefix=prefix, tensors=[torch.zeros(1)], compression="none", matchmaking_time=MATCHMAKING_S,
-        averaging_timeout=AVERAGING_TIMEOUT_S, target_group_size=k, transport="tcp", match_only=True,
+        averaging_timeout=AVERAGING_TIMEOUT_S, target_group_size=k, transport=transport, match_only=True,
     )  # fmt: skip
-    listening = listen_socket(ip, 0)
+    listening = listen_socket(ip, 0) if transport == "tcp" else None
     listener = Listener(listening, AVERAGING_TIMEOUT_S / 4, registration_timeout=AVERAGING_TIMEOUT_S).start()
+    tunnel = None
     try:
+        if listening is not None:
+            endpoint, connect = ([ip], listening.getsockname()[1]), tcp.connect
+        else:
+            tunnel = Tunnel(dht, listener)
+            endpoint, connect = ((tunnel.peer_id,), 0), tunnel.connect
         yield GroupRounds(
-            matcher, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[(size,)],
-            endpoints=[([ip], listening.getsockname()[1])], broadcast=lambda found: found, listener=listener,
-            codec=WIRE_FORMATS["none"].tcp, timeout=AVERAGING_TIMEOUT_S / 4, replicas=None,
+            matcher, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[(size,)], endpoints=[endpoint],
+            broadcast=lambda found: found, listener=listener, codec=WIRE_FORMATS["none"].tcp,
+            timeout=AVERAGING_TIMEOUT_S / 4, replicas=None, transport=transport, connect=connect, tunnel=tunnel,
         )  # fmt: skip
     finally:
+        if tunnel is not None:
+            tunnel.close()
         listener.close()
         matcher.shutdown()
 
