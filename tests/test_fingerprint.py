@@ -82,8 +82,8 @@ def test_a_group_of_another_model_leaves_with_one_line_naming_both() -> None:
 
 
 def test_a_group_of_another_transport_leaves_with_one_line() -> None:
-    """A tcp group matchmakes as a whole group, a p2pd group rank by rank: they would never meet, so the later one
-    leaves (a record without a transport, from an older trainer, is not held against anyone)."""
+    """A tcp group and a p2pd group matchmake under different keys and reach ranks differently: they would never
+    meet, so the later one leaves (a record without a transport, from an older trainer, is not held against anyone)."""
     hub = MemorySwarm(2)
     first = group(hub, 0, net(), transport="tcp")
     first.claim_world_rank()

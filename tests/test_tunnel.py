@@ -145,3 +145,13 @@ def test_an_unreachable_peer_is_a_connection_error_in_bounded_time(ranks: list[R
             assert time.monotonic() - started < 10
     finally:
         assert shutdown_dht(stranger) == []
+
+
+def test_a_new_tunnel_on_the_same_peer_takes_the_streams_once_the_last_closed(ranks: list[Rank]):
+    """One DHT peer, tunnels one after another (the bench's cases do that): closing one gives the daemon's handler
+    back; a second one open at the same time is refused."""
+    with pytest.raises(Exception, match="already set"):
+        Tunnel(ranks[2].dht, ranks[2].listener)
+    ranks[2].tunnel.close()
+    ranks[2].tunnel = Tunnel(ranks[2].dht, ranks[2].listener)
+    test_a_state_downloads_across_shapes_over_libp2p(ranks)

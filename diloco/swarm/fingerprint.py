@@ -48,7 +48,7 @@ def model_id(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> ModelId:
 def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], bool]) -> Status | None:
     """The status record of a live group of the run that trains another model, or runs a trainer from before
     fingerprints (its record has no model: it uses other keys and would never meet this group), or averages over
-    another ``--hv.transport`` (a tcp group matchmakes as a whole group, a p2pd group rank by rank: they never
+    another ``--hv.transport`` (the two matchmake under different keys and reach ranks differently: they never
     meet), and was there first; None if there is none.
 
     A group past joining was there first; of two groups joining at the same moment the one whose record is older

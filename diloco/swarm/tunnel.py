@@ -7,8 +7,9 @@ the socket of an incoming stream goes to the rank's ``Listener`` as if it had be
 returns the socket of an outgoing one. Over p2pd a rank's endpoint is its libp2p peer id: ``((peer id,), 0)``.
 
 The bridges run on one thread's asyncio loop with a replica of the DHT's libp2p peer (the same daemon, so the same
-peer id). hivemind is pinned to 1.1.12; this relies on ``DHT.replicate_p2p`` and on ``P2P``'s
-``add_binary_stream_handler``, ``call_binary_stream_handler``, ``peer_id`` and ``shutdown``.
+peer id). hivemind is pinned to 1.1.12; this relies on ``DHT.run_coroutine``, ``DHTNode.p2p``, and ``P2P``'s
+``replicate``, ``daemon_listen_maddr``, ``add_binary_stream_handler``, ``remove_binary_stream_handler``,
+``call_binary_stream_handler``, ``peer_id`` and ``shutdown``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class Tunnel:
 
     :param dht: this rank's running ``hivemind.DHT`` (its daemon carries the streams).
     :param listener: gets the socket of every incoming stream (``Listener.handle``).
-    :raises ConnectionError: the daemon did not take the stream handler within ``START_TIMEOUT_S``.
+    :raises ConnectionError: the daemon did not take the stream handler within ``START_TIMEOUT_S``; another error:
+        it refused it (another open tunnel on the same daemon).
     """
 
     def __init__(self, dht: Any, listener: Listener):
@@ -47,6 +49,7 @@ class Tunnel:
         self._thread.start()
         self._bridges: set[asyncio.Task] = set()
         self._p2p: Any = None
+        self._registered = False  # the daemon hands this tunnel the streams of PROTOCOL (one tunnel per daemon)
         try:
             self.peer_id: str = self._call(self._start(dht), START_TIMEOUT_S)
         except BaseException:
@@ -79,14 +82,21 @@ class Tunnel:
     # -------------------------------------------------------------------------------- on the tunnel's loop
 
     async def _start(self, dht: Any) -> str:
-        self._p2p = await dht.replicate_p2p()
+        from hivemind.p2p import P2P
+
+        # a replica of our own (``DHT.replicate_p2p`` caches one per process, and another tunnel would close it)
+        self._p2p = await P2P.replicate(dht.run_coroutine(_daemon_listen_maddr))
         await self._p2p.add_binary_stream_handler(PROTOCOL, self._accept)
+        self._registered = True
         return self._p2p.peer_id.to_base58()
 
     async def _stop(self) -> None:
         for task in list(self._bridges):
             task.cancel()
         await asyncio.gather(*self._bridges, return_exceptions=True)
+        if self._registered:
+            with contextlib.suppress(Exception):  # the daemon keeps a handler until told (another tunnel may come)
+                await self._p2p.remove_binary_stream_handler(PROTOCOL)
         if self._p2p is not None:
             await self._p2p.shutdown()  # a replica: closes its client, leaves the DHT's daemon running
 
@@ -152,3 +162,8 @@ class Tunnel:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise ConnectionError(f"no answer from the p2pd daemon within {timeout:.3g} s") from None
+
+
+async def _daemon_listen_maddr(_dht: Any, node: Any) -> Any:
+    """Runs in the DHT process: where its p2pd daemon takes clients."""
+    return node.p2p.daemon_listen_maddr
