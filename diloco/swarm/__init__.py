@@ -53,10 +53,10 @@ def join(
     sharding: str = "",
     tokens_per_step: int = 0,
     model: ModelId | None = None,
-    model_shapes: list[tuple[int, ...]] | None = None,
+    model_shapes: list[tuple[int, ...]],
 ) -> DiLoCo:
-    """Collective over the ranks of this worker group: start this rank's DHT peer and averager, claim the group's
-    world rank, and wait (at most ``hv.averaging_timeout``) until the other groups are there. Returns the group's
+    """Collective over the ranks of this worker group: start this rank's DHT peer and listener (rank 0: also the
+    averager that matchmakes for the group), claim the group's world rank, and wait (at most ``hv.averaging_timeout``) until the other groups are there. Returns the group's
     outer loop, which owns them all from then on (``close()`` stops them).
 
     Nothing is ever gathered to one rank. Groups average as wholes: one matchmaking per group (its rank 0), then
@@ -76,9 +76,7 @@ def join(
     :param model: the group's model fingerprint (``diloco.swarm.fingerprint``): groups of another model never
         meet this one (it is part of the matchmaking and progress keys), and one already training makes this
         group leave with a `FieldError` naming ``run_id``.
-    :param model_shapes: every parameter's full shape, in the model's order (what ``shards`` are cut from); None:
-        groups average rank by rank (rank r with rank r of groups of as many ranks, whose shards line up), the way
-        of diloco before groups of any shape.
+    :param model_shapes: every parameter's full shape, in the model's order (what ``shards`` are cut from).
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
         holds), naming the ``HvConfig`` field; nothing is left running.
     """
@@ -86,7 +84,7 @@ def join(
 
     from diloco.membership import DiLoCo
     from diloco.pace import FixedSteps, TokenBudget
-    from diloco.swarm.addresses import listen_host, offset_port
+    from diloco.swarm.addresses import offset_port
     from diloco.swarm.averager import SwarmAverager
     from diloco.swarm.budget import tokens_key
     from diloco.swarm.digest import CanonicalDigest
@@ -102,43 +100,26 @@ def join(
         announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
     )
     run = run_key(hv.run_id, model)
-    whole = model_shapes is not None  # groups average as wholes
     # rank 0 matchmakes for its whole group under a key every shape shares (and one transport: their rounds travel
-    # differently); states travel over the ranks' listeners (``transfer``), so the other ranks need no averager
+    # differently); rounds and states travel over the ranks' listeners, so the other ranks need no averager
     prefix = f"{run}-groups" + ("" if hv.transport == "tcp" else f"-{hv.transport}")
-    if not whole:
-        prefix = f"{run}-rank{env.rank}of{env.world_size}"
     port = hv.averaging_port + env.local_rank if hv.averaging_port else 0
     averager = None
     try:
-        if not (whole and env.rank > 0):
+        if env.rank == 0:
             averager = SwarmAverager(
-                dht,
-                prefix=prefix,
-                tensors=[torch.zeros(1 if whole else sum(s.numel() for s in shards))],
-                compression=hv.compression,
-                matchmaking_time=hv.matchmaking_time,
-                averaging_timeout=hv.averaging_timeout,
-                target_group_size=hv.galaxy_size,
-                transport=hv.transport,
-                tcp_host=listen_host(hv.host_maddrs),
-                tcp_port=port,
-                match_only=whole,
-            )
+                dht, prefix=prefix, tensors=[torch.zeros(1)], compression=hv.compression,
+                matchmaking_time=hv.matchmaking_time, averaging_timeout=hv.averaging_timeout,
+                target_group_size=hv.galaxy_size, transport=hv.transport, match_only=True,
+            )  # fmt: skip
+        rounds = group_rounds(hv, env, group, dht, averager, model_shapes, sharding, port)
     except BaseException:
+        if averager is not None:
+            averager.shutdown()
         dht.shutdown()
         raise
-    rounds = None
-    if whole:
-        try:
-            rounds = group_rounds(hv, env, group, dht, averager, model_shapes, sharding, port)
-        except BaseException:
-            if averager is not None:
-                averager.shutdown()
-            dht.shutdown()
-            raise
     peer = SwarmPeer(
-        dht, averager, progress_key(run, None if whole else env.world_size), REQUEST_TIMEOUT_S,
+        dht, averager, progress_key(run), REQUEST_TIMEOUT_S,
         status_key=status_key(hv.run_id), tokens_key=tokens_key(hv.run_id), rounds=rounds,
     )  # fmt: skip
     try:
@@ -166,18 +147,14 @@ def join(
             pace=pace,
             tokens_per_step=tokens_per_step,
             model=model,
-            digest=CanonicalDigest(model_shapes, rounds.layout) if rounds is not None else None,
+            digest=CanonicalDigest(model_shapes, rounds.layout),
         )
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all
-        if whole and not group.is_main:  # rank 0 meets the other groups for its whole group
-            group.broadcast(None)
-        else:
+        if group.is_main:  # rank 0 meets the other groups for its whole group
             seen = rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout, stop)
-            if whole:
-                group.broadcast(None)
-            if group.is_main:
-                log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
+            log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
+        group.broadcast(None)
     except BaseException:
         peer.shutdown()
         raise

@@ -1,5 +1,7 @@
-"""The swarm averager: averages this rank's pseudo-gradient with the same rank of the other worker groups, leaving
-every groupmate bit-identical.
+"""The swarm averager: averages a tensor with the peers of the same prefix that are ready, leaving every groupmate
+bit-identical. The trainer's rank 0 uses it to matchmake for its whole group (``match_only``, then
+``diloco.swarm.group_round``); its full rounds are those of the benches' ``tcp`` and ``p2pd`` arms and of diloco
+before groups of any shape averaged together.
 
 ``SwarmAverager`` is what the trainer calls: one round per outer step, with whoever is ready; it never raises on
 network failures and reports what happened (``RoundReport``). Rounds run in a background process
@@ -12,9 +14,8 @@ holds its tensor lock, with ``weight`` and ``sender_timeout`` among its keyword 
 (per peer: ``serializer.dumps([bandwidth, mode, serializer.dumps(gather)])``, in ``peer_ids`` order),
 ``allreduce_kwargs``, ``_allreduce_timeout``, ``_running_groups`` (a future per group whose result must offer
 ``finalize`` and ``rpc_aggregate_part``), ``_p2p``, ``_parent_pid``, ``run``, ``peer_id``, ``prefix`` and the
-``_rpc_handlers`` / ``_stub_type`` class caches of ``hivemind.p2p.ServicerBase``; for state sharing
-``get_current_state`` (served by hivemind's ``rpc_download_state``), ``allow_state_sharing``, ``_outer_pipe``
-(commands to the averager process), ``serializer`` and ``get_stub``; ``StepControl.stage`` / ``allow_allreduce``
+``_rpc_handlers`` / ``_stub_type`` class caches of ``hivemind.p2p.ServicerBase``; ``serializer``;
+``StepControl.stage`` / ``allow_allreduce``
 / ``cancel`` from ``step(require_trigger=True, wait=False)``; and
 ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES``, the decoder registry, patched inside the averager
 process only (``ExactAverager.run``) because the stock 8-bit decoder fails on numpy >= 2.4.
@@ -39,13 +40,8 @@ import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
-from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import aiter_with_timeout
-from hivemind.utils.streaming import combine_from_streaming
 
 from diloco.config import FieldError
 from diloco.screening import all_finite
@@ -143,42 +139,6 @@ class ExactAverager(hivemind.DecentralizedAverager):
             # a groupmate that learnt of the group first waits for us as long as the round may last
             self._listener = Listener(self._listen_socket, timeout, self._allreduce_timeout).start()
         super().run()
-
-    # State sharing: hivemind serves ``get_current_state()`` (run in the host process by a background thread) to
-    # ``rpc_download_state``; its own downloader picks the peer by priority, ours asks the peer it is told to.
-    state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
-
-    def get_current_state(self) -> tuple[dict, list[torch.Tensor]]:
-        if self.state_provider is None:
-            raise RuntimeError("this peer serves no state yet")
-        return self.state_provider()
-
-    def download_state_from(self, peer: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
-        """The state ``peer`` serves (its metadata and tensors), or None if it does not answer within ``timeout``
-        seconds per message or serves none."""
-        future = MPFuture()
-        self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, future=future)))
-        return future.result(timeout=4 * timeout + 10)  # the averager process sets a result in every case
-
-    async def _download_state_from(self, peer: str, timeout: float, future: MPFuture) -> None:
-        try:
-            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
-            metadata, tensors, parts = None, [], []
-            async for message in aiter_with_timeout(stream, timeout=timeout):
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                parts.append(message.tensor_part)
-            if parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-            future.set_result((metadata, tensors) if metadata is not None else None)
-        except Exception as e:
-            logger.warning(f"could not download the state of {peer}: {type(e).__name__}: {e}")
-            if not future.done():
-                future.set_result(None)
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
@@ -529,20 +489,6 @@ class SwarmAverager:
     def peer_id(self) -> str:
         """This averager's peer id (base58): the id of the DHT daemon it shares."""
         return self._averager.dht.peer_id.to_base58()
-
-    def serve_state(self, provider: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:
-        """Answer other peers' state downloads with ``provider()`` (metadata dict, CPU tensors) from now on;
-        it is called in a background thread of this process."""
-        self._averager.state_provider = provider
-        self._averager.allow_state_sharing = True
-
-    def download_state(self, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
-        """The state ``peer_id`` serves, or None (no answer within ``timeout`` seconds per message, or none)."""
-        try:
-            return self._averager.download_state_from(peer_id, timeout)
-        except Exception as e:  # a dead averager process, a timeout of the future
-            logger.warning(f"state download from {peer_id} failed: {type(e).__name__}: {e}")
-            return None
 
     def shutdown(self) -> None:
         """Stop the averager process (idempotent). The DHT stays up."""

@@ -115,8 +115,8 @@ def _mix_sum(values: torch.Tensor, start: int) -> int:
 
 
 class ShardDigest:
-    """The digest of groups that only ever meet groups of their own shape (ranks average rank by rank): sha256
-    over the ranks' shard digests, in rank order."""
+    """A digest for groups that only meet groups of their own shape (the in-memory swarm of tests and benches,
+    ``diloco.membership.DiLoCo`` without a digest): sha256 over the ranks' shard digests, in rank order."""
 
     @staticmethod
     def partial(values: torch.Tensor) -> str:

@@ -1,6 +1,6 @@
-"""One trainer rank's place in the swarm: its DHT peer (with p2pd), its averager, and the worker groups' progress
-records (``diloco.swarm.progress``) and status records (``diloco.swarm.status``). ``SwarmPeer`` is the
-``diloco.membership.Swarm`` the outer loop talks to."""
+"""One trainer rank's place in the swarm: its DHT peer (with p2pd), its side of the rounds of whole groups (and rank
+0's matchmaking averager), and the worker groups' progress records (``diloco.swarm.progress``) and status records
+(``diloco.swarm.status``). ``SwarmPeer`` is the ``diloco.membership.Swarm`` the outer loop talks to."""
 
 from __future__ import annotations
 
@@ -37,15 +37,15 @@ class SwarmPeer:
     stores under way, at most ``LAST_STATUS_WAIT_S``).
 
     :param dht: this rank's running DHT peer (owned from now on).
-    :param averager: averages with the same rank of the other groups, or (with `rounds`, on rank 0) finds the
-        round's groups (owned from now on); None: a rank other than 0 of a group that averages as a whole.
+    :param averager: rank 0's, which finds the round's groups for `rounds` (owned from now on); None on the other
+        ranks.
     :param progress_key: DHT key of the groups' progress records (``progress.progress_key``).
     :param request_timeout: seconds to wait for a peer's answer (a ping, each message of a state download).
     :param status_key: DHT key of the groups' status records (``status.status_key``).
     :param tokens_key: DHT key of the groups' round-token records (``budget.tokens_key``).
-    :param rounds: rounds of whole groups (``group_round.GroupRounds``; owned from now on), which ``average`` then
-        runs; states then travel over its listener (``transfer``), between groups of any shape. None: ``averager``
-        averages with, and downloads from, the same rank of the other groups.
+    :param rounds: rounds of whole groups (``group_round.GroupRounds``; owned from now on), which ``average``
+        runs; states travel over its listener (``transfer``), between groups of any shape. None: a peer that only
+        publishes and reads records (it cannot average or serve a state).
     """
 
     def __init__(
@@ -71,9 +71,7 @@ class SwarmPeer:
     def average(
         self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
     ) -> RoundReport:
-        if self.rounds is not None:
-            return self.rounds.average(tensors, round_index, weight, stop)
-        return self.averager.average(tensors, round_index=round_index, weight=weight, stop=stop)
+        return self.rounds.average(tensors, round_index, weight, stop)
 
     def publish(self, record: Progress) -> None:
         if self.rounds is not None:  # where a group of any shape downloads this group's state
@@ -142,17 +140,10 @@ class SwarmPeer:
             return False
 
     def serve_state(self, provider: Callable[[], State]) -> None:
-        if self.rounds is not None:
-            service = transfer.StateService(self.rounds.layout, provider, self.request_timeout)
-            self.rounds.listener.serve(transfer.MAGIC, service)
-        else:
-            self.averager.serve_state(provider)
+        service = transfer.StateService(self.rounds.layout, provider, self.request_timeout)
+        self.rounds.listener.serve(transfer.MAGIC, service)
 
     def download_state(self, record: Progress, rank: int) -> State | None:
-        if self.rounds is None:  # rank r from rank r of a group of this shape
-            if rank >= len(record.peers):
-                return None
-            return self.averager.download_state(record.peers[rank], self.request_timeout)
         try:  # a record of another version, or garbage: no state from it
             source = member_of({"shape": record.shape, "endpoints": record.endpoints, "weight": 0.0})
         except (TypeError, ValueError, KeyError) as e:

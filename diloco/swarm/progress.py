@@ -1,8 +1,8 @@
 """Progress records: what each worker group publishes in the DHT, under which key, and which group holds the
 swarm's state.
 
-Every group publishes one record (its rank 0 does, at start and after each outer step) under one DHT key per run
-(per run and number of ranks where ranks average rank by rank), with its world rank as the subkey. A group
+Every group publishes one record (its rank 0 does, at start and after each outer step) under one DHT key per run,
+whatever its shape, with its world rank as the subkey. A group
 compares its own record with the live ones of the others (`sources`): the swarm's state is the one with the
 highest outer step; between groups at the same outer step, a state that came out of a full average beats one that
 did not (a lone or failed round), then the state more groups hold, then the lowest world rank. This order is the same for everyone, so groups that diverged (a
@@ -35,10 +35,11 @@ class Progress:
     :param settled: it has joined the swarm (loaded the state or found it was the first), so others may
         download from it.
     :param token: random per start of a group; two different tokens for one world rank are two groups.
-    :param peers: peer id of each rank's averager, in rank order (rank r downloads from rank r).
+    :param peers: peer id of each rank's DHT peer, in rank order (rank 0's answers pings: is the group alive).
     :param done: it took its last inner step and waits for the others to hold the same final state.
-    :param shape: where groups average as wholes: its ``[strategy, ranks, nodes]`` and each rank's TCP endpoint
-        ``[hosts, port]``, in rank order (a group of any shape downloads from them); empty otherwise.
+    :param shape: its ``[strategy, ranks, nodes]``, and `endpoints` each rank's listener (``[hosts, port]``, over
+        p2pd ``[[peer id], 0]``), in rank order: a group of any shape downloads from them. Empty in records of the
+        in-memory swarm.
     """
 
     world_rank: int
@@ -82,10 +83,9 @@ class Store(Protocol):
     def get(self, key: str, latest: bool = False) -> Any: ...
 
 
-def progress_key(run_id: str, ranks: int | None = None) -> str:
-    """The DHT key of a run's records. Groups that average rank by rank keep one per number of ranks (`ranks`:
-    their shards differ); groups that average as wholes (None) share one, whatever their shapes."""
-    return f"{run_id}-groups-progress" if ranks is None else f"{run_id}-{ranks}ranks-progress"
+def progress_key(run_id: str) -> str:
+    """The DHT key of a run's records, shared by groups of every shape."""
+    return f"{run_id}-groups-progress"
 
 
 def publish(dht: Store, key: str, record: Progress) -> None:
