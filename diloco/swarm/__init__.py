@@ -56,7 +56,8 @@ def join(
     model_shapes: list[tuple[int, ...]],
 ) -> DiLoCo:
     """Collective over the ranks of this worker group: start this rank's DHT peer and listener (rank 0: also the
-    averager that matchmakes for the group), claim the group's world rank, and wait (at most ``hv.averaging_timeout``) until the other groups are there. Returns the group's
+    averager that matchmakes for the group), claim the group's world rank, and wait (at most
+    ``hv.averaging_timeout``) until the other groups are there. Returns the group's
     outer loop, which owns them all from then on (``close()`` stops them).
 
     Nothing is ever gathered to one rank. Groups average as wholes: one matchmaking per group (its rank 0), then

@@ -156,7 +156,11 @@ class Tunnel:
 
     def _call(self, coroutine: Coroutine, timeout: float) -> Any:
         """Run `coroutine` on the tunnel's loop; ConnectionError when it takes longer than `timeout`."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        except RuntimeError:  # the loop is closed: the tunnel was
+            coroutine.close()
+            raise ConnectionError("the tunnel is closed") from None
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
