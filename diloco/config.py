@@ -67,7 +67,7 @@ def first_line(error: BaseException) -> str:
 
 Precision = Literal["fp16-mixed", "bf16-mixed", "32-true"]
 ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "DDP", "ZERO1"]
-Compression = Literal["none", "fp16", "int8"]
+Compression = Literal["none", "fp16", "int8", "int4"]
 Transport = Literal["tcp", "p2pd"]
 METRIC_SINKS = ("dummy", "tensorboard", "wandb")  # what --metric-logger-type may list; dummy adds no sink
 Maddrs = Annotated[list[str], Parameter(consume_multiple=True)]
@@ -116,7 +116,11 @@ class HvConfig(_Strict):
     matchmaking_time: float = Field(5.0, gt=0, description="Seconds to wait for peers when forming a round.")
     averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
     skip_load_from_peers: bool = Field(False, description="Do not download the outer state from peers on join.")
-    compression: Compression = Field("none", description="Pseudo-gradient compression on the wire.")
+    compression: Compression = Field(
+        "none",
+        description="Pseudo-gradient compression on the wire: none (float32), fp16, int8 (256 levels per 128k "
+        "values), int4 (15 levels per block of 64 values, 7.1x fewer bytes than none).",
+    )
     transport: Transport = Field(
         "tcp",
         description="What carries the averaging bytes once the DHT formed a group: tcp (direct sockets between "

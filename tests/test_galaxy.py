@@ -167,8 +167,8 @@ def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_pa
 
 def test_over_p2pd_a_one_rank_and_a_two_rank_group_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
     """The same whole-group rounds with every byte on libp2p streams through the ranks' p2pd daemons (no TCP
-    listener at all), int8 on the wire."""
-    p2pd = ["--hv.transport", "p2pd", "--hv.compression", "int8"]
+    listener at all), int4 on the wire."""
+    p2pd = ["--hv.transport", "p2pd", "--hv.compression", "int4"]
     run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, p2pd), (2, p2pd)])
     assert_trained_together(run_dirs, groups=2, outer_steps=2)
     rows = [r for d in run_dirs for r in outer_rows(d) if r.get("num_peers") == 2]

@@ -132,7 +132,7 @@ def canonical(outs: list[torch.Tensor], layout: list[RankLayout]) -> torch.Tenso
     return vector
 
 
-@pytest.mark.parametrize("codec", [RAW, FP16, WIRE_FORMATS["int8"].tcp], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [RAW, FP16, WIRE_FORMATS["int8"].tcp, WIRE_FORMATS["int4"].tcp], ids=lambda c: c.name)
 @pytest.mark.parametrize(
     "mix",
     [[Shape("FULL_SHARD", 1), Shape("FULL_SHARD", 2)], [Shape("NO_SHARD", 2), Shape("FULL_SHARD", 2)],
@@ -158,8 +158,9 @@ def test_groups_of_different_shapes_average_bit_identically(mix: list[Shape], co
     assert not results[0].isnan().any()
     assert all(torch.equal(results[0], result) for result in results)  # bit-identical in every group
     expected = sum(w * m.double() for w, m in zip(group_weights, models)) / sum(group_weights)
-    if codec.name == "int8":  # a codebook per part: judged as test_swarm judges it (measured there: 0.02)
-        assert float((results[0].double() - expected).norm() / expected.norm()) <= 0.05
+    if codec.name in ("int8", "int4"):  # judged as test_swarm judges int8 (0.02 there); int4 measured 0.1
+        bound = {"int8": 0.05, "int4": 0.15}[codec.name]
+        assert float((results[0].double() - expected).norm() / expected.norm()) <= bound
     else:
         assert float((results[0].double() - expected).abs().max()) <= (1e-6 if codec.raw else 2e-3)
     # a rank sends at most its own shard plus the averages of what it reduces, each once per other contributor

@@ -40,6 +40,7 @@ import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import NoCompression
 from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
 from hivemind.proto import averaging_pb2
 
@@ -54,7 +55,7 @@ from diloco.swarm.listener import Listener, listen_socket
 
 logger = logging.getLogger(__name__)
 
-Compression = Literal["none", "fp16", "int8"]
+Compression = Literal["none", "fp16", "int8", "int4"]
 Transport = Literal["tcp", "p2pd"]
 
 
@@ -123,7 +124,8 @@ class ExactAverager(hivemind.DecentralizedAverager):
         # through the averaged tensors) and touched now (fresh pages in the first round cost more than a copy)
         numel = sum(tensor.numel() for tensor in averaged_tensors)
         self.tcp_out = torch.zeros(numel if listen_socket is not None else 0).share_memory_()
-        super().__init__(averaged_tensors, dht, compression=wire.hivemind, **kwargs)
+        # a format without a hivemind codec (int4) never travels through hivemind: match_only, checked by the caller
+        super().__init__(averaged_tensors, dht, compression=wire.hivemind or NoCompression(), **kwargs)
 
     def run(self):
         detach_from_parent(self._parent_pid)
@@ -329,6 +331,8 @@ class SwarmAverager:
             raise ValueError(f"averaging prefix must be non-empty and contain no '.': {prefix!r}")
         if compression not in WIRE_FORMATS:
             raise ValueError(f"compression must be one of {sorted(WIRE_FORMATS)}, got {compression!r}")
+        if WIRE_FORMATS[compression].hivemind is None and not match_only:
+            raise ValueError(f"compression {compression!r} travels only in rounds of whole groups (match_only)")
         if matchmaking_time <= 0 or averaging_timeout <= 0:
             raise ValueError("matchmaking_time and averaging_timeout must be positive (seconds)")
         if transport not in ("tcp", "p2pd"):

@@ -1,0 +1,64 @@
+"""The wire formats on their own (`diloco.swarm.codecs`): int4's blocks, bounds, bytes and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.swarm.codecs import INT4, INT4_BLOCK, WIRE_FORMATS, decode_int4, encode_int4
+
+
+def roundtrip(values: torch.Tensor) -> torch.Tensor:
+    encoded = encode_int4(values)
+    assert encoded.nbytes <= INT4.max_bytes(values.numel())
+    return decode_int4(encoded, values.numel())
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 2**18])
+def test_int4_error_is_at_most_half_a_level_of_each_block_and_bytes_are_4_5_bits(n: int):
+    values = torch.randn(n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.01, 10, n)
+    decoded = roundtrip(values)
+    assert decoded.shape == values.shape and decoded.dtype == torch.float32
+    blocks = -(-n // INT4_BLOCK)
+    padded = torch.zeros(blocks * INT4_BLOCK)
+    padded[:n] = values
+    half_level = padded.view(blocks, INT4_BLOCK).abs().amax(dim=1) / 7 / 2
+    error = torch.zeros(blocks * INT4_BLOCK)
+    error[:n] = (decoded - values).abs()
+    assert bool((error.view(blocks, INT4_BLOCK) <= half_level[:, None] * (1 + 1e-6) + 1e-12).all())
+    assert encode_int4(values).nbytes == blocks * (4 + INT4_BLOCK // 2)  # 4.5 bits a value, rounded to blocks
+    # each block's largest value comes back exactly (it is 7 levels of its scale), up to the scale's rounding
+    assert float((decoded.abs().max() - values.abs().max()).abs()) <= 1e-5 * float(values.abs().max())
+
+
+def test_int4_is_deterministic_and_keeps_zeros_and_signs():
+    values = torch.tensor([0.0, -1.0, 1.0, 0.5, -0.25] + [0.0] * 100)
+    assert bytes(encode_int4(values)) == bytes(encode_int4(values.clone()))
+    decoded = roundtrip(values)
+    assert torch.equal(torch.sign(decoded[:3]), torch.sign(values[:3])) and bool((decoded[5:] == 0).all())
+    assert torch.equal(roundtrip(torch.zeros(70)), torch.zeros(70))  # an all-zero block is zeros, not 0/0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_int4_a_non_finite_value_makes_its_block_nan_and_leaves_the_others(bad: float):
+    values = torch.randn(3 * INT4_BLOCK)
+    values[INT4_BLOCK + 5] = bad
+    decoded = roundtrip(values)
+    assert bool(decoded[INT4_BLOCK : 2 * INT4_BLOCK].isnan().all())  # screening then rejects the part
+    assert bool(decoded[:INT4_BLOCK].isfinite().all() and decoded[2 * INT4_BLOCK :].isfinite().all())
+
+
+def test_int4_refuses_a_message_of_the_wrong_length():
+    encoded = bytes(encode_int4(torch.randn(100)))
+    for wrong in (encoded[:-1], encoded + b"\0", b""):
+        with pytest.raises(ValueError, match="bytes of int4 for 100 values"):
+            decode_int4(memoryview(bytearray(wrong)), 100)
+
+
+def test_int4_exists_only_for_rounds_of_whole_groups():
+    from diloco.swarm.averager import SwarmAverager
+
+    assert WIRE_FORMATS["int4"].hivemind is None and WIRE_FORMATS["int4"].tcp is INT4
+    with pytest.raises(ValueError, match="only in rounds of whole groups"):
+        SwarmAverager(object(), prefix="p", tensors=[torch.zeros(1)], compression="int4", matchmaking_time=1,
+                      averaging_timeout=1)  # fmt: skip
