@@ -92,6 +92,32 @@ def test_convergence_quick(tmp_path: Path) -> None:
     assert f"--data {CORPUS}" in data["command"]
 
 
+@pytest.mark.slow
+def test_compression_quick(tmp_path: Path) -> None:
+    """Every wire format trains as far as the exact mean does, its groups stay identical, and the bytes it puts
+    on the wire per value are what the format says: 4 (none), 2 (fp16), about 1 (int8), 0.5625 (int4)."""
+    data, doc = bench("compression", tmp_path, "--data", str(CORPUS))
+    arms = {arm["name"]: arm for arm in data["arms"]}
+    assert list(arms) == ["ddp", "diloco-none", "diloco-fp16", "diloco-int8", "diloco-int4"]
+    expected = {"none": 4.0, "fp16": 2.0, "int4": 0.5625}
+    for name, arm in arms.items():
+        first, last = arm["runs"][0]["curve"][0][1], arm["mean_eval_loss"]
+        assert 0 < last < first, name  # it learned something from real text
+        if name == "ddp":
+            assert arm["bytes_per_value"] is None and arm["gap_vs_ddp"] == 0
+            continue
+        assert arm["groups_identical"], name
+        per_value = expected.get(arm["compression"])
+        if per_value is None:  # int8: a byte per value and a codebook per part
+            assert 1.0 < arm["bytes_per_value"] < 1.1, arm
+        else:
+            assert arm["bytes_per_value"] == pytest.approx(per_value, rel=0.01), arm
+        assert abs(arm["gap_vs_none"]) < 0.1, arm  # a lossy wire still trains (the full run measures how well)
+    assert arms["diloco-none"]["gap_vs_none"] == 0
+    assert "## compression (quick): " in doc and "| diloco-int4 | 0.56" in doc
+    assert f"--data {CORPUS}" in data["command"]
+
+
 def test_convergence_without_a_data_file_is_one_line(tmp_path: Path) -> None:
     """No --data, or one that is no file: one line naming --data and exit code 2, before torch is imported."""
     for flags in ([], ["--data", str(tmp_path / "missing.txt")], ["--data", str(tmp_path)]):

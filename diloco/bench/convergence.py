@@ -88,6 +88,7 @@ class ArmSpec:
     steps: int
     h: int | None = None
     outer: tuple[float, float] | None = None
+    compression: str | None = None  # the wire format the in-memory mean goes through (`bench compression`)
 
 
 def arm_specs(w: Workload) -> list[ArmSpec]:
@@ -133,7 +134,7 @@ def eval_loss(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
 
 def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
     """Train one arm; returns its eval curve (tokens seen by all groups, loss) and final eval loss."""
-    swarm = MemorySwarm(spec.groups)
+    swarm = MemorySwarm(spec.groups, codec=None if spec.compression is None else _codec(spec.compression))
     models = [load_model(w.model, w.seed) for _ in range(spec.groups)]  # one initialisation for all groups
     tokens_per_step = spec.groups * spec.batch * w.seq_length
     every = max(spec.steps // w.evals, 1)
@@ -181,12 +182,19 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
     identical = all(torch.equal(p, q) for m in models[1:] for p, q in zip(models[0].parameters(), m.parameters()))
     curve.append((spec.steps * tokens_per_step, final))
     return asdict(spec) | {
+        "wire_bytes": swarm.wire_bytes,
         "tokens": spec.steps * tokens_per_step,
         "final_eval_loss": final,
         "curve": curve,
         "groups_identical": identical,
         "wall_s": time.perf_counter() - started,
     }
+
+
+def _codec(compression: str) -> object:
+    from diloco.swarm.codecs import WIRE_FORMATS  # hivemind, for the codecs that wrap its quantizers
+
+    return WIRE_FORMATS[compression].tcp
 
 
 # ---------------------------------------------------------------- the bench

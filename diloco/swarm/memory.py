@@ -3,7 +3,9 @@
 
 The groups of a round meet at a barrier and each gets the exact weighted mean of their tensors, summed in one
 order (by peer id), which is what the real swarm computes with `--hv.compression none`: bit-identical in every
-group. Progress and status records and served states live in dicts. It implements `diloco.membership.Swarm`;
+group. Given a wire format's codec (`diloco.swarm.tcp.Codec`), every contribution and the mean go through it,
+part by part, as over the wire (a real reducer's own part skips it: this is slightly the more lossy). Progress
+and status records and served states live in dicts. It implements `diloco.membership.Swarm`;
 plain torch, no hivemind, no network.
 """
 
@@ -42,9 +44,14 @@ class MemorySwarm:
 
     :param groups: worker groups that take part in every round (the barrier's size; replace `barrier` with a
         bigger one when a group joins).
+    :param codec: what the contributions and the mean go through (None: exact float32); `wire_bytes` counts the
+        encoded bytes of every contribution.
     """
 
-    def __init__(self, groups: int) -> None:
+    def __init__(self, groups: int, codec: Any = None) -> None:
+        self.codec = codec
+        self.wire_bytes = 0
+        self._count_lock = threading.Lock()
         self.barrier = threading.Barrier(groups)
         self.inbox: dict[str, tuple[list[torch.Tensor], float]] = {}
         self.records: dict[int, Progress] = {}
@@ -52,6 +59,20 @@ class MemorySwarm:
         self.tokens: dict[int, RoundTokens] = {}
         self.providers: dict[str, Callable[[], State]] = {}
         self.failed: list[str] = []  # errors of group threads (see `guard`)
+
+    def wire(self, tensor: torch.Tensor, count: bool = False) -> torch.Tensor:
+        """`tensor` as it arrives through the codec (a copy; itself when there is no codec, as a clone)."""
+        if self.codec is None:
+            return tensor.clone()
+        flat, out = tensor.reshape(-1), torch.empty(tensor.numel())
+        for lo in range(0, flat.numel(), self.codec.part_numel):
+            part = flat[lo : lo + self.codec.part_numel].contiguous()
+            encoded = bytearray(self.codec.encode(part))
+            if count:
+                with self._count_lock:
+                    self.wire_bytes += len(encoded)
+            out[lo : lo + part.numel()] = self.codec.decode(memoryview(encoded), part.numel())
+        return out.view(tensor.shape)
 
     def member(self, peer_id: str) -> Member:
         return Member(self, peer_id)
@@ -82,11 +103,11 @@ class Member:
         self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
     ) -> Report:
         swarm = self.swarm
-        swarm.inbox[self.peer_id] = ([t.clone() for t in tensors], weight)
+        swarm.inbox[self.peer_id] = ([swarm.wire(t, count=True) for t in tensors], weight)
         swarm.barrier.wait()
         inputs = [swarm.inbox[name] for name in sorted(swarm.inbox)]  # one summation order: the same bytes
         total = sum(w for _, w in inputs)
-        means = [sum(ts[i] * w for ts, w in inputs) / total for i in range(len(tensors))]
+        means = [swarm.wire(sum(ts[i] * w for ts, w in inputs) / total) for i in range(len(tensors))]
         swarm.barrier.wait()  # everyone has read the inbox before the next round overwrites it
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean)
