@@ -69,6 +69,12 @@ def finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> N
             kill_group(proc)
 
 
+def trainers(proc: subprocess.Popen, torchrun: bool) -> list[int]:
+    """The training processes of a group started by `start_group`: the trainer itself, or torchrun and its ranks
+    (its children; a rank's DHT and averager processes are the rank's children)."""
+    return [proc.pid] + ([child.pid for child in psutil.Process(proc.pid).children()] if torchrun else [])
+
+
 def group_args(world_rank: int, galaxy: int, peers: list[str], run_dir: Path, *extra: str) -> list[str]:
     return [*SWARM, "--hv.galaxy-size", str(galaxy), "--hv.world-rank", str(world_rank),
             "--hv.initial-peers", *peers, "--run-dir", str(run_dir), *extra]  # fmt: skip
@@ -155,16 +161,19 @@ def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(
     try:
         wait_for(lambda: len(outer_rows(dirs[0])) >= 2, 120, "two outer steps of the first groups", early, logs)
         # the first groups' training processes pause (SIGSTOP, a suspended machine; their DHT peers and averagers
-        # go on serving) while the joiner starts up, which under load took longer than their whole run
-        for proc in early:
-            os.kill(proc.pid, signal.SIGSTOP)
+        # go on serving) while the joiner starts up, which under load took longer than their whole run. Under
+        # torchrun those are its ranks (each in a session of its own): stopping torchrun alone let a 2-rank group
+        # train on, alone, to its end before the joiner came
+        paused = [pid for proc, ranks in zip(early, early_ranks) for pid in trainers(proc, ranks > 1)]
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
         joiner = group_args(2, 3, dht_peer, dirs[2], *steps, "--seed", "7", *per_rank[joiner_ranks])
         procs.append(start_group(joiner, logs[2], torchrun=joiner_ranks > 1, ranks=joiner_ranks))
         try:
             wait_for(lambda: "worker group 2 starting" in logs[2].read_text(), 120, "the joiner", procs[2:], logs[2:])
         finally:
-            for proc in early:
-                os.kill(proc.pid, signal.SIGCONT)
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
         finish(procs, logs, timeout=240)
     finally:
         for proc in procs:

@@ -421,7 +421,8 @@ def test_watch_redraws_until_ctrl_c_then_exits_0_leaving_no_p2pd(swarm: SimpleNa
         children = procs.family(proc.pid)[1:]
         assert any(_name(c) == "p2pd" for c in children)
         proc.send_signal(2)  # SIGINT, as Ctrl+C
-        assert proc.wait(timeout=10) == 0, proc.stderr.read()[-3000:]
+        # about a second here; the suite's load once stretched the client DHT's shutdown past 10 s (it exited 0)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-3000:]
         _, alive = psutil.wait_procs(children, timeout=3)
         assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE]
     finally:

@@ -2,8 +2,10 @@
 
 Each trainer rank runs one hivemind DHT peer in a background process that owns one p2pd daemon; ``diloco dht``
 runs one as the swarm's bootstrap peer. hivemind is pinned to 1.1.12; this module relies on these private names
-of ``hivemind.DHT``: ``run`` (overridden), ``_parent_pid`` and ``_inner_pipe`` (its request pipe, read by
-``DHT.run``), and ``DHTNode.p2p._client.connect`` (p2pd's connect command, for the rendezvous).
+of ``hivemind.DHT``: ``run`` (overridden), ``_parent_pid``, ``_inner_pipe`` (its request pipe, read by
+``DHT.run``) and ``_ready`` (``set_result`` once the node is up), the ``caller`` that ``hivemind.p2p.p2p_daemon``
+puts on the log records it relays from p2pd, and ``DHTNode.p2p._client.connect`` (p2pd's connect command, for the
+rendezvous).
 """
 
 from __future__ import annotations
@@ -148,10 +150,28 @@ class _DHT(hivemind.DHT):
     def run(self) -> None:
         detach_from_parent(self._parent_pid)
         self._inner_pipe = _RequestPipe(self._inner_pipe)
+        # a daemon that fails to start logs its shutdown (seen: "swarm listener for /p2p-circuit accept error:
+        # listener closed" at ERROR) beside the one line start_dht gives for it: quiet until the node is up
+        started = threading.Event()
+        announce = self._ready.set_result
+        self._ready.set_result = lambda result: (started.set(), announce(result))
+        logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_QuietUntil(started))
         super().run()
 
     async def _drop_request(self, reason: str) -> None:
         logger.warning(f"DHT dropped a request from a process that exited: {reason}")
+
+
+class _QuietUntil(logging.Filter):
+    """Drops p2pd's own log lines (hivemind relays them with a ``caller``) until `started` is set: for good in a DHT
+    process whose start failed."""
+
+    def __init__(self, started: threading.Event) -> None:
+        super().__init__()
+        self.started = started
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.started.is_set() or not hasattr(record, "caller")
 
 
 class _RequestPipe:
