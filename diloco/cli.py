@@ -403,13 +403,22 @@ def _one_line(error: BaseException) -> str:
     if isinstance(error, cyclopts.CycloptsError) and isinstance(error.__cause__, pydantic.ValidationError):
         error = error.__cause__
     if isinstance(error, pydantic.ValidationError):
-        first = error.errors()[0]
-        flag = "--" + ".".join(str(part).replace("_", "-") for part in first["loc"]) if first["loc"] else ""
+        errors = [(_field_path(e["loc"]), e) for e in error.errors()]
+        loc, first = errors[0]
+        flag = "--" + ".".join(str(part).replace("_", "-") for part in loc) if loc else ""
         message = first["msg"].removeprefix("Value error, ")
         if not flag or message.startswith("--"):  # a cross-field check whose message names its flags
             return message
-        return f"{flag}: {message} (got {first['input']!r})"
+        # a union (a number or "auto"): one error per member, all of the same field
+        others = [e["msg"].removeprefix("Input should be ") for path, e in errors[1:] if path == loc]
+        return f"{flag}: {', or '.join([message, *others])} (got {first['input']!r})"
     return " ".join(str(error).split())
+
+
+def _field_path(loc: tuple) -> tuple:
+    """A validation error's location without pydantic's union member tags (``constrained-float``,
+    ``literal['auto']``): the field names only."""
+    return tuple(part for part in loc if isinstance(part, int) or str(part).isidentifier())
 
 
 def _log_warning(message: Warning | str, category: type[Warning], *_location: Any, **_kwargs: Any) -> None:

@@ -6,6 +6,7 @@ field descriptions are the CLI help. Derived values are properties or methods, n
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from itertools import pairwise
@@ -73,6 +74,13 @@ METRIC_SINKS = ("dummy", "tensorboard", "wandb")  # what --metric-logger-type ma
 Maddrs = Annotated[list[str], Parameter(consume_multiple=True)]
 
 
+# --hv.outer-lr / --hv.outer-momentum auto, by H: (largest H of the row, outer lr, outer momentum). `diloco bench
+# convergence` (docs/benchmarks.md, 2026-11-22) found lr 1.0 without momentum best at every H from 10 to 100 for 2
+# and 4 groups, and the paper's 0.7 / 0.9 worst (+6.5% to +27% over DDP); beyond H = 100 nothing was measured
+# here, so the paper's setting, tuned at H = 500, stays.
+AUTO_OUTER: tuple[tuple[float, float, float], ...] = ((100, 1.0, 0.0), (math.inf, 0.7, 0.9))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -104,14 +112,15 @@ class HvConfig(_Strict):
         description="Instead of H: the swarm takes an outer step once its groups together trained N tokens since "
         "the last one; fast groups run more inner steps than slow ones, each weighted by its tokens.",
     )
-    outer_lr: float = Field(
-        0.7, gt=0, description="Learning rate of the outer SGD (the paper's 0.7; for small H, 1.0 measured best)."
+    outer_lr: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="Learning rate of the outer SGD; auto: 1.0 up to H = 100 (measured best there), the paper's "
+        "0.7 above.",
     )
-    outer_momentum: float = Field(
-        0.9,
-        ge=0,
-        lt=1,
-        description="Nesterov momentum of the outer SGD (the paper's 0.9; for small H, 0 measured best).",
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Nesterov momentum of the outer SGD; auto: 0 up to H = 100 (measured best there), the paper's "
+        "0.9 above.",
     )
     matchmaking_time: float = Field(5.0, gt=0, description="Seconds to wait for peers when forming a round.")
     averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
@@ -168,6 +177,21 @@ class HvConfig(_Strict):
             if any(proto in ("tcp", "udp") and port == "0" for proto, port in pairwise(parts)):
                 raise ValueError(f"{value!r}: announce an explicit port, not port 0")
         return values
+
+    def outer_setting(self, tokens_per_step: int) -> tuple[float, float]:
+        """The outer SGD's lr and momentum: what was set, or for "auto" the row of ``AUTO_OUTER`` for this run's
+        H (with --hv.target-tokens, that of equal groups: target tokens ÷ (galaxy size × tokens per inner step)).
+
+        :param tokens_per_step: tokens of one inner step of this group (all ranks).
+        """
+        h = self.local_steps
+        if self.target_tokens is not None:
+            h = self.target_tokens / (self.galaxy_size * max(tokens_per_step, 1))
+        _, lr, momentum = next(row for row in AUTO_OUTER if h <= row[0])
+        return (
+            lr if self.outer_lr == "auto" else self.outer_lr,
+            momentum if self.outer_momentum == "auto" else self.outer_momentum,
+        )
 
     def unused_alone(self) -> list[str]:
         """The fields set explicitly that a lone group (galaxy size 1: no DHT, no averaging) does not use; the

@@ -412,9 +412,12 @@ def describe(run: Run) -> dict[str, str]:
             if hv.target_tokens
             else f"H = {hv.local_steps} inner steps"
         )
+        lr, momentum = hv.outer_setting(tokens_per_step)
+        auto = "auto" in (hv.outer_lr, hv.outer_momentum)
+        auto = " (auto for this H; --hv.outer-lr and --hv.outer-momentum set them)" if auto else ""
         swarm = (
             f"galaxy size {hv.galaxy_size}, world rank {hv.world_rank}, {pace}, outer lr "
-            f"{hv.outer_lr:g} momentum {hv.outer_momentum:g}, {hv.compression} over {hv.transport}"
+            f"{lr:g} momentum {momentum:g}{auto}, {hv.compression} over {hv.transport}"
         )
     return {
         "run dir": str(run.run_dir),

@@ -103,6 +103,8 @@ CASES = {
     "unknown strategy": (lambda t: ["--sharding-strategy", "ZERO4"], "--sharding-strategy"),
     "negative steps": (lambda t: ["--max-steps", "-1"], "--max-steps"),
     "not a number": (lambda t: ["--lr", "fast"], "--lr"),
+    "outer lr neither a number nor auto": (lambda t: ["--hv.outer-lr", "fast"],
+                                           "--hv.outer-lr: Input should be a valid number"),  # fmt: skip
     "corrupt checkpoint": (lambda t: ["--ckpt.resume", str(corrupt_checkpoint(t))], "corrupt checkpoint"),
     "missing checkpoint": (lambda t: ["--ckpt.resume", str(t / "step-9")], "--ckpt.resume"),
     "no latest checkpoint": (lambda t: ["--ckpt.path", str(t), "--ckpt.resume", "latest"], "no step-N checkpoint"),

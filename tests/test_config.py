@@ -140,6 +140,36 @@ def test_bad_optimizer_flags_are_one_line_naming_the_flag(
     assert flag in usage_error(["--path-model", "m", "--fake-data", *argv.split()], capsys)
 
 
+SWARM_OF_2 = "--path-model m --fake-data --hv.galaxy-size 2"
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ("", (0.7, 0.9)),  # H = 500 by default: the paper's setting, which was tuned there
+        ("--hv.local-steps 25", (1.0, 0.0)),  # measured best at H = 10-100
+        ("--hv.local-steps 100", (1.0, 0.0)),
+        ("--hv.local-steps 101", (0.7, 0.9)),
+        ("--hv.local-steps 25 --hv.outer-lr 0.7 --hv.outer-momentum 0.9", (0.7, 0.9)),  # the paper's, one flag away
+        ("--hv.local-steps 25 --hv.outer-momentum 0.5", (1.0, 0.5)),  # each of the two on its own
+        ("--hv.outer-lr auto --hv.outer-momentum 0.0", (0.7, 0.0)),
+        # the token budget: the H of equal groups, 2048 tokens per step each: 102400 / 2 / 2048 = 25
+        ("--hv.target-tokens 102400", (1.0, 0.0)),
+        ("--hv.target-tokens 1024000", (0.7, 0.9)),  # H = 250
+    ],
+)
+def test_outer_auto_picks_by_h_and_set_values_win(flags: str, expected: tuple[float, float]) -> None:
+    hv = parse(f"{SWARM_OF_2} {flags}".split()).hv
+    assert hv.outer_setting(tokens_per_step=2048) == expected
+
+
+def test_outer_bad_values_are_one_line_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    said = usage_error(["--path-model", "m", "--fake-data", "--hv.outer-lr", "-1"], capsys)
+    assert "--hv.outer-lr: Input should be greater than 0, or 'auto' (got '-1')" in said
+    said = usage_error(["--path-model", "m", "--fake-data", "--hv.outer-momentum", "1"], capsys)
+    assert "--hv.outer-momentum: Input should be less than 1, or 'auto' (got '1')" in said
+
+
 def test_swarm_flags_a_lone_group_does_not_use_are_named() -> None:
     lone = parse("--path-model m --fake-data --hv.local-steps 5 --hv.compression fp16 --hv.world-rank 0".split())
     assert lone.hv.unused_alone() == ["local_steps", "compression"]  # the world rank still names the run folder

@@ -123,6 +123,7 @@ def join(
         dht, averager, progress_key(run), REQUEST_TIMEOUT_S,
         status_key=status_key(hv.run_id), tokens_key=tokens_key(hv.run_id), rounds=rounds,
     )  # fmt: skip
+    outer_lr, outer_momentum = hv.outer_setting(tokens_per_step)
     try:
         if hv.target_tokens and final_step:  # a run of 0 steps has no round to pace
             pace = TokenBudget(
@@ -137,8 +138,8 @@ def join(
             group,
             world_rank=hv.world_rank,
             local_steps=hv.local_steps,
-            outer_lr=hv.outer_lr,
-            outer_momentum=hv.outer_momentum,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
             stop=stop,
             join_timeout=hv.averaging_timeout,
             final_step=final_step,
