@@ -79,6 +79,16 @@ def machine_line(info: dict[str, Any]) -> str:
     )
 
 
+def section_head(result: dict[str, Any]) -> list[str]:
+    """The first lines of every bench's section: its title with the date, the machine and the exact command."""
+    return [
+        f"## {result['bench']}{' (quick)' if result['quick'] else ''}: {result['date']}",
+        "",
+        f"- machine: {machine_line(result['machine'])}",
+        f"- command: `{result['command']}`",
+    ]
+
+
 # ---------------------------------------------------------------- running a bench
 
 

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Iterator
 from typing import Any
 
-from diloco.bench import machine_line
+from diloco.bench import section_head
 
 # SwarmAverager transport -> name in the tables; "groups": the trainer's rounds of whole groups over tcp
 ARMS = {"tcp": "diloco tcp", "p2pd": "hivemind p2pd", "groups": "diloco groups", "groups-p2pd": "diloco groups p2pd"}
@@ -19,10 +19,7 @@ def markdown(result: dict[str, Any]) -> str:
     load = f"{result['machine']['load_avg_1m']:.1f} / {result['load_avg_1m_end']:.1f}"
     arms = result["arms"]
     lines = [
-        f"## {result['bench']}{' (quick)' if result['quick'] else ''}: {result['date']}",
-        "",
-        f"- machine: {machine_line(result['machine'])}",
-        f"- command: `{result['command']}`",
+        *section_head(result),
         f"- 1-minute load average at start / end: {load} (timings follow the load)",
         "- diloco tcp / hivemind p2pd: k peer processes, each its own DHT peer (+ p2pd) joined to one bootstrap DHT, "
         "each a `SwarmAverager(transport=...)` over one float32 tensor, compression none, all released together; "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco import procs
-from diloco.bench import BenchError, machine_line
+from diloco.bench import BenchError, section_head
 from diloco.bench.models import model_folder
 
 log = logging.getLogger("diloco")
@@ -216,10 +216,7 @@ def markdown(result: dict[str, Any]) -> str:
     load = f"{result['machine']['load_avg_1m']:.1f} / {result['load_avg_1m_end']:.1f}"
     tree = f"summed over launcher, ranks and their DHT/averager children, sampled every {SAMPLE_S} s"
     lines = [
-        f"## {result['bench']}{' (quick)' if result['quick'] else ''}: {result['date']}",
-        "",
-        f"- machine: {machine_line(result['machine'])}",
-        f"- command: `{result['command']}`",
+        *section_head(result),
         f"- each arm: {each_arm}",
         f"- {steps}",
         f"- process tree peak RSS: {tree}",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco.bench import machine_line
+from diloco.bench import section_head
 from diloco.bench.convergence import ArmSpec, load_corpus, run_arm, workload
 from diloco.bench.models import model_folder
 from diloco.model import load_model
@@ -93,10 +93,7 @@ def summarize(name: str, per_seed: list[dict[str, Any]], params: int) -> dict[st
 def markdown(result: dict[str, Any]) -> str:
     w = result["workload"]
     lines = [
-        f"## compression{' (quick)' if result['quick'] else ''}: {result['date']}",
-        "",
-        f"- machine: {machine_line(result['machine'])}",
-        f"- command: `{result['command']}`",
+        *section_head(result),
         f"- the convergence bench's workload: model {Path(w['model']).name} ({w['parameters'] / 1e6:.2f}M "
         f"parameters), {Path(w['corpus']).name} (byte tokenizer), seq {w['seq_length']}, B = {w['batch']}, "
         f"S = {w['steps']} inner steps per group; k = {result['k']} groups, H = {result['h']}, outer lr / momentum "

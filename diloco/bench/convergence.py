@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from diloco.bench import BenchError, machine_line
+from diloco.bench import BenchError, section_head
 from diloco.bench.models import model_folder
 from diloco.config import Config, FieldError
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
@@ -292,10 +292,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
 def markdown(result: dict[str, Any]) -> str:
     w, rec, tgt = result["workload"], result["recommendation"], result["target"]
     lines = [
-        f"## convergence{' (quick)' if result['quick'] else ''}: {result['date']}",
-        "",
-        f"- machine: {machine_line(result['machine'])}",
-        f"- command: `{result['command']}`",
+        *section_head(result),
         f"- model {Path(w['model']).name} ({w['parameters'] / 1e6:.2f}M parameters), {Path(w['corpus']).name} "
         f"(byte tokenizer), seq {w['seq_length']}, B = {w['batch']} sequences per group, S = {w['steps']} inner "
         f"steps per group, AdamW lr {w['lr']:g} with {w['warmup_steps']} warm-up steps and cosine decay; eval "

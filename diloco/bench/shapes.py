@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco import procs
-from diloco.bench import BenchError, machine_line
+from diloco.bench import BenchError, section_head
 from diloco.bench.models import write_model
 from diloco.bench.wire import dht_peers, started, summary, wait_all
 
@@ -150,10 +150,7 @@ def markdown(result: dict[str, Any]) -> str:
     """A dated section: setup, one row per arm, and the mixed arm's round time against the equal one's."""
     s = result["setup"]
     lines = [
-        f"## {result['bench']}{' (quick)' if result['quick'] else ''}: {result['date']}",
-        "",
-        f"- machine: {machine_line(result['machine'])}",
-        f"- command: `{result['command']}`",
+        *section_head(result),
         f"- 1-minute load average at start / end: {result['machine']['load_avg_1m']:.1f} / "
         f"{result['load_avg_1m_end']:.1f}",
         f"- model {s['model']}, fake data, seq {s['seq_length']}, {s['batch']} sequences per inner step per group, "
