@@ -207,6 +207,38 @@ def test_a_silent_groupmate_fails_the_round_in_bounded_time():
     assert seconds < 10, seconds
 
 
+@pytest.mark.parametrize("busy", [False, True], ids=["left-out-and-idle", "in-a-round"])
+def test_a_groupmate_left_out_by_matchmaking_is_learnt_of_soon(busy: bool):
+    """A matchmaking split: peer 1 averaged alone and trains on, and never registers the round peer 0 started with
+    it. While peer 1 is in no round its listener drops peer 0's connection after `idle_wait`, so peer 0's round
+    fails after its own timeout (waiting for peer 1's parts) instead of its handshake's; a peer that is in a round
+    (about to register it) is waited for."""
+    timeout = 2.5  # peer 0 waits that long for peer 1's parts, and twice that for its handshake's answer
+    listening = [listen_socket("127.0.0.1", 0) for _ in range(2)]
+    listeners = [Listener(sock, timeout, registration_timeout=60, idle_wait=0.2).start() for sock in listening]
+    endpoints = [(["127.0.0.1"], sock.getsockname()[1]) for sock in listening]
+    vector = randn(1000, 0)
+    round_ = Round(vector, torch.empty_like(vector), group_id=os.urandom(32), index=0, endpoints=endpoints,
+                   weight=1.0, codec=RAW, timeout=timeout)  # fmt: skip
+    listeners[0].register(round_)
+    started = time.monotonic()
+    try:
+        if busy:
+            with listeners[1].in_round(), pytest.raises(RoundFailed):
+                round_.run()
+        else:
+            with pytest.raises(RoundFailed):
+                round_.run()
+    finally:
+        for listener in listeners:
+            listener.close()
+    seconds = time.monotonic() - started
+    if busy:
+        assert seconds >= 2 * timeout - 0.1, seconds  # held until the handshake timed out
+    else:
+        assert seconds < 2 * timeout - 0.5, seconds  # about `timeout`
+
+
 def test_a_sender_that_dies_mid_stream_is_left_out():
     """A groupmate connects, sends one part of reducer 0's span and vanishes: reducer 0 averages the rest without
     it, and the round fails only where averages are missing."""

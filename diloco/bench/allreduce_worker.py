@@ -197,7 +197,7 @@ def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport:
     with `transport` "p2pd", over libp2p streams through this peer's daemon (``tunnel``)."""
     import torch
 
-    from diloco.swarm import tcp
+    from diloco.swarm import IDLE_WAIT_S, tcp
     from diloco.swarm.averager import SwarmAverager
     from diloco.swarm.codecs import WIRE_FORMATS
     from diloco.swarm.group_round import GroupRounds
@@ -210,7 +210,8 @@ def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport:
         averaging_timeout=AVERAGING_TIMEOUT_S, target_group_size=k, transport=transport, match_only=True,
     )  # fmt: skip
     listening = listen_socket(ip, 0) if transport == "tcp" else None
-    listener = Listener(listening, AVERAGING_TIMEOUT_S / 4, registration_timeout=AVERAGING_TIMEOUT_S).start()
+    listener = Listener(listening, AVERAGING_TIMEOUT_S / 4, registration_timeout=AVERAGING_TIMEOUT_S,
+                        idle_wait=IDLE_WAIT_S).start()  # fmt: skip
     tunnel = None
     try:
         if listening is not None:

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("diloco")
 
 REQUEST_TIMEOUT_S = 5.0  # a ping, or one message of a state download
+# seconds a connection for an unknown round waits at a rank that is in no round (a matchmaking split left it out):
+# far longer than ranks of one group take to enter a round together, far shorter than --hv.averaging-timeout
+IDLE_WAIT_S = 5.0
 
 
 def join(
@@ -180,7 +183,7 @@ def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager
     timeout = hv.averaging_timeout / 4  # as the per-rank way drops a silent groupmate
     over_tcp = hv.transport == "tcp"
     listening = listen(listen_host(hv.host_maddrs), port) if over_tcp else None
-    listener = Listener(listening, timeout, registration_timeout=hv.averaging_timeout).start()
+    listener = Listener(listening, timeout, registration_timeout=hv.averaging_timeout, idle_wait=IDLE_WAIT_S).start()
     tunnel = None
     try:
         if over_tcp:

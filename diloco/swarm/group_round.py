@@ -196,6 +196,10 @@ class GroupRounds:
         """Collective: one round (see ``SwarmAverager.average`` for the contract), averaged in place: after a round
         that failed the tensors hold averages where they arrived (the caller applies nothing then). Returns a
         ``RoundReport``."""
+        with self.listener.in_round():  # groupmates that learn of the round first may connect meanwhile
+            return self._average(tensors, round_index, weight, stop)
+
+    def _average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]):
         from diloco.swarm.averager import RoundReport
 
         started = time.monotonic()

@@ -5,10 +5,12 @@ downloads of ``diloco.swarm.transfer``). Connections that arrive otherwise (the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from diloco.swarm.tcp import HELLO, MAC_SIZE, MAGIC, Round, close_socket, recv_exact
 
@@ -23,11 +25,17 @@ class Listener:
     :param handshake_timeout: seconds a connection may take to send its hello.
     :param registration_timeout: seconds a connection waits for its round to be registered here: a groupmate
         may learn of the group and start the round seconds before this peer does (None: ``handshake_timeout``).
+    :param idle_wait: seconds it waits instead while this rank is in no round (``in_round``): a group that
+        averaged alone after a matchmaking split never registers the round its would-be groupmates started, and
+        they should learn that soon, not after ``registration_timeout`` (None: no difference).
     """
 
-    def __init__(self, sock: socket.socket | None, handshake_timeout: float, registration_timeout: float | None = None):
+    def __init__(self, sock: socket.socket | None, handshake_timeout: float, registration_timeout: float | None = None,
+                 idle_wait: float | None = None):  # fmt: skip
         self._sock, self._timeout = sock, handshake_timeout
         self._registration_timeout = handshake_timeout if registration_timeout is None else registration_timeout
+        self._idle_wait = self._registration_timeout if idle_wait is None else min(idle_wait, self._registration_timeout)
+        self._busy = 0  # rounds this rank is in (``in_round``)
         self._rounds: dict[bytes, Round] = {}
         self._services: dict[bytes, Callable[[socket.socket], None]] = {}
         self._cv = threading.Condition()
@@ -45,6 +53,19 @@ class Listener:
     def serve(self, magic: bytes, handler: Callable[[socket.socket], None]) -> None:
         """Hand connections that open with the 4 bytes `magic` to `handler` (on their own thread; closed after)."""
         self._services[magic] = handler
+
+    @contextlib.contextmanager
+    def in_round(self) -> Iterator[None]:
+        """While this rank takes part in a round (matchmaking included), connections for a round not registered yet
+        wait the full ``registration_timeout``."""
+        with self._cv:
+            self._busy += 1
+            self._cv.notify_all()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy -= 1
 
     def register(self, round_: Round) -> None:
         with self._cv:
@@ -87,7 +108,13 @@ class Listener:
             if magic != MAGIC:
                 raise ConnectionError("not a butterfly connection")
             with self._cv:
-                self._cv.wait_for(lambda: tag in self._rounds or self._closed, timeout=self._registration_timeout)
+                started = time.monotonic()
+                while tag not in self._rounds and not self._closed:
+                    wait = self._registration_timeout if self._busy else self._idle_wait
+                    left = started + wait - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)  # woken by a registration, by close, or by this rank entering a round
                 round_ = self._rounds.get(tag)
             if round_ is None:
                 raise ConnectionError("no round with this tag")
