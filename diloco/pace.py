@@ -26,7 +26,7 @@ from diloco.swarm import budget
 from diloco.swarm.budget import RoundTokens
 
 if TYPE_CHECKING:
-    from diloco.membership import Group, Swarm
+    from diloco.links import Group, Swarm
 
 PUBLISH_S = 1.0  # rank 0 refreshes its round-token record at most this often
 

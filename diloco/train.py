@@ -29,7 +29,8 @@ from diloco import checkpoint, console, parallel, preflight
 from diloco.config import Config, FieldError, UsageError
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
-from diloco.membership import Group, JoinError
+from diloco.links import Group
+from diloco.membership import JoinError
 from diloco.metrics import Metrics, peak_memory_mb, peak_reserved_mb, write_json_atomic
 from diloco.model import decoder_layers, load_model, params_sha256, save_hf
 from diloco.outer import NoOuter, OuterLoop

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from diloco.config import FieldError
-from diloco.membership import DiLoCo, solo_group
+from diloco.links import solo_group
+from diloco.membership import DiLoCo
 from diloco.swarm.fingerprint import ModelId, mismatch_error, model_id, rival_model
 from diloco.swarm.memory import MemorySwarm
 from diloco.swarm.status import Status

@@ -16,7 +16,8 @@ import torch
 
 from diloco.cli import as_flags
 from diloco.config import FieldError
-from diloco.membership import DiLoCo, JoinError, solo_group
+from diloco.links import solo_group
+from diloco.membership import DiLoCo, JoinError
 from diloco.outer import OuterReport
 from diloco.swarm.memory import Member, MemorySwarm, Report
 from diloco.swarm.progress import Progress, sources

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from diloco.config import HvConfig
-from diloco.membership import DiLoCo, solo_group
+from diloco.links import solo_group
+from diloco.membership import DiLoCo
 from diloco.pace import FixedSteps, TokenBudget
 from diloco.swarm import budget
 from diloco.swarm.budget import HORIZON_S, RoundTokens

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from diloco import procs
-from diloco.membership import DiLoCo, solo_group
+from diloco.links import solo_group
+from diloco.membership import DiLoCo
 from diloco.swarm import status
 from diloco.swarm.memory import Member, MemorySwarm, Report
 from diloco.swarm.monitor import NO_GROUPS_EXIT, UNREACHABLE_EXIT, render, table

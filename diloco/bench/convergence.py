@@ -38,7 +38,8 @@ from diloco.bench import BenchError, section_head
 from diloco.bench.models import model_folder
 from diloco.config import Config, FieldError
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
-from diloco.membership import DiLoCo, solo_group
+from diloco.links import solo_group
+from diloco.membership import DiLoCo
 from diloco.model import load_model
 from diloco.swarm.memory import MemorySwarm
 

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
     from diloco.config import HvConfig
     from diloco.distenv import DistEnv
-    from diloco.membership import DiLoCo, Group
+    from diloco.links import Group
+    from diloco.membership import DiLoCo
     from diloco.swarm.fingerprint import ModelId
 
 log = logging.getLogger("diloco")

@@ -5,7 +5,7 @@ The groups of a round meet at a barrier and each gets the exact weighted mean of
 order (by peer id), which is what the real swarm computes with `--hv.compression none`: bit-identical in every
 group. Given a wire format's codec (`diloco.swarm.tcp.Codec`), every contribution and the mean go through it,
 part by part, as over the wire (a real reducer's own part skips it: this is slightly the more lossy). Progress
-and status records and served states live in dicts. It implements `diloco.membership.Swarm`;
+and status records and served states live in dicts. It implements `diloco.links.Swarm`;
 plain torch, no hivemind, no network.
 """
 
@@ -94,7 +94,7 @@ class MemorySwarm:
 
 
 class Member:
-    """One group's link to the swarm (`diloco.membership.Swarm`)."""
+    """One group's link to the swarm (`diloco.links.Swarm`)."""
 
     def __init__(self, swarm: MemorySwarm, peer_id: str) -> None:
         self.swarm, self.peer_id = swarm, peer_id

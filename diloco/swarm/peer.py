@@ -1,6 +1,6 @@
 """One trainer rank's place in the swarm: its DHT peer (with p2pd), its side of the rounds of whole groups (and rank
 0's matchmaking averager), and the worker groups' progress records (``diloco.swarm.progress``) and status records
-(``diloco.swarm.status``). ``SwarmPeer`` is the ``diloco.membership.Swarm`` the outer loop talks to."""
+(``diloco.swarm.status``). ``SwarmPeer`` is the ``diloco.links.Swarm`` the outer loop talks to."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ State = tuple[dict, list[torch.Tensor]]
 
 
 class SwarmPeer:
-    """Implements ``diloco.membership.Swarm``; ``shutdown`` stops the averager, then the DHT (after the status
+    """Implements ``diloco.links.Swarm``; ``shutdown`` stops the averager, then the DHT (after the status
     stores under way, at most ``LAST_STATUS_WAIT_S``).
 
     :param dht: this rank's running DHT peer (owned from now on).
