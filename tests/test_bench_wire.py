@@ -87,7 +87,11 @@ def test_wire_quick(tmp_path: Path) -> None:
     for name in ARMS[:3]:
         expected = per_worker_total(ddp) / per_worker_total(arms[name])
         assert data["ddp_over_diloco"][name]["os"] == pytest.approx(expected)
-    assert 1 < data["ddp_over_diloco"]["diloco-none"]["os"] < data["ddp_over_diloco"]["diloco-int8"]["os"]
+    assert data["ddp_over_diloco"]["diloco-none"]["os"] > 1
+    # per round with both workers: a round a matchmaking split left to each worker alone sends no payload, so the
+    # arms' totals compare only when every round had both (once, under the suite's load, int8's total was the larger)
+    per_round = {n: per_worker_total(arms[n]) / arms[n]["rounds_with_all_peers"][0] for n in ARMS[:3]}
+    assert per_round["diloco-none"] > 2 * per_round["diloco-int8"], per_round
     assert "## wire (quick): " in doc and "- command: `diloco bench wire --quick --out " in doc
     assert "| arm | worker | OS sent (MB) | OS received (MB) | trainer sent (MB) |" in doc
     for name in ARMS:
