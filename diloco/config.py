@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from cyclopts import Parameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -74,11 +74,37 @@ METRIC_SINKS = ("dummy", "tensorboard", "wandb")  # what --metric-logger-type ma
 Maddrs = Annotated[list[str], Parameter(consume_multiple=True)]
 
 
-# --hv.outer-lr / --hv.outer-momentum auto, by H: (largest H of the row, outer lr, outer momentum). `diloco bench
-# convergence` (docs/benchmarks.md, 2026-11-22) found lr 1.0 without momentum best at every H from 10 to 100 for 2
-# and 4 groups, and the paper's 0.7 / 0.9 worst (+6.5% to +27% over DDP); beyond H = 100 nothing was measured
-# here, so the paper's setting, tuned at H = 500, stays.
-AUTO_OUTER: tuple[tuple[float, float, float], ...] = ((100, 1.0, 0.0), (math.inf, 0.7, 0.9))
+class OuterSetting(NamedTuple):
+    """The outer SGD of a run: lr, Nesterov momentum (0: plain SGD), and the outer steps over which the lr rises
+    linearly to `lr` (0: none)."""
+
+    lr: float
+    momentum: float
+    warmup: int
+
+
+# --hv.outer-lr / --hv.outer-momentum auto, by H and the galaxy size k: (largest H, largest k, lr, momentum), the
+# first row that holds. From `diloco bench convergence` (docs/benchmarks.md, 2026-11-24; README, "The outer step"):
+# at H = 25 momentum only hurt (the paper's 0.7/0.9 ended 9-15% above DDP), an outer lr above 1 helped 4 and 8
+# groups but only with the warm-up below (1.2 without it: +8.6% at k = 4), and 2 groups did best at 1.0. Above
+# H = 100 the paper's setting, tuned at H = 500, stays: the bench's map (H 250, 500) is what decides it.
+AUTO_OUTER: tuple[tuple[float, float, float, float], ...] = (
+    (100, 2, 1.0, 0.0),
+    (100, math.inf, 1.2, 0.0),
+    (math.inf, math.inf, 0.7, 0.9),
+)
+# --hv.outer-lr-warmup auto, up to this H: the outer lr rises over the outer steps that cover this many inner
+# warm-ups (--warmup-steps). The same bench found the harm in the first outer steps, while the inner lr warms up:
+# an outer warm-up over 3 outer steps or an inner warm-up 3× as long each took k = 4 from +7.1% to +4.1% / +2.9%.
+AUTO_WARMUP_H, AUTO_WARMUP_SPAN = 100, 3
+
+
+def auto_outer(h: float, galaxy_size: int, warmup_steps: int) -> OuterSetting:
+    """The outer setting `auto` picks for H inner steps per outer step, `galaxy_size` groups and an inner
+    warm-up of `warmup_steps` steps."""
+    lr, momentum = next((lr, m) for max_h, max_k, lr, m in AUTO_OUTER if h <= max_h and galaxy_size <= max_k)
+    warmup = math.ceil(AUTO_WARMUP_SPAN * warmup_steps / h) if h <= AUTO_WARMUP_H else 0
+    return OuterSetting(lr, momentum, warmup if warmup > 1 else 0)  # one step of warm-up is none
 
 
 class _Strict(BaseModel):
@@ -114,13 +140,18 @@ class HvConfig(_Strict):
     )
     outer_lr: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
         "auto",
-        description="Learning rate of the outer SGD; auto: 1.0 up to H = 100 (measured best there), the paper's "
-        "0.7 above.",
+        description="Learning rate of the outer SGD; auto: by H and galaxy size, from a measured table (README, "
+        "'The outer step'); the paper's 0.7 beyond H = 100.",
     )
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = Field(
         "auto",
         description="Nesterov momentum of the outer SGD; auto: 0 up to H = 100 (measured best there), the paper's "
         "0.9 above.",
+    )
+    outer_lr_warmup: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description="Outer steps over which the outer lr rises linearly to its value (0: none); auto: up to H = "
+        "100, the outer steps that cover 3 × --warmup-steps inner steps.",
     )
     matchmaking_time: float = Field(5.0, gt=0, description="Seconds to wait for peers when forming a round.")
     averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
@@ -178,20 +209,27 @@ class HvConfig(_Strict):
                 raise ValueError(f"{value!r}: announce an explicit port, not port 0")
         return values
 
-    def outer_setting(self, tokens_per_step: int) -> tuple[float, float]:
-        """The outer SGD's lr and momentum: what was set, or for "auto" the row of ``AUTO_OUTER`` for this run's
-        H (with --hv.target-tokens, that of equal groups: target tokens ÷ (galaxy size × tokens per inner step)).
+    def outer_setting(self, tokens_per_step: int, warmup_steps: int) -> OuterSetting:
+        """The outer SGD's lr, momentum and lr warm-up: each as set, or for "auto" from ``auto_outer`` for this
+        run's H (with --hv.target-tokens, that of equal groups: target tokens ÷ (galaxy size × tokens per inner
+        step)), galaxy size and inner warm-up.
 
         :param tokens_per_step: tokens of one inner step of this group (all ranks).
+        :param warmup_steps: the inner lr's warm-up steps (``Config.warmup_steps``).
         """
         h = self.local_steps
         if self.target_tokens is not None:
             h = self.target_tokens / (self.galaxy_size * max(tokens_per_step, 1))
-        _, lr, momentum = next(row for row in AUTO_OUTER if h <= row[0])
-        return (
-            lr if self.outer_lr == "auto" else self.outer_lr,
-            momentum if self.outer_momentum == "auto" else self.outer_momentum,
+        auto = auto_outer(h, self.galaxy_size, warmup_steps)
+        return OuterSetting(
+            auto.lr if self.outer_lr == "auto" else self.outer_lr,
+            auto.momentum if self.outer_momentum == "auto" else self.outer_momentum,
+            auto.warmup if self.outer_lr_warmup == "auto" else self.outer_lr_warmup,
         )
+
+    def outer_is_auto(self) -> bool:
+        """Whether any of the outer setting is left to `auto`."""
+        return "auto" in (self.outer_lr, self.outer_momentum, self.outer_lr_warmup)
 
     def unused_alone(self) -> list[str]:
         """The fields set explicitly that a lone group (galaxy size 1: no DHT, no averaging) does not use; the
@@ -312,6 +350,10 @@ class Config(_Strict):
             raise ValueError(f"--cpu-offload needs an FSDP --sharding-strategy; {self.sharding_strategy} keeps the "
                              "model and optimizer state on the device")  # fmt: skip
         return self
+
+    def outer_setting(self, tokens_per_step: int) -> OuterSetting:
+        """The swarm's outer SGD setting (``HvConfig.outer_setting`` with this run's inner warm-up)."""
+        return self.hv.outer_setting(tokens_per_step, self.warmup_steps)
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per inner step: total ÷ (per-device × ranks), which must be a whole number."""

@@ -53,6 +53,7 @@ class DiLoCo:
     :param local_steps: H, inner steps between outer steps (unless `pace` is given).
     :param outer_lr: outer SGD learning rate.
     :param outer_momentum: Nesterov momentum of the outer SGD; 0 means plain SGD.
+    :param outer_warmup: outer steps over which the outer lr rises linearly to `outer_lr` (0: none).
     :param stop: true once the run was asked to stop; an averaging round then gives up.
     :param join_timeout: seconds a joining group keeps trying to download the state from live peers before it
         gives up (it never starts from its own state while peers with a state are alive).
@@ -79,6 +80,7 @@ class DiLoCo:
         local_steps: int,
         outer_lr: float,
         outer_momentum: float,
+        outer_warmup: int = 0,
         stop: Callable[[], bool] = lambda: False,
         join_timeout: float = 60.0,
         final_step: int | None = None,
@@ -90,7 +92,7 @@ class DiLoCo:
         model: ModelId | None = None,
         digest: Digest | None = None,
     ) -> None:
-        self.params = OuterOptimizer(shards, outer_lr, outer_momentum)
+        self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup)
         self.pace = pace or FixedSteps(local_steps, final_step)
         self.tokens_per_step = tokens_per_step
         self.round_start = 0  # the inner step at which this group's current round began

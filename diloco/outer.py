@@ -107,12 +107,16 @@ class OuterOptimizer:
         parameters start as a float32 CPU copy of them.
     :param lr: outer SGD learning rate (the paper: 0.7).
     :param momentum: Nesterov momentum (the paper: 0.9); 0 means plain SGD.
+    :param warmup: outer steps over which the lr rises linearly to `lr`: outer step s (from 0) takes
+        lr · min(1, (s + 1) / warmup); 0 means none. It follows `steps`, which every group shares (a joiner
+        loads it with the state), so groups stay bit-identical.
     """
 
-    def __init__(self, shards: list[torch.Tensor], lr: float, momentum: float) -> None:
+    def __init__(self, shards: list[torch.Tensor], lr: float, momentum: float, warmup: int = 0) -> None:
         self.shards = [s for s in shards if s.numel() > 0]  # FSDP can leave a rank an empty shard
         self.outer = self.flat_shards()
         self.optimizer = torch.optim.SGD([self.outer], lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self.lr, self.warmup = lr, warmup
         self.steps = 0  # outer steps applied to `outer`
         self.lock = threading.RLock()
 
@@ -129,10 +133,15 @@ class OuterOptimizer:
         """One outer SGD step with the (averaged) pseudo-gradient, then reset the model's shard to the result."""
         with self.lock:
             self.outer.grad = pseudo_gradient
+            self.optimizer.param_groups[0]["lr"] = self.lr_at(self.steps)
             self.optimizer.step()
             self.outer.grad = None
             self._reset_shards()
             self.steps += 1
+
+    def lr_at(self, step: int) -> float:
+        """The outer lr of outer step `step` (counted from 0)."""
+        return self.lr * min(1.0, (step + 1) / self.warmup) if self.warmup else self.lr
 
     @torch.no_grad()
     def reset_shards(self) -> None:

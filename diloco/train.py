@@ -313,6 +313,7 @@ def build_outer(
             sharding=config.sharding_strategy, tokens_per_step=tokens_per_step,
             model=model_id(parallel.unwrap(model).named_parameters()),
             model_shapes=[tuple(p.shape) for p in parallel.unwrap(model).parameters()],
+            outer=config.outer_setting(tokens_per_step),
         )  # fmt: skip
     except FieldError as e:
         raise e.within("hv") from None
@@ -413,12 +414,12 @@ def describe(run: Run) -> dict[str, str]:
             if hv.target_tokens
             else f"H = {hv.local_steps} inner steps"
         )
-        lr, momentum = hv.outer_setting(tokens_per_step)
-        auto = "auto" in (hv.outer_lr, hv.outer_momentum)
-        auto = " (auto for this H; --hv.outer-lr and --hv.outer-momentum set them)" if auto else ""
+        outer = cfg.outer_setting(tokens_per_step)
+        warmup = f" rising over {outer.warmup} outer steps" if outer.warmup else ""
+        auto = " (auto for this H and galaxy size: --hv.outer-* set them)" if hv.outer_is_auto() else ""
         swarm = (
-            f"galaxy size {hv.galaxy_size}, world rank {hv.world_rank}, {pace}, outer lr "
-            f"{lr:g} momentum {momentum:g}{auto}, {hv.compression} over {hv.transport}"
+            f"galaxy size {hv.galaxy_size}, world rank {hv.world_rank}, {pace}, outer lr {outer.lr:g}{warmup} "
+            f"momentum {outer.momentum:g}{auto}, {hv.compression} over {hv.transport}"
         )
     return {
         "run dir": str(run.run_dir),

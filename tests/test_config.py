@@ -140,27 +140,32 @@ def test_bad_optimizer_flags_are_one_line_naming_the_flag(
     assert flag in usage_error(["--path-model", "m", "--fake-data", *argv.split()], capsys)
 
 
-SWARM_OF_2 = "--path-model m --fake-data --hv.galaxy-size 2"
+SWARM = "--path-model m --fake-data --warmup-steps 20 --hv.galaxy-size"
 
 
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        ("", (0.7, 0.9)),  # H = 500 by default: the paper's setting, which was tuned there
-        ("--hv.local-steps 25", (1.0, 0.0)),  # measured best at H = 10-100
-        ("--hv.local-steps 100", (1.0, 0.0)),
-        ("--hv.local-steps 101", (0.7, 0.9)),
-        ("--hv.local-steps 25 --hv.outer-lr 0.7 --hv.outer-momentum 0.9", (0.7, 0.9)),  # the paper's, one flag away
-        ("--hv.local-steps 25 --hv.outer-momentum 0.5", (1.0, 0.5)),  # each of the two on its own
-        ("--hv.outer-lr auto --hv.outer-momentum 0.0", (0.7, 0.0)),
+        ("2", (0.7, 0.9, 0)),  # H = 500 by default: the paper's setting, which was tuned there
+        ("2 --hv.local-steps 25", (1.0, 0.0, 3)),  # 3 outer steps cover 3 inner warm-ups of 20 steps
+        ("4 --hv.local-steps 25", (1.2, 0.0, 3)),  # more groups: a larger outer lr
+        ("8 --hv.local-steps 10", (1.2, 0.0, 6)),
+        ("2 --hv.local-steps 60", (1.0, 0.0, 0)),  # ⌈60 / 60⌉ = 1 outer step of warm-up is none
+        ("2 --hv.local-steps 100 --warmup-steps 1000", (1.0, 0.0, 30)),
+        ("4 --hv.local-steps 101", (0.7, 0.9, 0)),
+        ("4 --hv.local-steps 25 --hv.outer-lr 0.7 --hv.outer-momentum 0.9 --hv.outer-lr-warmup 0", (0.7, 0.9, 0)),
+        ("2 --hv.local-steps 25 --hv.outer-momentum 0.5", (1.0, 0.5, 3)),  # each on its own
+        ("4 --hv.local-steps 25 --hv.outer-lr-warmup 5", (1.2, 0.0, 5)),
+        ("2 --hv.outer-lr auto --hv.outer-momentum 0.0", (0.7, 0.0, 0)),
         # the token budget: the H of equal groups, 2048 tokens per step each: 102400 / 2 / 2048 = 25
-        ("--hv.target-tokens 102400", (1.0, 0.0)),
-        ("--hv.target-tokens 1024000", (0.7, 0.9)),  # H = 250
+        ("2 --hv.target-tokens 102400", (1.0, 0.0, 3)),
+        ("2 --hv.target-tokens 1024000", (0.7, 0.9, 0)),  # H = 250
     ],
 )
-def test_outer_auto_picks_by_h_and_set_values_win(flags: str, expected: tuple[float, float]) -> None:
-    hv = parse(f"{SWARM_OF_2} {flags}".split()).hv
-    assert hv.outer_setting(tokens_per_step=2048) == expected
+def test_outer_auto_picks_by_h_galaxy_and_warmup_and_set_values_win(flags: str, expected: tuple) -> None:
+    config = parse(f"{SWARM} {flags}".split())
+    assert config.outer_setting(tokens_per_step=2048) == expected
+    assert config.hv.outer_is_auto() == (flags.count("--hv.outer-") < 3)
 
 
 def test_outer_bad_values_are_one_line_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,6 +173,8 @@ def test_outer_bad_values_are_one_line_naming_the_flag(capsys: pytest.CaptureFix
     assert "--hv.outer-lr: Input should be greater than 0, or 'auto' (got '-1')" in said
     said = usage_error(["--path-model", "m", "--fake-data", "--hv.outer-momentum", "1"], capsys)
     assert "--hv.outer-momentum: Input should be less than 1, or 'auto' (got '1')" in said
+    said = usage_error(["--path-model", "m", "--fake-data", "--hv.outer-lr-warmup", "-2"], capsys)
+    assert "--hv.outer-lr-warmup: Input should be greater than or equal to 0, or 'auto' (got '-2')" in said
 
 
 def test_swarm_flags_a_lone_group_does_not_use_are_named() -> None:

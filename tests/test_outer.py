@@ -113,6 +113,33 @@ def test_nesterov_outer_step_by_hand() -> None:
     assert state["outer_step"] == 2 and state["outer"].item() == approx(theta)
 
 
+def test_outer_lr_warmup_by_hand_and_after_a_state_download() -> None:
+    """With warm-up 3 and lr 1.5 the outer steps take lr 0.5, 1.0, 1.5, 1.5 (plain SGD: θ ← θ − lr·Δ). A group
+    that loads the state after step 2 takes step 3 at 1.5 like the rest: the warm-up follows the shared outer
+    step, not the group's own count."""
+    net = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    outer = diloco(net, Alone(), lr=1.5, momentum=0.0, outer_warmup=3)
+    theta = 1.0
+    for step, lr in enumerate((0.5, 1.0, 1.5, 1.5), start=1):
+        with torch.no_grad():
+            net.weight.sub_(0.2)  # the inner steps moved the weight by −0.2: Δ = 0.2
+        outer.after_inner_step(step)
+        theta -= lr * 0.2
+        assert net.weight.item() == approx(theta), step
+        if step == 2:
+            state = outer.params.state_dict()
+    late = torch.nn.Linear(1, 1, bias=False)
+    joiner = diloco(late, Alone(), lr=1.5, momentum=0.0, outer_warmup=3)
+    joiner.params.load_state_dict(state)
+    theta = state["outer"].item()
+    with torch.no_grad():
+        late.weight.fill_(theta - 0.2)
+    joiner.after_inner_step(3)
+    assert late.weight.item() == approx(theta - 1.5 * 0.2)
+
+
 def test_state_round_trip_restores_momentum() -> None:
     a, b = model(1), model(2)
     outer_a = diloco(a, Alone(), lr=0.7, momentum=0.9)

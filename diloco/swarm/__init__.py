@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from diloco.config import HvConfig
+    from diloco.config import HvConfig, OuterSetting
     from diloco.distenv import DistEnv
     from diloco.links import Group
     from diloco.membership import DiLoCo
@@ -58,6 +58,7 @@ def join(
     tokens_per_step: int = 0,
     model: ModelId | None = None,
     model_shapes: list[tuple[int, ...]],
+    outer: OuterSetting,
 ) -> DiLoCo:
     """Collective over the ranks of this worker group: start this rank's DHT peer and listener (rank 0: also the
     averager that matchmakes for the group), claim the group's world rank, and wait (at most
@@ -76,6 +77,7 @@ def join(
     :param group: collectives over the ranks of this group.
     :param stop: true once the run was asked to stop.
     :param final_step: the run's last inner step (it always ends with an outer step).
+    :param outer: the outer SGD's lr, momentum and lr warm-up (``Config.outer_setting``).
     :param sharding: the group's FSDP sharding strategy (``Config.sharding_strategy``), for its status record.
     :param tokens_per_step: tokens of one inner step of the group (all ranks): its weight under a token budget.
     :param model: the group's model fingerprint (``diloco.swarm.fingerprint``): groups of another model never
@@ -127,7 +129,6 @@ def join(
         dht, averager, progress_key(run), REQUEST_TIMEOUT_S,
         status_key=status_key(hv.run_id), tokens_key=tokens_key(hv.run_id), rounds=rounds,
     )  # fmt: skip
-    outer_lr, outer_momentum = hv.outer_setting(tokens_per_step)
     try:
         if hv.target_tokens and final_step:  # a run of 0 steps has no round to pace
             pace = TokenBudget(
@@ -142,8 +143,9 @@ def join(
             group,
             world_rank=hv.world_rank,
             local_steps=hv.local_steps,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
+            outer_lr=outer.lr,
+            outer_momentum=outer.momentum,
+            outer_warmup=outer.warmup,
             stop=stop,
             join_timeout=hv.averaging_timeout,
             final_step=final_step,
