@@ -8,7 +8,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
 import cyclopts
 import pydantic
@@ -217,6 +217,9 @@ _OUT = Parameter(help="Folder for the result JSON (strategies.json, overhead-qui
 _DOC = Parameter(help="Markdown file the dated table is appended to.")
 _DATA = Parameter(help="Text to train and evaluate on: a .txt, .jsonl or .parquet file, byte-tokenized, its last "
                   "10% held out (e.g. tinyshakespeare.txt). Required.")  # fmt: skip
+_STUDY = Parameter(help="defaults: k = 2, 4, 8 groups at H = 25, no outer flags against DDP and the trials of "
+                   "the 4-group gap (the ~1M model, 2 seeds); map: the gap to DDP of each outer setting over H = "
+                   "10-500 and k = 2, 4, 8 (a 0.14M model, 2000 inner steps).")  # fmt: skip
 _MODEL = Parameter(help="The model every arm trains: a bench model's name (e.g. llama-14m-fresh; an unknown name "
                    "lists them) or a local model folder. Default: llama-2m-fresh with --quick, else "
                    "llama-14m-fresh.")  # fmt: skip
@@ -227,8 +230,8 @@ BENCH_HELP = {
     "and peak memory, 2 ranks, each arm beside its DeepSpeed ZeRO stage.",
     "overhead": "Inner-step tokens/s of a DiLoCo worker (DHT and averager running) against galaxy size 1, "
     "alternating.",
-    "convergence": "Held-out loss at equal tokens: one group, DDP, DiLoCo over H and outer lr/momentum, on real "
-    "text.",
+    "convergence": "Held-out loss at equal tokens: one group, DDP, DiLoCo with no outer flags and over H and outer "
+    "lr/momentum/warm-up, on real text (--study defaults or map).",
     "wire": "Bytes each worker sends and receives over a run (DiLoCo none/fp16/int8 vs DDP), counted by the kernel "
     "on veth links between network namespaces and by the trainer; needs root.",
     "allreduce": "One averaging round (diloco tcp vs hivemind p2pd transport) for 10M-150M parameters, 2 and 4 "
@@ -263,10 +266,18 @@ def _bench_command(name: str) -> Callable[..., int]:
         out: Annotated[Path, _OUT] = BENCH_OUT,
         doc: Annotated[Path, _DOC] = BENCH_DOC,
     ) -> int:
-        if data is None or not data.is_file():  # here, before the bench imports torch
-            why = f"--data {data}: no such file" if data else f"bench {name} needs --data FILE (a text file)"
-            raise UsageError(why)
-        return _bench(name, quick, out, doc, data=data)
+        return _bench(name, quick, out, doc, data=_data_file(name, data))
+
+    def with_study(
+        *,
+        data: Annotated[Path | None, _DATA] = None,
+        study: Annotated[Literal["defaults", "map"], _STUDY] = "defaults",
+        quick: Annotated[bool, _QUICK] = False,
+        out: Annotated[Path, _OUT] = BENCH_OUT,
+        doc: Annotated[Path, _DOC] = BENCH_DOC,
+    ) -> int:
+        options = {"study": study} if study != "defaults" else {}  # the default stays out of the command line
+        return _bench(name, quick, out, doc, data=_data_file(name, data), **options)
 
     def with_model(
         *,
@@ -279,9 +290,16 @@ def _bench_command(name: str) -> Callable[..., int]:
             return _bench(name, quick, out, doc)
         return _bench(name, quick, out, doc, model=_bench_model(model))
 
-    chosen = {"convergence": with_data, "compression": with_data, "strategies": with_model}.get(name, command)
+    chosen = {"convergence": with_study, "compression": with_data, "strategies": with_model}.get(name, command)
     chosen.__doc__ = BENCH_HELP[name]
     return chosen
+
+
+def _data_file(bench: str, data: Path | None) -> Path:
+    """--data as given, or a usage error (here, before the bench imports torch)."""
+    if data is None or not data.is_file():
+        raise UsageError(f"--data {data}: no such file" if data else f"bench {bench} needs --data FILE (a text file)")
+    return data
 
 
 def _bench_model(model: str) -> str | Path:

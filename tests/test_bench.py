@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
+from diloco.config import auto_outer
 from tests.conftest import CORPUS, ROOT, assert_ok, run_cmd
 
 DILOCO = Path(sys.executable).parent / "diloco"
 
 
-def bench(name: str, tmp_path: Path, *flags: str, timeout: float = 300) -> tuple[dict, str]:
+def bench(name: str, tmp_path: Path, *flags: str, timeout: float = 300, stem: str = "") -> tuple[dict, str]:
     doc = tmp_path / "benchmarks.md"
     command = [str(DILOCO), "bench", name, "--quick", *flags, "--out", str(tmp_path), "--doc", str(doc)]
     result = run_cmd(command, timeout=timeout)
     assert_ok(result)
-    return json.loads((tmp_path / f"{name}-quick.json").read_text()), doc.read_text()
+    return json.loads((tmp_path / f"{stem or name}-quick.json").read_text()), doc.read_text()
 
 
 def assert_measured(arm: dict) -> None:
@@ -70,26 +71,58 @@ def test_overhead_quick(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_convergence_quick(tmp_path: Path) -> None:
+    """The defaults study: every kind of arm at equal tokens, DiLoCo groups on one model, the gaps to the DDP run
+    of the same seed, the no-flags arm training with what the trainer picks (auto), and its verdict."""
     data, doc = bench("convergence", tmp_path, "--data", str(CORPUS))
     arms = {arm["name"]: arm for arm in data["arms"]}
-    assert {"single", "ddp", "m1-H5-0.7/0.9", "diloco-H5-1/0", "diloco-H10-0.7/0.9"} <= set(arms)
-    tokens = {arm["tokens"] for arm in data["arms"]}
-    assert len(tokens) == 1  # equal tokens in every arm
+    assert {"single", "ddp", "m1-H5-0.7/0.9", "diloco-H5-auto", "diloco-H5-0.7/0.9"} <= set(arms)
+    assert any(name.startswith("trial-") and "inner lr ×2" in name for name in arms)
+    assert len({arm["tokens"] for arm in data["arms"]}) == 1  # equal tokens in every arm
     for arm in data["arms"]:
-        first, last = arm["curve"][0][1], arm["final_eval_loss"]
+        first, last = arm["curve"][0][1], arm["final_eval_loss"][0]
         assert 0 < last < first, arm["name"]  # it learned something from real text
         if arm["groups"] > 1:
             assert arm["groups_identical"], arm["name"]  # DiLoCo groups end on one model
-    assert arms["ddp"]["gap_vs_ddp"] == 0
-    gap = arms["diloco-H5-1/0"]["final_eval_loss"] / arms["ddp"]["final_eval_loss"] - 1
-    assert arms["diloco-H5-1/0"]["gap_vs_ddp"] == pytest.approx(gap)
-    rec = data["recommendation"]
-    best = min((a for a in data["arms"] if a["groups"] > 1), key=lambda a: a["gap_vs_ddp"])
-    assert rec["mean_gap_vs_ddp"] >= best["gap_vs_ddp"] - 1e-12
+    auto = arms["diloco-H5-auto"]
+    picked = auto_outer(5, 2, data["workload"]["warmup_steps"])  # what `diloco train` picks with no outer flags
+    assert (*auto["outer"], auto["outer_warmup"]) == picked
+    assert arms["ddp"]["gap_by_seed"] == [0.0]
+    gap = auto["final_eval_loss"][0] / arms["ddp"]["final_eval_loss"][0] - 1
+    assert auto["gap_vs_ddp"] == pytest.approx(gap) and auto["worst_gap"] == pytest.approx(gap)
+    verdict = data["target"]["by_k"]["2"]
+    assert verdict["worst_gap"] == auto["worst_gap"] and verdict["met"] == (gap <= 0.02)
+    m1 = arms["m1-H5-0.7/0.9"]["final_eval_loss"][0]
+    assert data["m1"]["2"]["vs_single"] == pytest.approx(m1 / arms["single"]["final_eval_loss"][0] - 1)
     assert (tmp_path / "convergence-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "![eval loss against tokens](convergence-quick.png)" in doc and "Recommended outer setting" in doc
+    assert "![eval loss](convergence-quick.png)" in doc and "No outer flags (auto) at H = 5" in doc
     assert data["workload"]["corpus"] == str(CORPUS.resolve())  # which text it trained on
-    assert f"--data {CORPUS}" in data["command"]
+    assert f"--data {CORPUS}" in data["command"] and "--study" not in data["command"]
+
+
+@pytest.mark.slow
+def test_convergence_map_quick(tmp_path: Path) -> None:
+    """The map study: every outer setting at every H against DDP, the best per cell, what auto picks there and
+    the worst gap of each rule, in its own JSON and PNG."""
+    data, doc = bench("convergence", tmp_path, "--data", str(CORPUS), "--study", "map", stem="convergence-map")
+    assert data["study"] == "map" and "--study map" in data["command"]
+    cells = {(c["k"], c["h"]): c for c in data["map"]["cells"]}
+    assert set(cells) == {(2, 5), (2, 10)}
+    ddp = next(a for a in data["arms"] if a["name"] == "ddp")["final_eval_loss"][0]
+    for arm in data["arms"]:
+        if arm["outer"] is None:
+            continue
+        cell = cells[arm["k"], arm["h"]]
+        rule = "auto" if arm["name"].endswith("-auto") else f"{arm['outer'][0]:g}/{arm['outer'][1]:g}"
+        assert cell["gaps"][rule] == pytest.approx(arm["final_eval_loss"][0] / ddp - 1)
+    for (k, h), cell in cells.items():
+        assert cell["gaps"][cell["best"]] == min(cell["gaps"].values())
+        lr, momentum, warmup = auto_outer(h, k, data["workload"]["warmup_steps"])  # what `diloco train` picks
+        assert cell["auto"] == f"{lr:g}/{momentum:g}" + (f" w{warmup}" if warmup else "")
+        assert {"0.7/0.9", "1/0", "auto"} <= set(cell["gaps"])
+    worst = data["map"]["worst_gap"]
+    assert worst["auto"] == max(c["gaps"]["auto"] for c in cells.values())
+    assert (tmp_path / "convergence-map-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Worst gap over every (k, H) of the map" in doc
 
 
 @pytest.mark.slow

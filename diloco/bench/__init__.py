@@ -3,9 +3,9 @@
 Each bench is a module here with `measure(quick, work_dir, info, **options) -> dict` (the figures, every one
 measured, none typed in; `options` are the bench's own flags, e.g. convergence's `data`) and
 `markdown(result) -> str` (a dated section for docs/benchmarks.md). `run` adds the date, the machine and the
-exact command, writes `<out>/<name>[-quick].json` and appends the section to the doc. A bench needs nothing
-beside the installed package: the models it trains are written into its work dir (`bench.models`), and data
-comes from a flag.
+exact command, writes `<out>/<name>[-quick].json` (a bench with studies names it: `stem(quick, **options)`) and
+appends the section to the doc. A bench needs nothing beside the installed package: the models it trains are
+written into its work dir (`bench.models`), and data comes from a flag.
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ def run(name: str, quick: bool, out: Path, doc: Path, command: str, options: dic
     }
     out.mkdir(parents=True, exist_ok=True)
     doc.parent.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}{'-quick' if quick else ''}.json"
+    stem = module.stem(quick, **(options or {})) if hasattr(module, "stem") else f"{name}{'-quick' if quick else ''}"
+    path = out / f"{stem}.json"
     if hasattr(module, "plot"):  # a PNG beside the JSON, linked from the doc
         picture = module.plot(result, out)
         result["plot"] = os.path.relpath(picture.resolve(), doc.resolve().parent)

@@ -41,7 +41,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path) -> di
     w = workload(quick)
     h = 5 if quick else 25
     seeds = (0,) if quick else (0, 1)
-    w = replace(w, model=model_folder(w.model, work_dir / "models"), ks=(K,), hs=(h,), outer=(OUTER,))
+    w = replace(w, model=model_folder(w.model, work_dir / "models"), seeds=seeds)
     corpus = load_corpus(w, data)
     threads_before, level = torch.get_num_threads(), log.level
     runs: dict[str, list[dict[str, Any]]] = {}

@@ -1,22 +1,27 @@
 """`diloco bench convergence`: held-out loss at equal tokens, DiLoCo against data-parallel training.
 
-Real text (the file `--data` names, e.g. tinyshakespeare; byte tokenizer), a ~1M-parameter llama, seq 128. For
-k = 2 and 4 worker groups, every arm sees the same number of training tokens:
+Real text (the file `--data` names, e.g. tinyshakespeare; byte tokenizer) and a small llama. Every arm at one
+galaxy size k sees the same number of training tokens:
 
 - `single`: one model at batch B for k·S steps;
 - `ddp`: one model at batch k·B for S steps (the gradient of DDP over k ranks of batch B, summed in another
   order);
-- `diloco-H…`: k groups at batch B for S steps each, an outer step every H, for every H and every outer
-  (lr, momentum) setting;
-- `m1`: DiLoCo with one group (M = 1) at batch B for k·S steps, H = 25, the paper's outer 0.7/0.9.
+- `diloco-…`: k groups at batch B for S steps each, an outer step every H; `auto` is the outer setting the
+  trainer picks with no outer flags (`diloco.config.auto_outer`), the others a fixed (lr, momentum, warm-up);
+- `m1`: DiLoCo with one group (M = 1) at batch B for k·S steps;
+- at k = 4 (`defaults` only), trials of what else might close the gap to DDP: the inner lr, the inner warm-up,
+  a smaller batch for more steps.
 
-The groups of an arm run in threads of this process and average through the in-memory swarm
+Two studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, two
+seeds for the arms that decide the defaults) and `map` (a 0.14M-parameter model, seq 64, S = 2000, so that H = 500
+still makes 4 outer steps; H from 10 to 500, k = 2, 4, 8, one seed).
+
+The groups of an arm run in threads of one process and average through the in-memory swarm
 (`diloco.swarm.memory`): an exact mean, which is what the swarm computes with `--hv.compression none`
 (bit-identical in every group). The inner loop (AdamW, warm-up + cosine, clipping, the trainer's constants and
 data pipeline) and the outer step (`DiLoCo`, the trainer's class) are the product's own; only the transport is
-left out, which `allreduce` and `wire` measure.
-The eval loss is measured on held-out text at fixed token counts (DiLoCo: the groups' common model right
-after an outer step) and at the end of every arm.
+left out, which `allreduce` and `wire` measure. Arms run in parallel, one process per usable core with one torch
+thread each: the losses do not depend on it, the wall times do.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -34,28 +42,32 @@ import numpy as np
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from diloco.bench import BenchError, section_head
+from diloco.bench import BenchError
+from diloco.bench.convergence_report import TARGET_GAP, markdown, plot, summarize
 from diloco.bench.models import model_folder
-from diloco.config import Config, FieldError
+from diloco.config import Config, FieldError, auto_outer
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
 from diloco.links import solo_group
 from diloco.membership import DiLoCo
 from diloco.model import load_model
 from diloco.swarm.memory import MemorySwarm
 
+__all__ = ["TARGET_GAP", "ArmSpec", "Workload", "load_corpus", "markdown", "measure", "plot", "run_arm", "stem"]
+
 # the trainer's inner-optimizer defaults (its flags), so the bench's arms train as `diloco train` does
 ADAMW_BETAS = Config.model_fields["adam_betas"].default
 WEIGHT_DECAY = Config.model_fields["weight_decay"].default
 GRAD_CLIP = Config.model_fields["max_grad_norm"].default
 
-MODEL = "llama-1m-bytes"  # in `bench.models`
-TARGET_GAP = 0.02  # DiLoCo at H = 25 within 2% of DDP's eval loss
-OUTER_SETTINGS = ((1.0, 0.0), (0.7, 0.5), (0.7, 0.9))  # (outer lr, outer momentum)
+STUDIES = ("defaults", "map")
+PAPER = (0.7, 0.9, 0)  # (outer lr, outer momentum, outer-lr warm-up in outer steps)
+PLAIN = (1.0, 0.0, 0)
+Setting = tuple[float, float, int]
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What every arm trains. Tokens per group step = batch × seq_length."""
+    """What every arm of a study trains. Tokens per group step = batch × seq_length."""
 
     model: str | Path  # a model folder, or the name of one of `bench.models` (written into the work dir)
     seq_length: int
@@ -65,17 +77,8 @@ class Workload:
     warmup_steps: int
     eval_batches: int  # held-out batches of `batch` sequences per evaluation
     evals: int  # evaluations along the way (besides the final one)
-    ks: tuple[int, ...]
-    hs: tuple[int, ...]
-    outer: tuple[tuple[float, float], ...]
-    m1_h: int
-    seed: int = 0
-
-
-def workload(quick: bool) -> Workload:
-    if quick:  # a smoke run: every kind of arm, and an outer step at both H, in a few seconds of compute
-        return Workload(MODEL, 32, 4, 10, 3e-3, 2, 2, 2, (2,), (5, 10), ((1.0, 0.0), (0.7, 0.9)), 5)
-    return Workload(MODEL, 128, 8, 200, 3e-3, 20, 16, 4, (2, 4), (10, 25, 50, 100), OUTER_SETTINGS, 25)
+    seeds: tuple[int, ...] = (0,)
+    seed: int = 0  # the seed of `run_arm` when an arm names none (`bench compression`)
 
 
 @dataclass(frozen=True)
@@ -88,18 +91,96 @@ class ArmSpec:
     batch: int
     steps: int
     h: int | None = None
-    outer: tuple[float, float] | None = None
+    outer: tuple[float, float] | None = None  # (lr, Nesterov momentum)
     compression: str | None = None  # the wire format the in-memory mean goes through (`bench compression`)
+    outer_warmup: int = 0  # outer steps over which the outer lr rises to its value
+    seed: int | None = None  # None: the workload's
+    lr: float | None = None  # the inner lr; None: the workload's
+    warmup_steps: int | None = None  # the inner warm-up; None: the workload's
+    trial: str = ""  # what a trial arm changes, for the table
+
+    @property
+    def setting(self) -> Setting | None:
+        return None if self.outer is None else (*self.outer, self.outer_warmup)
+
+    def cost(self) -> int:
+        """Sequences trained, to start the longest arms first."""
+        return self.groups * self.batch * self.steps
 
 
-def arm_specs(w: Workload) -> list[ArmSpec]:
+def workload(quick: bool, study: str = "defaults") -> Workload:
+    if study == "map":
+        if quick:
+            return Workload("llama-0.1m-bytes", 32, 4, 20, 3e-3, 2, 2, 2)
+        return Workload("llama-0.1m-bytes", 64, 4, 2000, 3e-3, 100, 16, 8)
+    if quick:  # a smoke run: every kind of arm, and an outer step at both H, in a few seconds of compute
+        return Workload("llama-1m-bytes", 32, 4, 10, 3e-3, 2, 2, 2)
+    return Workload("llama-1m-bytes", 128, 8, 200, 3e-3, 20, 16, 4, seeds=(0, 1))
+
+
+def setting_name(setting: Setting) -> str:
+    lr, momentum, warmup = setting
+    return f"{lr:g}/{momentum:g}" + (f"w{warmup}" if warmup else "")
+
+
+def diloco_arm(k: int, w: Workload, h: int, setting: Setting, seed: int, auto: bool = False) -> ArmSpec:
+    name = f"diloco-H{h}-{'auto' if auto else setting_name(setting)}"
+    return ArmSpec(name, k, k, w.batch, w.steps, h, setting[:2], outer_warmup=setting[2], seed=seed)
+
+
+def baselines(k: int, w: Workload, seed: int) -> list[ArmSpec]:
+    """`single` and `ddp` at galaxy size k."""
+    return [ArmSpec("single", k, 1, w.batch, k * w.steps, seed=seed),
+            ArmSpec("ddp", k, 1, k * w.batch, w.steps, seed=seed)]  # fmt: skip
+
+
+def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
+    """Per k and seed: DDP, DiLoCo with no outer flags (auto), plain averaging and the paper's setting at H = 25
+    (k = 8: the first seed only); once (the first seed): single and M = 1 at k = 2 and 4, and at k = 4 the
+    trials."""
+    h, ks = (5, (2,)) if quick else (25, (2, 4, 8))
     specs = []
-    for k in w.ks:
-        specs += [ArmSpec("single", k, 1, w.batch, k * w.steps), ArmSpec("ddp", k, 1, k * w.batch, w.steps)]
-        specs += [
-            ArmSpec(f"diloco-H{h}-{lr:g}/{m:g}", k, k, w.batch, w.steps, h, (lr, m)) for h in w.hs for lr, m in w.outer
-        ]
-        specs.append(ArmSpec(f"m1-H{w.m1_h}-0.7/0.9", k, 1, w.batch, k * w.steps, w.m1_h, (0.7, 0.9)))
+    for seed in w.seeds:
+        for k in ks if seed == w.seeds[0] else ks[:2]:  # k = 8 once: its DDP arm alone is the longest of all
+            auto = auto_outer(h, k, w.warmup_steps)
+            specs += baselines(k, w, seed)[1:]
+            specs.append(diloco_arm(k, w, h, auto, seed, auto=True))
+            specs += [diloco_arm(k, w, h, s, seed) for s in (PLAIN, PAPER) if s != auto]
+    first = w.seeds[0]
+    for k in ks[:2]:
+        specs.append(baselines(k, w, first)[0])
+        specs.append(replace(diloco_arm(k, w, h, PAPER, first), name=f"m1-H{h}-0.7/0.9", groups=1, steps=k * w.steps))
+    k = ks[-1] if quick else 4
+    auto = auto_outer(h, k, w.warmup_steps)
+    warmup = auto.warmup or 3
+    plain = diloco_arm(k, w, h, PLAIN, first)
+    trials = [  # each one change from plain averaging (1/0), but the last two outer ones
+        (diloco_arm(k, w, h, (auto.lr, 0.0, 0), first), "outer lr scaled with k, no warm-up"),
+        (diloco_arm(k, w, h, (1.0, 0.0, warmup), first), "outer-lr warm-up alone"),
+        (replace(plain, warmup_steps=3 * w.warmup_steps), "inner warm-up ×3"),
+        (replace(plain, lr=2 * w.lr), "inner lr ×2"),
+        (replace(plain, lr=w.lr / 2), "inner lr ÷2"),
+        (replace(plain, batch=w.batch // 2, steps=2 * w.steps, h=2 * h), "inner batch B/2 for 2·S steps, H ×2"),
+        (diloco_arm(k, w, h, (auto.lr, 0.3, warmup), first), "auto + outer momentum 0.3"),
+        (diloco_arm(k, w, h, (1.7, 0.0, warmup), first), "a larger outer lr, 1.7, with the warm-up"),
+    ]
+    for spec, what in trials:
+        specs.append(replace(spec, name=f"trial-H{spec.h}-{setting_name(spec.setting)} ({what})", trial=what))
+    return specs
+
+
+def map_specs(w: Workload, quick: bool) -> list[ArmSpec]:
+    """Per k: DDP, and at every H the paper's setting, plain averaging and what auto picks (when it is neither).
+    k = 8 (its arms cost 4× those of k = 2) only at the ends of the H range, without plain averaging."""
+    hs_by_k = {2: (5, 10)} if quick else {2: (10, 25, 50, 100, 250, 500), 4: (10, 25, 50, 100, 250, 500), 8: (25, 500)}
+    specs = []
+    for k, hs in hs_by_k.items():
+        specs += baselines(k, w, w.seeds[0])[1:]
+        for h in hs:
+            auto = auto_outer(h, k, w.warmup_steps)
+            specs.append(diloco_arm(k, w, h, auto, w.seeds[0], auto=True))
+            others = (PAPER, PLAIN) if k < 8 else (PAPER,)
+            specs += [diloco_arm(k, w, h, s, w.seeds[0]) for s in others if s != auto]
     return specs
 
 
@@ -135,8 +216,11 @@ def eval_loss(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
 
 def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
     """Train one arm; returns its eval curve (tokens seen by all groups, loss) and final eval loss."""
+    seed = w.seed if spec.seed is None else spec.seed
+    lr = w.lr if spec.lr is None else spec.lr
+    warmup = w.warmup_steps if spec.warmup_steps is None else spec.warmup_steps
     swarm = MemorySwarm(spec.groups, codec=None if spec.compression is None else _codec(spec.compression))
-    models = [load_model(w.model, w.seed) for _ in range(spec.groups)]  # one initialisation for all groups
+    models = [load_model(w.model, seed) for _ in range(spec.groups)]  # one initialisation for all groups
     tokens_per_step = spec.groups * spec.batch * w.seq_length
     every = max(spec.steps // w.evals, 1)
     curve: list[tuple[int, float]] = [(0, eval_loss(models[0], corpus.held_out))]
@@ -144,14 +228,15 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
 
     def group(g: int) -> None:
         model = models[g]
-        data = BlockBatches(corpus.train, Shard(g, spec.groups), spec.batch, w.seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=w.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
-        schedule = get_cosine_schedule_with_warmup(opt, w.warmup_steps, spec.steps)
+        data = BlockBatches(corpus.train, Shard(g, spec.groups), spec.batch, seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
+        schedule = get_cosine_schedule_with_warmup(opt, warmup, spec.steps)
         outer = None
         if spec.outer is not None:
-            lr, momentum = spec.outer
+            outer_lr, momentum = spec.outer
             outer = DiLoCo([p.data for p in model.parameters()], swarm.member(f"g{g}"), solo_group(), world_rank=g,
-                           local_steps=spec.h, outer_lr=lr, outer_momentum=momentum, final_step=spec.steps)  # fmt: skip
+                           local_steps=spec.h, outer_lr=outer_lr, outer_momentum=momentum,
+                           outer_warmup=spec.outer_warmup, final_step=spec.steps)  # fmt: skip
         for step in range(1, spec.steps + 1):
             batch = data.next_batch()
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -183,6 +268,7 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
     identical = all(torch.equal(p, q) for m in models[1:] for p, q in zip(models[0].parameters(), m.parameters()))
     curve.append((spec.steps * tokens_per_step, final))
     return asdict(spec) | {
+        "seed": seed,
         "wire_bytes": swarm.wire_bytes,
         "tokens": spec.steps * tokens_per_step,
         "final_eval_loss": final,
@@ -198,132 +284,56 @@ def _codec(compression: str) -> object:
     return WIRE_FORMATS[compression].tcp
 
 
+# ---------------------------------------------------------------- arms in parallel
+
+_WORKER: dict[str, Any] = {}  # per pool process: its workload and corpus, loaded once by `_start_worker`
+
+
+def _start_worker(w: Workload, data: Path) -> None:
+    torch.set_num_threads(1)
+    logging.getLogger("diloco").setLevel(logging.ERROR)  # a line per outer step would bury the results
+    _WORKER.update(w=w, corpus=load_corpus(w, data))
+
+
+def _run_in_worker(spec: ArmSpec) -> dict[str, Any]:
+    return run_arm(spec, _WORKER["w"], _WORKER["corpus"])
+
+
+def run_arms(specs: list[ArmSpec], w: Workload, data: Path, workers: int) -> Iterator[dict[str, Any]]:
+    """Every arm, the longest first, in `workers` processes of one torch thread; yields results as they end."""
+    order = sorted(specs, key=ArmSpec.cost, reverse=True)
+    context = get_context("spawn")  # no forked copy of this process's threads and torch state
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(w, data)) as pool:
+        futures = [pool.submit(_run_in_worker, spec) for spec in order]
+        for future in as_completed(futures):
+            yield future.result()
+
+
 # ---------------------------------------------------------------- the bench
 
 
-def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path) -> dict[str, Any]:
-    """Every arm, one after the other, on the text file `data`; gaps against DDP, the recommended outer setting
-    and the target."""
+def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path, study: str = "defaults") -> dict[str, Any]:
+    """Every arm of `study` on the text file `data`; gaps against DDP (per seed and on the seeds' mean)."""
     log = logging.getLogger("diloco")
-    w = workload(quick)
+    w = workload(quick, study)
     w = replace(w, model=model_folder(w.model, work_dir / "models"))
-    corpus = load_corpus(w, data)
-    threads_before, level = torch.get_num_threads(), log.level
-    arms = []
-    try:
-        for spec in arm_specs(w):
-            torch.set_num_threads(max(1, info["usable_cores"] // spec.groups))  # no more threads than cores
-            log.setLevel(logging.ERROR)  # a line per outer step (and "alone" for M = 1) would bury the results
-            try:
-                arms.append(run_arm(spec, w, corpus))
-            finally:
-                log.setLevel(level)
-            log.info("bench arm k=%d %s: eval loss %.4f (%.0f s)", spec.k, spec.name, arms[-1]["final_eval_loss"],
-                     arms[-1]["wall_s"])  # fmt: skip
-    finally:
-        torch.set_num_threads(threads_before)
-    for arm in arms:
-        ddp = next(a for a in arms if a["k"] == arm["k"] and a["name"] == "ddp")
-        arm["gap_vs_ddp"] = arm["final_eval_loss"] / ddp["final_eval_loss"] - 1
-    params = sum(p.numel() for p in load_model(w.model, w.seed).parameters())
+    load_corpus(w, data)  # a bad --data fails here, once, not in every worker
+    specs = defaults_specs(w, quick) if study == "defaults" else map_specs(w, quick)
+    runs = []
+    for run in run_arms(specs, w, data, workers=max(1, min(info["usable_cores"], len(specs)))):
+        runs.append(run)
+        log.info("bench arm %d/%d k=%d %s seed %d: eval loss %.4f (%.0f s)", len(runs), len(specs), run["k"],
+                 run["name"], run["seed"], run["final_eval_loss"], run["wall_s"])  # fmt: skip
+    params = sum(p.numel() for p in load_model(w.model, 0).parameters())
     return {
+        "study": study,
         "workload": asdict(w) | {"model": str(w.model), "corpus": str(data.resolve()), "parameters": params},
-        "arms": arms,
-        "recommendation": recommend(arms, small_h=sorted(w.hs)[:2]),
-        "target": target(arms, h=25 if 25 in w.hs else sorted(w.hs)[0]),
+        "workers": max(1, min(info["usable_cores"], len(specs))),
+        **summarize(runs, specs, study),
     }
 
 
-def _diloco(arms: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [a for a in arms if a["groups"] > 1 and a["outer"] is not None]
+def stem(quick: bool, study: str = "defaults", **_options: Any) -> str:
+    """The name of this bench's JSON and PNG: convergence[-map][-quick]."""
+    return "convergence" + ("-map" if study == "map" else "") + ("-quick" if quick else "")
 
-
-def recommend(arms: list[dict[str, Any]], small_h: list[int]) -> dict[str, Any]:
-    """The outer (lr, momentum) with the smallest mean gap to DDP over the small H and every k."""
-    by_setting: dict[tuple[float, float], list[float]] = {}
-    for arm in _diloco(arms):
-        if arm["h"] in small_h:
-            by_setting.setdefault(tuple(arm["outer"]), []).append(arm["gap_vs_ddp"])
-    (lr, momentum), gaps = min(by_setting.items(), key=lambda item: float(np.mean(item[1])))
-    return {"outer_lr": lr, "outer_momentum": momentum, "mean_gap_vs_ddp": float(np.mean(gaps)), "over_h": small_h}
-
-
-def target(arms: list[dict[str, Any]], h: int) -> dict[str, Any]:
-    """Per k, the best DiLoCo arm at H = h against the 2% target."""
-    best = {}
-    for k in sorted({a["k"] for a in arms}):
-        candidates = [a for a in _diloco(arms) if a["k"] == k and a["h"] == h]
-        arm = min(candidates, key=lambda a: a["gap_vs_ddp"])
-        best[str(k)] = {"arm": arm["name"], "gap_vs_ddp": arm["gap_vs_ddp"], "met": arm["gap_vs_ddp"] <= TARGET_GAP}
-    return {"h": h, "max_gap": TARGET_GAP, "best_by_k": best}
-
-
-def plot(result: dict[str, Any], out: Path) -> Path:
-    """Eval loss against tokens, one panel per k: single, DDP, M = 1 and DiLoCo at the recommended setting."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rec = result["recommendation"]
-    setting = [rec["outer_lr"], rec["outer_momentum"]]
-    ks = sorted({a["k"] for a in result["arms"]})
-    fig, axes = plt.subplots(1, len(ks), figsize=(6 * len(ks), 4.5), squeeze=False)
-    for ax, k in zip(axes[0], ks):
-        for arm in result["arms"]:
-            shown = arm["outer"] is None or arm["groups"] == 1 or list(arm["outer"]) == setting
-            if arm["k"] == k and shown:
-                tokens, losses = zip(*arm["curve"])
-                style = "--" if arm["outer"] is None else "-"
-                ax.plot([t / 1e6 for t in tokens], losses, style, marker=".", label=arm["name"])
-        ax.set(title=f"k = {k}", xlabel="training tokens (millions, all groups)", ylabel="held-out loss")
-        bottom, top = ax.get_ylim()
-        if bottom < 3.5:  # zoom in below the first, steep evaluations (a short run may never get there)
-            ax.set_ylim(top=min(top, 3.5))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"convergence {result['date']} (outer lr/momentum {setting[0]:g}/{setting[1]:g} for DiLoCo)")
-    fig.tight_layout()
-    path = out / f"convergence{'-quick' if result['quick'] else ''}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def markdown(result: dict[str, Any]) -> str:
-    w, rec, tgt = result["workload"], result["recommendation"], result["target"]
-    lines = [
-        *section_head(result),
-        f"- model {Path(w['model']).name} ({w['parameters'] / 1e6:.2f}M parameters), {Path(w['corpus']).name} "
-        f"(byte tokenizer), seq {w['seq_length']}, B = {w['batch']} sequences per group, S = {w['steps']} inner "
-        f"steps per group, AdamW lr {w['lr']:g} with {w['warmup_steps']} warm-up steps and cosine decay; eval "
-        f"loss over {w['eval_batches']} held-out batches",
-        "- equal tokens per k: single = 1 model at B for k·S steps; ddp = 1 model at k·B for S steps; diloco = k "
-        "groups at B for S steps each; m1 = DiLoCo with one group at B for k·S steps. The groups run in threads of "
-        "one process with an exact in-memory mean (what `--hv.compression none` computes) and the trainer's own "
-        "inner loop pieces and `DiLoCo` outer step",
-        f"- 1-minute load average at start / end: {result['machine']['load_avg_1m']:.1f} / "
-        f"{result['load_avg_1m_end']:.1f}",
-    ]
-    if "plot" in result:
-        lines.append(f"- plot: ![eval loss against tokens]({result['plot']})")
-    lines += ["", "| k | arm | H | outer lr / momentum | tokens | final eval loss | vs DDP | wall s |",
-              "|---:|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
-    for a in result["arms"]:
-        outer = f"{a['outer'][0]:g} / {a['outer'][1]:g}" if a["outer"] else "–"
-        lines.append(
-            f"| {a['k']} | {a['name']} | {a['h'] or '–'} | {outer} | {a['tokens']:,} | {a['final_eval_loss']:.4f} | "
-            f"{a['gap_vs_ddp'] * 100:+.1f}% | {a['wall_s']:.0f} |"
-        )
-    verdicts = "; ".join(
-        f"k={k}: {b['arm']} {b['gap_vs_ddp'] * 100:+.1f}% ({'meets' if b['met'] else 'misses'} it)"
-        for k, b in tgt["best_by_k"].items()
-    )
-    lines += [
-        "",
-        f"Recommended outer setting for small H ({', '.join(map(str, rec['over_h']))}): **lr {rec['outer_lr']:g}, "
-        f"momentum {rec['outer_momentum']:g}** (mean gap to DDP {rec['mean_gap_vs_ddp'] * 100:+.1f}%, measured "
-        "above). Target: DiLoCo within "
-        f"{tgt['max_gap'] * 100:g}% of DDP at H = {tgt['h']}: {verdicts}.",
-    ]
-    return "\n".join(lines) + "\n"

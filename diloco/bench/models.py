@@ -54,6 +54,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "llama-1m-fresh": _llama(128, 512, 4, 4, 32),
     # ~1M with a vocabulary that holds the byte tokenizer's 258 ids: convergence, on real text
     "llama-1m-bytes": _llama(128, 384, 5, 4, 32, max_position_embeddings=512, vocab_size=260),
+    # 0.14M, byte vocabulary: convergence's map over H up to 500, whose runs are 10× longer
+    "llama-0.1m-bytes": _llama(64, 192, 2, 2, 32, max_position_embeddings=512, vocab_size=260),
     # the full runs of strategies and overhead
     "llama-14m-fresh": _llama(384, 1024, 7, 6, 64),
 }
