@@ -14,7 +14,7 @@ galaxy size k sees the same number of training tokens:
 
 Two studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, two
 seeds for the arms that decide the defaults) and `map` (a 0.14M-parameter model, seq 64, S = 2000, so that H = 500
-still makes 4 outer steps; H from 10 to 500, k = 2, 4, 8, one seed).
+still makes 4 outer steps; H from 10 to 500 at k = 2 and 4, H 25 and 500 at k = 8, one seed).
 
 The groups of an arm run in threads of one process and average through the in-memory swarm
 (`diloco.swarm.memory`): an exact mean, which is what the swarm computes with `--hv.compression none`
@@ -59,7 +59,6 @@ ADAMW_BETAS = Config.model_fields["adam_betas"].default
 WEIGHT_DECAY = Config.model_fields["weight_decay"].default
 GRAD_CLIP = Config.model_fields["max_grad_norm"].default
 
-STUDIES = ("defaults", "map")
 PAPER = (0.7, 0.9, 0)  # (outer lr, outer momentum, outer-lr warm-up in outer steps)
 PLAIN = (1.0, 0.0, 0)
 Setting = tuple[float, float, int]
