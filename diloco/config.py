@@ -87,7 +87,7 @@ class OuterSetting(NamedTuple):
 # first row that holds. From `diloco bench convergence` (docs/benchmarks.md, 2026-11-24; README, "The outer step"):
 # at H = 25 momentum only hurt (the paper's 0.7/0.9 ended 9-15% above DDP), an outer lr above 1 helped 4 and 8
 # groups but only with the warm-up below (1.2 without it: +8.6% at k = 4), and 2 groups did best at 1.0. Above
-# H = 100 the paper's setting, tuned at H = 500, stays: the bench's map (--study map, H = 500) measures it.
+# H = 100 the paper's setting, tuned at H = 500, stays: the bench's map (--study map, H 250 and 500) measures it.
 AUTO_OUTER: tuple[tuple[float, float, float, float], ...] = (
     (100, 2, 1.0, 0.0),
     (100, math.inf, 1.2, 0.0),

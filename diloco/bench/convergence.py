@@ -14,7 +14,7 @@ galaxy size k sees the same number of training tokens:
 
 Two studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, two
 seeds for the arms that decide the defaults) and `map` (a 0.14M-parameter model, seq 64, S = 2000, so that H = 500
-still makes 4 outer steps; H 10, 25, 100 and 500 at k = 2 and 4, one seed).
+still makes 4 outer steps; H 10, 25, 100, 250 and 500 at k = 2 and 4, one seed).
 
 The groups of an arm run in threads of one process and average through the in-memory swarm
 (`diloco.swarm.memory`): an exact mean, which is what the swarm computes with `--hv.compression none`
@@ -168,9 +168,9 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
     return specs
 
 
-# the map's (k, H) cells: what 2 CPU cores run in about 25 minutes (k = 8 and H 50 and 250 did not fit: the
-# 8-group arms alone cost 5 minutes each there)
-MAP_HS = {2: (10, 25, 100, 500), 4: (10, 25, 100, 500)}
+# the map's (k, H) cells: what 2 CPU cores run in about half an hour (k = 8 and H = 50 did not fit: the 8-group
+# arms alone cost 5 minutes each there)
+MAP_HS = {2: (10, 25, 100, 250, 500), 4: (10, 25, 100, 250, 500)}
 
 
 def map_specs(w: Workload, quick: bool) -> list[ArmSpec]:
