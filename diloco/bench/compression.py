@@ -21,6 +21,7 @@ import torch
 
 from diloco.bench import section_head
 from diloco.bench.convergence import ArmSpec, load_corpus, run_arm, workload
+from diloco.bench.convergence_report import workload_text
 from diloco.bench.models import model_folder
 from diloco.model import load_model
 
@@ -91,14 +92,11 @@ def summarize(name: str, per_seed: list[dict[str, Any]], params: int) -> dict[st
 
 
 def markdown(result: dict[str, Any]) -> str:
-    w = result["workload"]
     lines = [
         *section_head(result),
-        f"- the convergence bench's workload: model {Path(w['model']).name} ({w['parameters'] / 1e6:.2f}M "
-        f"parameters), {Path(w['corpus']).name} (byte tokenizer), seq {w['seq_length']}, B = {w['batch']}, "
-        f"S = {w['steps']} inner steps per group; k = {result['k']} groups, H = {result['h']}, outer lr / momentum "
-        f"{result['outer'][0]:g} / {result['outer'][1]:g}; DDP at k·B for S steps (equal tokens); seeds "
-        f"{', '.join(map(str, result['seeds']))}",
+        f"- the convergence bench's workload: {workload_text(result['workload'])}; k = {result['k']} groups, H = "
+        f"{result['h']}, outer lr / momentum {result['outer'][0]:g} / {result['outer'][1]:g}; DDP at k·B for S "
+        "steps (equal tokens)",
         "- DiLoCo's in-memory mean goes through the wire format part by part, every contribution and the average, "
         "as a round does over the wire (a real reducer's own part skips the codec); bytes per value: the encoded "
         "bytes of every contribution ÷ its values, counted",

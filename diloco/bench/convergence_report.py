@@ -113,15 +113,20 @@ def _name(setting: tuple[float, float, int] | None) -> str:
 # ---------------------------------------------------------------- the section
 
 
+def workload_text(w: dict[str, Any]) -> str:
+    """The workload (`Workload` as a dict) in words, for this bench's section and `compression`'s."""
+    return (
+        f"model {Path(w['model']).name} ({w['parameters'] / 1e6:.2f}M parameters), {Path(w['corpus']).name} (byte "
+        f"tokenizer), seq {w['seq_length']}, B = {w['batch']} sequences per group, S = {w['steps']} inner steps per "
+        f"group, AdamW lr {w['lr']:g} with {w['warmup_steps']} warm-up steps and cosine decay; eval loss over "
+        f"{w['eval_batches']} held-out batches; seeds {', '.join(map(str, w['seeds']))}"
+    )
+
+
 def markdown(result: dict[str, Any]) -> str:
-    w = result["workload"]
     lines = [
         *section_head(result),
-        f"- study `{result['study']}`: model {Path(w['model']).name} ({w['parameters'] / 1e6:.2f}M parameters), "
-        f"{Path(w['corpus']).name} (byte tokenizer), seq {w['seq_length']}, B = {w['batch']} sequences per group, "
-        f"S = {w['steps']} inner steps per group, AdamW lr {w['lr']:g} with {w['warmup_steps']} warm-up steps and "
-        f"cosine decay; eval loss over {w['eval_batches']} held-out batches; seeds "
-        f"{', '.join(map(str, w['seeds']))}",
+        f"- study `{result['study']}`: {workload_text(result['workload'])}",
         "- equal tokens per k: single = 1 model at B for k·S steps; ddp = 1 model at k·B for S steps; diloco = k "
         "groups at B for S steps each; m1 = DiLoCo with one group at B for k·S steps. The groups run in threads of "
         "one process with an exact in-memory mean (what `--hv.compression none` computes), the trainer's own inner "
