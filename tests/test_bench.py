@@ -152,13 +152,16 @@ def test_compression_quick(tmp_path: Path) -> None:
 
 
 def test_convergence_without_a_data_file_is_one_line(tmp_path: Path) -> None:
-    """No --data, or one that is no file: one line naming --data and exit code 2, before torch is imported."""
-    for flags in ([], ["--data", str(tmp_path / "missing.txt")], ["--data", str(tmp_path)]):
+    """No --data, or one that is no file, or an unknown study: one line naming the flag and exit code 2, before
+    torch is imported."""
+    cases = [[], ["--data", str(tmp_path / "missing.txt")], ["--data", str(tmp_path)]]
+    for flags in [*cases, ["--data", str(CORPUS), "--study", "grid"]]:
         command = [sys.executable, "-X", "importtime", "-m", "diloco", "bench", "convergence", "--quick", *flags]
         result = run_cmd([*command, "--out", str(tmp_path)], timeout=60)
         assert result.returncode == 2, result.output
         said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
-        assert len(said) == 1 and said[0].startswith("error: ") and "--data" in said[0], said
+        flag = "--study" if "--study" in flags else "--data"
+        assert len(said) == 1 and said[0].startswith("error: ") and flag in said[0], said
         imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
         assert "diloco" in imported and not imported & {"torch", "transformers", "hivemind"}, sorted(imported)
     assert not list(tmp_path.glob("*.json"))
