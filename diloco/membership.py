@@ -93,6 +93,7 @@ class DiLoCo:
         digest: Digest | None = None,
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup)
+        self.outer_setting = f"{outer_lr:g}/{outer_momentum:g} w{outer_warmup}"  # in the status record
         self.pace = pace or FixedSteps(local_steps, final_step)
         self.tokens_per_step = tokens_per_step
         self.round_start = 0  # the inner step at which this group's current round began
@@ -147,7 +148,7 @@ class DiLoCo:
                 other_model = rival_model(joining, self.swarm.status_records(), self.swarm.alive)
         verdict, other_model = self.group.broadcast((verdict, other_model))
         if other_model is not None:
-            raise mismatch_error(other_model, self.model, self.transport)
+            raise mismatch_error(other_model, self.model, self.transport, self.outer_setting)
         if verdict is not None:
             raise FieldError(
                 f"{{world_rank}} {self.world_rank} is taken by a running worker group (peer {verdict}); give each "
@@ -441,6 +442,7 @@ class DiLoCo:
             ranks=len(self.peers),
             sharding=self.sharding,
             transport=self.transport,
+            outer=self.outer_setting,
             state=state,
             step=self.position(self.step if step is None else step),
             max_steps=self.final_step,

@@ -58,11 +58,12 @@ def test_the_rival_is_a_live_group_of_another_model_that_was_there_first() -> No
     assert rival_model(status(0, "aaa", state="joining"), [status(1, "bbb", state="joining")], live) is None
 
 
-def group(hub: MemorySwarm, world_rank: int, module: torch.nn.Module, transport: str = "tcp") -> DiLoCo:
+def group(hub: MemorySwarm, world_rank: int, module: torch.nn.Module, transport: str = "tcp", **outer: Any) -> DiLoCo:
     shards = [p.data for p in module.parameters()]
     model = model_id(module.named_parameters())
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.0} | outer
     return DiLoCo(shards, hub.member(f"peer-{world_rank}"), solo_group(), world_rank=world_rank, local_steps=5,
-                  outer_lr=0.7, outer_momentum=0.0, final_step=30, model=model, transport=transport)  # fmt: skip
+                  final_step=30, model=model, transport=transport, **outer)  # fmt: skip
 
 
 def test_a_group_of_another_model_leaves_with_one_line_naming_both() -> None:
@@ -98,6 +99,28 @@ def test_a_group_of_another_transport_leaves_with_one_line() -> None:
     assert hub.statuses[0].transport == "tcp"
     mine = status(1, "aaa", state="joining", transport="p2pd")
     assert rival_model(mine, [status(0, "aaa", transport="")], lambda peer: True) is None
+
+
+def test_a_group_of_another_outer_setting_leaves_with_one_line() -> None:
+    """The same averaged pseudo-gradient stepped with another outer lr, momentum or warm-up would leave the groups
+    on different outer parameters, so the later group leaves (e.g. auto picked another warm-up for it because its
+    --warmup-steps differ); a record without the setting, from an earlier trainer, is not held against anyone."""
+    hub = MemorySwarm(3)
+    first = group(hub, 0, net(), outer_lr=1.2, outer_warmup=3)
+    first.claim_world_rank()
+    first.join(0)
+    group(hub, 1, net(seed=3), outer_lr=1.2, outer_warmup=3).claim_world_rank()  # the same setting is welcome
+    with pytest.raises(FieldError) as refused:
+        group(hub, 2, net(seed=4), outer_lr=1.2, outer_warmup=6).claim_world_rank()
+    assert str(refused.value.within("hv")) == (
+        "hv.outer_lr: worker group 0 (peer peer-0) takes outer steps with lr/momentum and warm-up 1.2/0 w3, this "
+        "group with 1.2/0 w6; the groups of a run must use one outer setting: give every group the same "
+        "--hv.outer-lr, --hv.outer-momentum and --hv.outer-lr-warmup (auto picks them by H, galaxy size and "
+        "--warmup-steps)"
+    )
+    assert hub.statuses[0].outer == "1.2/0 w3"
+    mine = status(1, "aaa", state="joining", outer="1/0 w0")
+    assert rival_model(mine, [status(0, "aaa", outer="")], lambda peer: True) is None
 
 
 def test_records_of_trainers_before_fingerprints_still_read() -> None:

@@ -49,7 +49,8 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
     """The status record of a live group of the run that trains another model, or runs a trainer from before
     fingerprints (its record has no model: it uses other keys and would never meet this group), or averages over
     another ``--hv.transport`` (the two matchmake under different keys and reach ranks differently: they never
-    meet), and was there first; None if there is none.
+    meet), or takes outer steps with another lr, momentum or lr warm-up (the same averaged pseudo-gradient would
+    then leave the groups on different outer parameters), and was there first; None if there is none.
 
     A group past joining was there first; of two groups joining at the same moment the one whose record is older
     stays (then the lower world rank), so exactly one of them leaves. Groups that left are not compared; a record
@@ -59,6 +60,7 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
         return None
     for record in records:
         same = record.model == mine.model and (not mine.transport or record.transport in ("", mine.transport))
+        same = same and (not mine.outer or record.outer in ("", mine.outer))
         if record.world_rank == mine.world_rank or same or record.state in LEFT:
             continue
         first = record.state != "joining" or (record.heard_at, record.world_rank) < (mine.heard_at, mine.world_rank)
@@ -67,12 +69,20 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
     return None
 
 
-def mismatch_error(other: Status, mine: ModelId, transport: str = "") -> FieldError:
-    """The one line a group leaves with when `rival_model` found `other` (naming ``run_id``, or ``transport``)."""
+def mismatch_error(other: Status, mine: ModelId, transport: str = "", outer: str = "") -> FieldError:
+    """The one line a group leaves with when `rival_model` found `other` (naming ``run_id``, ``transport`` or
+    ``outer_lr``)."""
     if not other.model:
         return FieldError(
             f"{{run_id}}: worker group {other.world_rank} runs a diloco from before model fingerprints, which cannot "
             "average with this one; run one diloco version in every group of a run, or give this one another run id"
+        )
+    if other.model == mine.fingerprint and other.transport in ("", transport):
+        return FieldError(
+            f"{{outer_lr}}: worker group {other.world_rank} (peer {other.peer}) takes outer steps with lr/momentum "
+            f"and warm-up {other.outer}, this group with {outer}; the groups of a run must use one outer setting: "
+            "give every group the same --hv.outer-lr, --hv.outer-momentum and --hv.outer-lr-warmup (auto picks "
+            "them by H, galaxy size and --warmup-steps)"
         )
     if other.model == mine.fingerprint:
         return FieldError(

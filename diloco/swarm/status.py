@@ -48,6 +48,7 @@ class Status:
     :param parameters: the model's parameter count.
     :param peer: the peer id of the group's rank 0.
     :param transport: its ``--hv.transport``; empty from trainers before groups of any shape.
+    :param outer: its outer SGD setting, ``lr/momentum wN`` (``DiLoCo.outer_setting``); empty from earlier trainers.
     """
 
     world_rank: int
@@ -66,6 +67,7 @@ class Status:
     parameters: int | None = None
     peer: str = ""
     transport: str = ""
+    outer: str = ""
 
     @property
     def round(self) -> str | None:
@@ -99,7 +101,7 @@ def _well_typed(record: Status) -> bool:
         and all(v is None or isinstance(v, (int, float)) for v in optional_numbers)
         and isinstance(record.heard_at, (int, float))
         and all(isinstance(v, str) for v in (record.sharding, record.state, record.digest, record.model, record.peer,
-                                             record.transport))  # fmt: skip
+                                             record.transport, record.outer))  # fmt: skip
         and (record.parameters is None or isinstance(record.parameters, int))
     )
 
