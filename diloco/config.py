@@ -83,28 +83,28 @@ class OuterSetting(NamedTuple):
     warmup: int
 
 
-# --hv.outer-lr / --hv.outer-momentum auto, by H and the galaxy size k: (largest H, largest k, lr, momentum), the
-# first row that holds. From `diloco bench convergence` (docs/benchmarks.md, 2026-11-24; README, "The outer step"):
-# at H = 25 momentum only hurt (the paper's 0.7/0.9 ended 9-15% above DDP), an outer lr above 1 helped 4 and 8
-# groups but only with the warm-up below (1.2 without it: +8.6% at k = 4), and 2 groups did best at 1.0. Above
-# H = 100 the paper's setting, tuned at H = 500, stays: the bench's map (--study map, H 250 and 500) measures it.
-AUTO_OUTER: tuple[tuple[float, float, float, float], ...] = (
-    (100, 2, 1.0, 0.0),
-    (100, math.inf, 1.2, 0.0),
-    (math.inf, math.inf, 0.7, 0.9),
-)
+# --hv.outer-lr / --hv.outer-momentum auto, from `diloco bench convergence` (docs/benchmarks.md, 2026-11-24; README,
+# "The outer step"). A run of at least AUTO_MOMENTUM_STEPS outer steps takes the paper's 0.7 / 0.9: in the map's
+# 2000-step runs it beat the others at H = 10 and 25 (200 and 80 outer steps). Fewer outer steps: no momentum
+# (the paper's setting ended 9-15% above DDP at 8 outer steps and up to +48% at 4-8 outer steps of H 250-500),
+# and by H and the galaxy size k, (largest H, largest k, lr): an outer lr above 1 helped 4 and 8 groups at H = 25,
+# but only with the warm-up below (1.2 without it: +8.6% at k = 4); 2 groups did best at 1.0.
+AUTO_MOMENTUM_STEPS = 50
+AUTO_LR: tuple[tuple[float, float, float], ...] = ((100, 2, 1.0), (100, math.inf, 1.2), (math.inf, math.inf, 1.0))
 # --hv.outer-lr-warmup auto, up to this H: the outer lr rises over the outer steps that cover this many inner
 # warm-ups (--warmup-steps). The same bench found the harm in the first outer steps, while the inner lr warms up:
 # an outer warm-up over 3 outer steps or an inner warm-up 3× as long each took k = 4 from +7.1% to +4.1% / +2.9%.
 AUTO_WARMUP_H, AUTO_WARMUP_SPAN = 100, 3
 
 
-def auto_outer(h: float, galaxy_size: int, warmup_steps: int) -> OuterSetting:
-    """The outer setting `auto` picks for H inner steps per outer step, `galaxy_size` groups and an inner
-    warm-up of `warmup_steps` steps."""
-    lr, momentum = next((lr, m) for max_h, max_k, lr, m in AUTO_OUTER if h <= max_h and galaxy_size <= max_k)
+def auto_outer(h: float, galaxy_size: int, warmup_steps: int, max_steps: int) -> OuterSetting:
+    """The outer setting `auto` picks for H inner steps per outer step, `galaxy_size` groups, an inner warm-up
+    of `warmup_steps` steps and a run of `max_steps` inner steps."""
+    if max_steps / h >= AUTO_MOMENTUM_STEPS:
+        return OuterSetting(0.7, 0.9, 0)
+    lr = next(lr for max_h, max_k, lr in AUTO_LR if h <= max_h and galaxy_size <= max_k)
     warmup = math.ceil(AUTO_WARMUP_SPAN * warmup_steps / h) if h <= AUTO_WARMUP_H else 0
-    return OuterSetting(lr, momentum, warmup if warmup > 1 else 0)  # one step of warm-up is none
+    return OuterSetting(lr, 0.0, warmup if warmup > 1 else 0)  # one step of warm-up is none
 
 
 class _Strict(BaseModel):
@@ -140,18 +140,18 @@ class HvConfig(_Strict):
     )
     outer_lr: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
         "auto",
-        description="Learning rate of the outer SGD; auto: by H and galaxy size, from a measured table (README, "
-        "'The outer step'); the paper's 0.7 beyond H = 100.",
+        description="Learning rate of the outer SGD; auto: the paper's 0.7 for runs of 50 outer steps or more, "
+        "else 1.0-1.2 by H and galaxy size (README, 'The outer step').",
     )
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = Field(
         "auto",
-        description="Nesterov momentum of the outer SGD; auto: 0 up to H = 100 (measured best there), the paper's "
-        "0.9 above.",
+        description="Nesterov momentum of the outer SGD; auto: the paper's 0.9 for runs of 50 outer steps or more, "
+        "else 0.",
     )
     outer_lr_warmup: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto",
-        description="Outer steps over which the outer lr rises linearly to its value (0: none); auto: up to H = "
-        "100, the outer steps that cover 3 × --warmup-steps inner steps.",
+        description="Outer steps over which the outer lr rises linearly to its value (0: none); auto: in runs of "
+        "fewer than 50 outer steps up to H = 100, the outer steps that cover 3 × --warmup-steps inner steps.",
     )
     matchmaking_time: float = Field(5.0, gt=0, description="Seconds to wait for peers when forming a round.")
     averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
@@ -209,18 +209,19 @@ class HvConfig(_Strict):
                 raise ValueError(f"{value!r}: announce an explicit port, not port 0")
         return values
 
-    def outer_setting(self, tokens_per_step: int, warmup_steps: int) -> OuterSetting:
+    def outer_setting(self, tokens_per_step: int, warmup_steps: int, max_steps: int) -> OuterSetting:
         """The outer SGD's lr, momentum and lr warm-up: each as set, or for "auto" from ``auto_outer`` for this
         run's H (with --hv.target-tokens, that of equal groups: target tokens ÷ (galaxy size × tokens per inner
-        step)), galaxy size and inner warm-up.
+        step)), galaxy size, inner warm-up and length.
 
         :param tokens_per_step: tokens of one inner step of this group (all ranks).
         :param warmup_steps: the inner lr's warm-up steps (``Config.warmup_steps``).
+        :param max_steps: the run's inner steps (--max-steps, or from --epochs).
         """
         h = self.local_steps
         if self.target_tokens is not None:
             h = self.target_tokens / (self.galaxy_size * max(tokens_per_step, 1))
-        auto = auto_outer(h, self.galaxy_size, warmup_steps)
+        auto = auto_outer(h, self.galaxy_size, warmup_steps, max_steps)
         return OuterSetting(
             auto.lr if self.outer_lr == "auto" else self.outer_lr,
             auto.momentum if self.outer_momentum == "auto" else self.outer_momentum,
@@ -351,9 +352,10 @@ class Config(_Strict):
                              "model and optimizer state on the device")  # fmt: skip
         return self
 
-    def outer_setting(self, tokens_per_step: int) -> OuterSetting:
-        """The swarm's outer SGD setting (``HvConfig.outer_setting`` with this run's inner warm-up)."""
-        return self.hv.outer_setting(tokens_per_step, self.warmup_steps)
+    def outer_setting(self, tokens_per_step: int, max_steps: int) -> OuterSetting:
+        """The swarm's outer SGD setting (``HvConfig.outer_setting`` with this run's inner warm-up) for a run of
+        `max_steps` inner steps."""
+        return self.hv.outer_setting(tokens_per_step, self.warmup_steps, max_steps)
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per inner step: total ÷ (per-device × ranks), which must be a whole number."""

@@ -313,7 +313,7 @@ def build_outer(
             sharding=config.sharding_strategy, tokens_per_step=tokens_per_step,
             model=model_id(parallel.unwrap(model).named_parameters()),
             model_shapes=[tuple(p.shape) for p in parallel.unwrap(model).parameters()],
-            outer=config.outer_setting(tokens_per_step),
+            outer=config.outer_setting(tokens_per_step, max_steps),
         )  # fmt: skip
     except FieldError as e:
         raise e.within("hv") from None
@@ -414,7 +414,7 @@ def describe(run: Run) -> dict[str, str]:
             if hv.target_tokens
             else f"H = {hv.local_steps} inner steps"
         )
-        outer = cfg.outer_setting(tokens_per_step)
+        outer = cfg.outer_setting(tokens_per_step, run.max_steps)
         warmup = f" rising over {outer.warmup} outer steps" if outer.warmup else ""
         auto = " (auto for this H and galaxy size: --hv.outer-* set them)" if hv.outer_is_auto() else ""
         swarm = (

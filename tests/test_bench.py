@@ -84,7 +84,8 @@ def test_convergence_quick(tmp_path: Path) -> None:
         if arm["groups"] > 1:
             assert arm["groups_identical"], arm["name"]  # DiLoCo groups end on one model
     auto = arms["diloco-H5-auto"]
-    picked = auto_outer(5, 2, data["workload"]["warmup_steps"])  # what `diloco train` picks with no outer flags
+    w = data["workload"]
+    picked = auto_outer(5, 2, w["warmup_steps"], w["steps"])  # what `diloco train` picks with no outer flags
     assert (*auto["outer"], auto["outer_warmup"]) == picked
     assert arms["ddp"]["gap_by_seed"] == [0.0]
     gap = auto["final_eval_loss"][0] / arms["ddp"]["final_eval_loss"][0] - 1
@@ -116,7 +117,8 @@ def test_convergence_map_quick(tmp_path: Path) -> None:
         assert cell["gaps"][rule] == pytest.approx(arm["final_eval_loss"][0] / ddp - 1)
     for (k, h), cell in cells.items():
         assert cell["gaps"][cell["best"]] == min(cell["gaps"].values())
-        lr, momentum, warmup = auto_outer(h, k, data["workload"]["warmup_steps"])  # what `diloco train` picks
+        w = data["workload"]
+        lr, momentum, warmup = auto_outer(h, k, w["warmup_steps"], w["steps"])  # what `diloco train` picks
         assert cell["auto"] == f"{lr:g}/{momentum:g}" + (f" w{warmup}" if warmup else "")
         assert {"0.7/0.9", "1/0", "auto"} <= set(cell["gaps"])
     worst = data["map"]["worst_gap"]

@@ -141,7 +141,7 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
     specs = []
     for seed in w.seeds:
         for k in ks if seed == w.seeds[0] else ks[:2]:  # k = 8 once: its DDP arm alone is the longest of all
-            auto = auto_outer(h, k, w.warmup_steps)
+            auto = auto_outer(h, k, w.warmup_steps, w.steps)
             specs += baselines(k, w, seed)[1:]
             specs.append(diloco_arm(k, w, h, auto, seed, auto=True))
             specs += [diloco_arm(k, w, h, s, seed) for s in (PLAIN, PAPER) if s != auto]
@@ -150,7 +150,7 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
         specs.append(baselines(k, w, first)[0])
         specs.append(replace(diloco_arm(k, w, h, PAPER, first), name=f"m1-H{h}-0.7/0.9", groups=1, steps=k * w.steps))
     k = ks[-1] if quick else 4
-    auto = auto_outer(h, k, w.warmup_steps)
+    auto = auto_outer(h, k, w.warmup_steps, w.steps)
     warmup = auto.warmup or 3
     plain = diloco_arm(k, w, h, PLAIN, first)
     trials = [  # each one change from plain averaging (1/0), but the last two outer ones
@@ -179,7 +179,7 @@ def map_specs(w: Workload, quick: bool) -> list[ArmSpec]:
     for k, hs in ({2: (5, 10)} if quick else MAP_HS).items():
         specs += baselines(k, w, w.seeds[0])[1:]
         for h in hs:
-            auto = auto_outer(h, k, w.warmup_steps)
+            auto = auto_outer(h, k, w.warmup_steps, w.steps)
             specs.append(diloco_arm(k, w, h, auto, w.seeds[0], auto=True))
             specs += [diloco_arm(k, w, h, s, w.seeds[0]) for s in (PAPER, PLAIN) if s != auto]
     return specs
