@@ -43,7 +43,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup
 
 from diloco.bench import BenchError
-from diloco.bench.convergence_report import TARGET_GAP, markdown, plot, summarize
+from diloco.bench.convergence_report import markdown, plot, stem, summarize
 from diloco.bench.models import model_folder
 from diloco.config import Config, FieldError, auto_outer
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
@@ -52,7 +52,7 @@ from diloco.membership import DiLoCo
 from diloco.model import load_model
 from diloco.swarm.memory import MemorySwarm
 
-__all__ = ["TARGET_GAP", "ArmSpec", "Workload", "load_corpus", "markdown", "measure", "plot", "run_arm", "stem"]
+__all__ = ["ArmSpec", "Workload", "load_corpus", "markdown", "measure", "plot", "run_arm", "stem"]
 
 # the trainer's inner-optimizer defaults (its flags), so the bench's arms train as `diloco train` does
 ADAMW_BETAS = Config.model_fields["adam_betas"].default
@@ -320,8 +320,9 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path, study
     w = replace(w, model=model_folder(w.model, work_dir / "models"))
     load_corpus(w, data)  # a bad --data fails here, once, not in every worker
     specs = defaults_specs(w, quick) if study == "defaults" else map_specs(w, quick)
+    workers = max(1, min(info["usable_cores"], len(specs)))
     runs = []
-    for run in run_arms(specs, w, data, workers=max(1, min(info["usable_cores"], len(specs)))):
+    for run in run_arms(specs, w, data, workers):
         runs.append(run)
         log.info("bench arm %d/%d k=%d %s seed %d: eval loss %.4f (%.0f s)", len(runs), len(specs), run["k"],
                  run["name"], run["seed"], run["final_eval_loss"], run["wall_s"])  # fmt: skip
@@ -329,12 +330,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path, study
     return {
         "study": study,
         "workload": asdict(w) | {"model": str(w.model), "corpus": str(data.resolve()), "parameters": params},
-        "workers": max(1, min(info["usable_cores"], len(specs))),
+        "workers": workers,
         **summarize(runs, specs, study),
     }
-
-
-def stem(quick: bool, study: str = "defaults", **_options: Any) -> str:
-    """The name of this bench's JSON and PNG: convergence[-map][-quick]."""
-    return "convergence" + ("-map" if study == "map" else "") + ("-quick" if quick else "")
 

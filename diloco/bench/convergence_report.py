@@ -11,7 +11,6 @@ import numpy as np
 from diloco.bench import section_head
 
 TARGET_GAP = {2: 0.02, 4: 0.03}  # no outer flags at H = 25: within 2% of DDP's eval loss at k = 2, 3% at k = 4
-TARGET_H = 25
 
 
 def summarize(runs: list[dict[str, Any]], specs: list[Any], study: str) -> dict[str, Any]:
@@ -108,6 +107,11 @@ def _name(setting: tuple[float, float, int] | None) -> str:
         return "–"
     lr, momentum, warmup = setting
     return f"{lr:g}/{momentum:g}" + (f" w{warmup}" if warmup else "")
+
+
+def stem(quick: bool, study: str = "defaults", **_options: Any) -> str:
+    """The name of the bench's JSON and PNG: convergence[-map][-quick] (``diloco.bench.run`` asks for it)."""
+    return "convergence" + ("-map" if study == "map" else "") + ("-quick" if quick else "")
 
 
 # ---------------------------------------------------------------- the section
@@ -212,8 +216,6 @@ def plot(result: dict[str, Any], out: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(f"convergence, study {result['study']}, {result['date']}")
     fig.tight_layout()
-    from diloco.bench.convergence import stem
-
     path = out / f"{stem(result['quick'], result['study'])}.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
