@@ -16,6 +16,8 @@ from typing import Annotated, Literal, NamedTuple
 from cyclopts import Parameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from diloco.fragments import FragmentLayout
+
 
 class UsageError(ValueError):
     """Bad user input: reported as one line naming the flag or file, exit code 2, no traceback. Under torchrun
@@ -138,6 +140,30 @@ class HvConfig(_Strict):
         description="Instead of H: the swarm takes an outer step once its groups together trained N tokens since "
         "the last one; fast groups run more inner steps than slow ones, each weighted by its tokens.",
     )
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="Streaming DiLoCo: average the model in F fragments of whole decoder layers, one every H/F "
+        "inner steps (each still once per H steps): 1/F of the bytes on the wire at a time. 1: the whole model.",
+    )
+    fragment_layout: FragmentLayout = Field(
+        "strided",
+        description="Which layers make a fragment: strided (layer i in fragment i mod F, as the paper) or "
+        "contiguous (F runs of consecutive layers).",
+    )
+    overlap_steps: int = Field(
+        0,
+        ge=0,
+        description="Inner steps that go on while a round is on the wire; its result is then merged (see "
+        "--hv.overlap-mix). 0: every rank waits for the round (blocking).",
+    )
+    overlap_mix: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="With --hv.overlap-steps T > 0: a landed round sets each parameter to mix x its value + "
+        "(1 - mix) x the new outer value, keeping a share of the T steps taken meanwhile (0: keep none).",
+    )
     outer_lr: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
         "auto",
         description="Learning rate of the outer SGD; auto: the paper's 0.7 for runs of 50 outer steps or more, "
@@ -244,6 +270,21 @@ class HvConfig(_Strict):
         if self.target_tokens is not None and "local_steps" in self.model_fields_set:
             raise ValueError("pass either --hv.local-steps (H inner steps per group) or --hv.target-tokens (the "
                              "swarm's tokens per outer step), not both")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _rounds_fit(self) -> HvConfig:
+        if self.target_tokens is not None and (self.fragments > 1 or self.overlap_steps):
+            raise ValueError("--hv.fragments and --hv.overlap-steps work with --hv.local-steps, not yet with "
+                             "--hv.target-tokens")  # fmt: skip
+        if self.target_tokens is None:
+            if self.local_steps % self.fragments:
+                raise ValueError(f"--hv.local-steps {self.local_steps} must be a multiple of --hv.fragments "
+                                 f"{self.fragments} (a fragment's round every H/F inner steps)")  # fmt: skip
+            if self.overlap_steps and self.overlap_steps >= self.local_steps // self.fragments:
+                raise ValueError(f"--hv.overlap-steps {self.overlap_steps} must be smaller than --hv.local-steps / "
+                                 f"--hv.fragments = {self.local_steps // self.fragments}: a round lands before the "
+                                 "next one starts")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -39,9 +39,15 @@ class Swarm(Protocol):
     peer_id: str  # this rank's peer id; others download this rank's state from it
 
     def average(
-        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
+        self,
+        tensors: Sequence[torch.Tensor],
+        round_index: int,
+        weight: float,
+        stop: Callable[[], bool],
+        fragment: int | None = None,
     ) -> RoundResult:
-        """Average in place with the groups averaging the same `round_index`; gives up when `stop()` is true."""
+        """Average in place with the groups averaging the same `round_index`; gives up when `stop()` is true.
+        With fragments (``diloco.fragments``) the tensors hold this rank's shard of `fragment`'s parameters."""
         ...
 
     def publish(self, record: Progress) -> None:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from diloco.config import FieldError
+from diloco.fragments import Runs, fragment_of
+from diloco.inflight import InFlight
 from diloco.links import Group, RoundResult, State, Swarm
 from diloco.outer import OuterOptimizer, OuterReport
 from diloco.pace import FixedSteps, Pace
@@ -68,6 +70,11 @@ class DiLoCo:
     :param model: this group's model fingerprint; a live group of another model makes `claim_world_rank` leave.
     :param digest: how the ranks' outer shards add up to the group's digest (``diloco.swarm.digest``): equal in
         groups that hold one state; default: sha256 over the shards (groups of one shape only).
+    :param fragments: with ``--hv.fragments F``: where each fragment's parameters sit in this rank's flat shard
+        (``diloco.fragments``); round r averages fragment (r - 1) mod F, every H/F inner steps, and the run's last
+        inner step ends with a round for every fragment. None: every round averages the whole model.
+    :param overlap_steps: inner steps taken while a round is on the wire (``diloco.inflight``); 0: blocking.
+    :param overlap_mix: how much of its own values a parameter keeps when an overlapped round lands.
     """
 
     def __init__(
@@ -91,10 +98,16 @@ class DiLoCo:
         tokens_per_step: int = 0,
         model: ModelId | None = None,
         digest: Digest | None = None,
+        fragments: list[Runs] | None = None,
+        overlap_steps: int = 0,
+        overlap_mix: float = 0.5,
     ) -> None:
-        self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup)
+        self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup, fragments)
         self.outer_setting = f"{outer_lr:g}/{outer_momentum:g} w{outer_warmup}"  # in the status record
-        self.pace = pace or FixedSteps(local_steps, final_step)
+        self.fragments = len(fragments) if fragments else 1
+        self.overlap, self.mix = overlap_steps, overlap_mix
+        self.in_flight: InFlight | None = None
+        self.pace = pace or FixedSteps(local_steps // self.fragments, final_step)
         self.tokens_per_step = tokens_per_step
         self.round_start = 0  # the inner step at which this group's current round began
         self.swarm, self.group, self.world_rank = swarm, group, world_rank
@@ -177,8 +190,7 @@ class DiLoCo:
             if loaded is not None:
                 self.step = step = loaded
                 if self.pace.in_round(step, self.outer_step):  # the swarm is averaging now: take part, no weight
-                    zeros = torch.zeros_like(self.outer)
-                    row = self._average_and_apply(step, zeros, weight=0.0, source=self.loaded_from)
+                    row = self._join_round(step, self.loaded_from)
         elif self.group.is_main:
             log.info("not loading the swarm's state (as asked): starting from this group's own state")
         self.settled = True
@@ -233,12 +245,18 @@ class DiLoCo:
         self.pace.new_round(self.outer_step)
 
     def after_inner_step(self, step: int) -> OuterReport | None:
-        """Collective: at a boundary, catch up with the swarm if this group is behind, then average and apply."""
+        """Collective: land the round in flight when its time came; at a boundary, catch up with the swarm if this
+        group is behind, then average (and apply, unless the round is overlapped)."""
         self.step = step
         tokens = self._tokens(step)
-        if not self.pace.due(step, self.outer_step, tokens):
-            return None
-        pseudo_gradient = self.params.pseudo_gradient()
+        due = self.pace.due(step, self.outer_step, tokens)
+        landed = None
+        if self.in_flight is not None and (due or step >= self.in_flight.land_at):
+            landed = self._land(step)  # one round in flight at a time: a due round waits for it
+        if not due:
+            return None if landed is None else OuterReport(step, landed)
+        index = self.pace.round_index(step, self.outer_step)
+        pseudo_gradient = self.params.pseudo_gradient(self._fragment(index))
         if self.group.sum(0.0 if all_finite(pseudo_gradient) else 1.0):
             raise FloatingPointError(
                 f"the pseudo-gradient holds NaN/Inf at step {step}: stopping this group before it averages"
@@ -253,18 +271,69 @@ class DiLoCo:
                     return OuterReport(step, self._row(step, source=source))
         if self.outer_step == outer_before:
             weight = self.pace.weight(tokens)
-            return OuterReport(step, self._average_and_apply(step, pseudo_gradient, weight, source, tokens))
+            return OuterReport(step, self._round(step, index, pseudo_gradient, weight, source, tokens))
         # a group that was behind brings nothing current: it takes the others' average and adds nothing (zeros,
         # not its stale pseudo-gradient, which reducers could rightly reject as an outlier)
-        return OuterReport(step, self._average_and_apply(step, pseudo_gradient.zero_(), 0.0, source))
+        return OuterReport(step, self._join_round(step, source))
 
-    def _average_and_apply(
-        self, step: int, pseudo_gradient: torch.Tensor, weight: float, source: int | None, tokens: int = 0
-    ) -> dict[str, Any] | None:
-        """Collective: the round of boundary `step`, then the outer step. None when stopped during the round."""
+    def _fragment(self, index: int) -> int | None:
+        """The fragment round `index` averages (None: the whole model)."""
+        return None if self.fragments == 1 else fragment_of(index, self.fragments)
+
+    def _join_round(self, step: int, source: int | None) -> dict[str, Any] | None:
+        """Collective: take part in the round under way with no weight (this group just loaded the state)."""
         index = self.pace.round_index(step, self.outer_step)
-        log.info("outer step %d: averaging (round %d)", self.outer_step + 1, index)
-        report = self.swarm.average([pseudo_gradient], round_index=index, weight=weight, stop=self.stop)
+        zeros = torch.zeros(self.params.numel(self._fragment(index)))
+        return self._round(step, index, zeros, 0.0, source, overlap=False)
+
+    def _round(
+        self,
+        step: int,
+        index: int,
+        pseudo_gradient: torch.Tensor,
+        weight: float,
+        source: int | None,
+        tokens: int = 0,
+        overlap: bool = True,
+    ) -> dict[str, Any] | None:
+        """Collective: the round of boundary `step`: started in the background when rounds overlap the inner
+        steps (its row comes when it lands), else averaged and applied now. At the run's last step every
+        fragment then takes a blocking round of its own, so the final model holds all the inner steps."""
+        fragment, last = self._fragment(index), step == self.final_step
+        what = "" if fragment is None else f" fragment {fragment}"
+        log.info("outer step %d: averaging%s (round %d)", self.outer_step + 1, what, index)
+        if self.overlap and overlap and not last:
+            self.in_flight = InFlight(
+                step, step + self.overlap, index, fragment, pseudo_gradient, weight, tokens, source
+            ).start(self.swarm, self.stop)
+            return None
+        report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment)
+        row = self._apply(step, fragment, report, pseudo_gradient, weight, source, tokens, mix=0.0)
+        for more in range(1, self.fragments if last and row is not None else 1):  # the other fragments, each
+            fragment = self._fragment(index + more)  # with the inner steps since its own round
+            pseudo_gradient = self.params.pseudo_gradient(fragment)
+            report = self.swarm.average([pseudo_gradient], index + more, weight, self.stop, fragment)
+            row = self._apply(step, fragment, report, pseudo_gradient, weight, None, tokens, mix=0.0) or row
+        return row
+
+    def _land(self, step: int) -> dict[str, Any] | None:
+        """Collective: wait for the round in flight (usually over by now) and apply it, merged with the inner
+        steps taken meanwhile."""
+        flight, self.in_flight = self.in_flight, None
+        waited = time.monotonic()
+        report = flight.wait()
+        row = self._apply(
+            flight.step, flight.fragment, report, flight.pseudo_gradient, flight.weight, flight.source,
+            flight.tokens, mix=self.mix,
+        )  # fmt: skip
+        if row is not None:
+            row |= {"step": step, "round_step": flight.step, "land_wait_s": time.monotonic() - waited}
+        return row
+
+    def _apply(self, step: int, fragment: int | None, report: RoundResult, pseudo_gradient: torch.Tensor,
+               weight: float, source: int | None, tokens: int, mix: float) -> dict[str, Any] | None:  # fmt: skip
+        """Collective: the outer step with a round's result (when every rank got it). None when stopped during
+        the round."""
         if self.group.sum(1.0 if self.stop() else 0.0):
             log.warning("outer step %d: stopped during averaging; not applied", self.outer_step + 1)
             return None
@@ -277,13 +346,13 @@ class DiLoCo:
         outer_before = self.outer_step
         with self.params.lock:  # a state served meanwhile has the digest of its parameters
             if all_ok and num_peers > 1:
-                self.params.step(pseudo_gradient)
+                self.params.step(pseudo_gradient, fragment, mix)
                 self.tainted = False
             elif all_ok and weight:  # as the paper does: a group that found nobody applies its own pseudo-gradient
                 log.warning(
                     "outer step %d: no peer was ready, applying this group's own pseudo-gradient", self.outer_step + 1
                 )
-                self.params.step(pseudo_gradient)
+                self.params.step(pseudo_gradient, fragment, mix)
                 self.tainted = True
             else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
                 log.warning(
@@ -297,6 +366,8 @@ class DiLoCo:
         self.last_round = (num_peers, time.time())
         self._publish_status("training")
         row = self._row(step, source=source, report=report, num_peers=num_peers, pseudo_gradient=pseudo_gradient)
+        if fragment is not None:
+            row["fragment"] = fragment
         return row | {"tokens": tokens, "weight": weight} | self.pace.summary(tokens)
 
     def _row(
@@ -513,7 +584,10 @@ class DiLoCo:
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers}
 
     def close(self) -> None:
-        """Tell onlookers how this group left, then leave the swarm."""
+        """Tell onlookers how this group left, then leave the swarm (a round still in flight, which gives up once
+        the run was asked to stop, ends first: it must not write into a swarm that is shutting down)."""
+        if self.in_flight is not None:
+            self.in_flight.thread.join(self.settle_timeout)
         try:
             self._publish_status("stopped" if self.stop() else "finished" if self.done else "failed")
         finally:

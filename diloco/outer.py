@@ -9,11 +9,15 @@ touched. Nothing here knows of other groups or of the network.
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from diloco.fragments import Runs
 
 
 @dataclass(frozen=True)
@@ -110,34 +114,98 @@ class OuterOptimizer:
     :param warmup: outer steps over which the lr rises linearly to `lr`: outer step s (from 0) takes
         lr · min(1, (s + 1) / warmup); 0 means none. It follows `steps`, which every group shares (a joiner
         loads it with the state), so groups stay bit-identical.
+    :param fragments: with ``--hv.fragments F``, where each fragment's parameters sit in the flat shard
+        (``diloco.fragments.local_runs``); a round then steps one fragment. None: one fragment, the whole shard.
     """
 
-    def __init__(self, shards: list[torch.Tensor], lr: float, momentum: float, warmup: int = 0) -> None:
+    def __init__(
+        self,
+        shards: list[torch.Tensor],
+        lr: float,
+        momentum: float,
+        warmup: int = 0,
+        fragments: list[Runs] | None = None,
+    ) -> None:
         self.shards = [s for s in shards if s.numel() > 0]  # FSDP can leave a rank an empty shard
         self.outer = self.flat_shards()
         self.optimizer = torch.optim.SGD([self.outer], lr=lr, momentum=momentum, nesterov=momentum > 0)
-        self.lr, self.warmup = lr, warmup
-        self.steps = 0  # outer steps applied to `outer`
+        self.lr, self.momentum, self.warmup = lr, momentum, warmup
+        self.steps = 0  # outer steps applied to `outer` (with fragments: fragment rounds)
         self.lock = threading.RLock()
+        ends = list(itertools.accumulate(s.numel() for s in self.shards))
+        self._spans = list(zip([0, *ends[:-1]], ends))  # each shard's [start, stop) in the flat shard
+        self.whole: Runs = [(0, self.outer.numel())] if self.outer.numel() else []
+        self.fragments = fragments or [self.whole]
 
     def flat_shards(self) -> torch.Tensor:
         """The model's current shard, flattened, as a new float32 CPU tensor."""
         return torch.cat([s.detach().reshape(-1).to("cpu", torch.float32) for s in self.shards])
 
-    def pseudo_gradient(self) -> torch.Tensor:
-        """Outer parameters − current parameters (a new tensor, averaged in place by the swarm)."""
-        return self.outer - self.flat_shards()
+    def numel(self, fragment: int | None = None) -> int:
+        """Values of this rank's shard in `fragment` (None: all)."""
+        return sum(b - a for a, b in self._runs(fragment))
+
+    def _runs(self, fragment: int | None) -> Runs:
+        return self.whole if fragment is None else self.fragments[fragment]
+
+    def _pieces(self, runs: Runs) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """(a flat view of the model's shard, its [start, stop) in the flat shard) for every piece in `runs`."""
+        for a, b in runs:
+            for (lo, hi), shard in zip(self._spans, self.shards):
+                start, stop = max(a, lo), min(b, hi)
+                if start < stop:
+                    yield shard.detach().view(-1)[start - lo : stop - lo], start, stop
 
     @torch.no_grad()
-    def step(self, pseudo_gradient: torch.Tensor) -> None:
-        """One outer SGD step with the (averaged) pseudo-gradient, then reset the model's shard to the result."""
+    def pseudo_gradient(self, fragment: int | None = None) -> torch.Tensor:
+        """Outer parameters − current parameters of `fragment` (None: all), its runs concatenated (a new tensor,
+        averaged in place by the swarm)."""
+        if fragment is None:
+            return self.outer - self.flat_shards()
+        parts = [self.outer[a:b] - view.to("cpu", torch.float32) for view, a, b in self._pieces(self._runs(fragment))]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    @torch.no_grad()
+    def step(self, pseudo_gradient: torch.Tensor, fragment: int | None = None, mix: float = 0.0) -> None:
+        """One outer SGD step with the (averaged) pseudo-gradient of `fragment` (None: all), then set the model's
+        shard there to the result; with `mix` > 0 (overlapped rounds) to mix × the model's values + (1 − mix) ×
+        the result instead, keeping a share of the inner steps taken while the round was on the wire."""
         with self.lock:
-            self.outer.grad = pseudo_gradient
-            self.optimizer.param_groups[0]["lr"] = self.lr_at(self.steps)
-            self.optimizer.step()
-            self.outer.grad = None
-            self._reset_shards()
+            lr = self.lr_at(self.steps // len(self.fragments))  # the warm-up counts whole passes over the model
+            if fragment is None:
+                self.outer.grad = pseudo_gradient
+                self.optimizer.param_groups[0]["lr"] = lr
+                self.optimizer.step()
+                self.outer.grad = None
+            else:
+                self._step_runs(pseudo_gradient, self.fragments[fragment], lr)
+            self._write(self._runs(fragment), mix)
             self.steps += 1
+
+    def _step_runs(self, pseudo_gradient: torch.Tensor, runs: Runs, lr: float) -> None:
+        """torch's SGD update (Nesterov when momentum > 0) on the runs of the flat shard alone; the momentum of
+        the other runs waits for their own fragment's round."""
+        buffer = None
+        if self.momentum:
+            state = self.optimizer.state[self.outer]
+            buffer = state.setdefault("momentum_buffer", torch.zeros_like(self.outer))
+        offset = 0
+        for a, b in runs:
+            grad = pseudo_gradient[offset : offset + b - a]
+            offset += b - a
+            if buffer is not None:
+                buffer[a:b].mul_(self.momentum).add_(grad)
+                grad = grad.add(buffer[a:b], alpha=self.momentum)
+            self.outer[a:b].add_(grad, alpha=-lr)
+
+    def _write(self, runs: Runs, mix: float) -> None:
+        """Set the model's shard in `runs` to the outer parameters (mixed with its own values when `mix` > 0)."""
+        for view, a, b in self._pieces(runs):
+            outer = self.outer[a:b].to(view.device, view.dtype)
+            if mix:
+                view.mul_(mix).add_(outer, alpha=1.0 - mix)
+            else:
+                view.copy_(outer)
 
     def lr_at(self, step: int) -> float:
         """The outer lr of outer step `step` (counted from 0)."""
@@ -147,13 +215,7 @@ class OuterOptimizer:
     def reset_shards(self) -> None:
         """Set the model's shard to the outer parameters (the inner steps since the last outer step are lost)."""
         with self.lock:
-            self._reset_shards()
-
-    def _reset_shards(self) -> None:
-        offset = 0
-        for shard in self.shards:
-            shard.copy_(self.outer[offset : offset + shard.numel()].view_as(shard))
-            offset += shard.numel()
+            self._write(self.whole, 0.0)
 
     def model_is_outer(self) -> bool:
         """Whether the model's shard holds exactly the outer parameters."""
@@ -188,7 +250,7 @@ class OuterOptimizer:
             else:
                 state.pop("momentum_buffer", None)
             self.steps = steps
-            self._reset_shards()
+            self._write(self.whole, 0.0)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -29,6 +29,7 @@ from diloco import checkpoint, console, parallel, preflight
 from diloco.config import Config, FieldError, UsageError
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
+from diloco.fragments import fragment_params
 from diloco.links import Group
 from diloco.membership import JoinError
 from diloco.metrics import Metrics, peak_memory_mb, peak_reserved_mb, write_json_atomic
@@ -307,13 +308,22 @@ def build_outer(
         sha=lambda: sha_of(model, full_state_dict(model)),
     )
     shards = parallel.local_shards(model)
+    fragments = None
+    if config.hv.fragments > 1:
+        inner = parallel.unwrap(model)
+        home = {id(p): i for i, layer in enumerate(decoder_layers(inner)) for p in layer.parameters()}
+        try:
+            layers = [home.get(id(p)) for p in inner.parameters()]
+            fragments = fragment_params(layers, config.hv.fragments, config.hv.fragment_layout)
+        except ValueError as e:
+            raise FieldError(f"{{hv.fragments}} {config.hv.fragments}: {e}") from None
     try:
         return swarm.join(
             config.hv, env, shards, group, stop=lambda: stop.requested, final_step=max_steps,
             sharding=config.sharding_strategy, tokens_per_step=tokens_per_step,
             model=model_id(parallel.unwrap(model).named_parameters()),
             model_shapes=[tuple(p.shape) for p in parallel.unwrap(model).parameters()],
-            outer=config.outer_setting(tokens_per_step, max_steps),
+            outer=config.outer_setting(tokens_per_step, max_steps), fragments=fragments,
         )  # fmt: skip
     except FieldError as e:
         raise e.within("hv") from None

@@ -112,6 +112,12 @@ CASES = {
     "bad multiaddr": (lambda t: ["--hv.initial-peers", "/ip4/300.1.1.1/tcp/1"], "--hv.initial-peers"),
     "world rank >= galaxy": (lambda t: ["--hv.galaxy-size", "2", "--hv.world-rank", "2"], "--hv.world-rank"),
     "announced port 0": (lambda t: [*SWARM, "--hv.announce-maddrs", "/ip4/1.2.3.4/tcp/0"], "--hv.announce-maddrs"),
+    "fragments not dividing H": (lambda t: [*SWARM, "--hv.local-steps", "10", "--hv.fragments", "3"],
+                                 "--hv.local-steps 10 must be a multiple of --hv.fragments 3"),  # fmt: skip
+    "overlap as long as a fragment's period": (lambda t: [*SWARM, "--hv.local-steps", "4", "--hv.fragments", "2",
+                                                          "--hv.overlap-steps", "2"], "--hv.overlap-steps 2"),
+    "more fragments than layers": (lambda t: [*SWARM, "--hv.local-steps", "8", "--hv.fragments", "8"],
+                                   "--hv.fragments 8: the model has 2 decoder layers"),  # fmt: skip
     "missing config file": (lambda t: ["--config", str(t / "run.toml")], "--config"),
     "run dir in use": (lambda t: ["--run-dir", str(occupied_run_dir(t))], "already holds a run"),
 }

@@ -272,3 +272,44 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path
     ours = [line for line in wide.stderr.splitlines() if line.startswith("error:")]
     assert wide.returncode != 0 and len(ours) == 1 and "--hv.world-rank 0 is taken" in ours[0], wide.stderr[-3000:]
     assert not (tmp_path / "wide").exists()
+
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+def test_a_group_that_dies_or_stops_with_a_round_in_flight_resumes_and_matches(
+    tmp_path: Path, dht_peer: list[str], how: str
+) -> None:
+    """Two groups with --hv.fragments 2 --hv.overlap-steps 1 (a fragment round every 2 of H = 4 steps, on the wire
+    while the next step runs). Group 1 is killed with SIGKILL, or stopped with SIGTERM, just as a round went on
+    the wire; group 0 goes on alone. Group 1 restarts from its checkpoint, loads the swarm's state, and both end
+    on one model."""
+    dirs, logs = [tmp_path / f"w{i}" for i in (0, 1)], [tmp_path / f"w{i}.log" for i in (0, 1)]
+    streaming = ["--max-steps", "60", "--hv.fragments", "2", "--hv.overlap-steps", "1"]
+    swarm = list(SWARM)
+    swarm[swarm.index("--hv.local-steps") + 1] = "4"
+    checkpoints = ["--ckpt.interval", "4", "--ckpt.path", str(tmp_path / "ck")]
+    slow = ["--per-device-train-batch-size", "8", "--total-batch-size", "8"]  # the victim reaches its rounds first
+    args = [[*swarm, *group_args(i, 2, dht_peer, dirs[i], *streaming)[len(SWARM):]] for i in (0, 1)]
+    args[0] += slow
+    args[1] += checkpoints
+    procs = [start_group(a, log) for a, log in zip(args, logs)]
+    try:
+        third = lambda: logs[1].read_text().count("averaging fragment") >= 3  # noqa: E731
+        wait_for(third, 120, "the victim's third fragment round", procs, logs)
+        children = descendants(procs[1].pid)
+        procs[1].send_signal(signal.SIGKILL if how == "kill" else signal.SIGTERM)
+        code = procs[1].wait(timeout=60)
+        assert code == (-signal.SIGKILL if how == "kill" else 130), code
+        assert not left_running(children, grace_s=10)
+        if how == "term":
+            assert summary(dirs[1])["status"] == "interrupted"
+        more = len(outer_rows(dirs[0])) + 2
+        wait_for(lambda: len(outer_rows(dirs[0])) >= more, 90, "two rounds without the victim", procs[:1], logs)
+        procs[1] = start_group([*args[1], "--ckpt.resume", "latest"], logs[1])
+        finish(procs, logs, timeout=240)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    resumed, finals = summary(dirs[1]), [summary(d) for d in dirs]
+    assert resumed["status"] == "ok" and resumed["loaded_state_from_peers"] is True
+    assert len({s["params_sha256"] for s in finals}) == 1 and len({s["outer_steps"] for s in finals}) == 1, finals
+    assert outer_rows(dirs[0])[-1]["num_peers"] == 2  # the resumed group takes part again

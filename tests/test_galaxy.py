@@ -175,6 +175,28 @@ def test_over_p2pd_a_one_rank_and_a_two_rank_group_average_together(tmp_path: Pa
     assert rows and all(r["transport"] == "p2pd" for r in rows), rows
 
 
+@pytest.mark.parametrize("transport", ["tcp", "p2pd"])
+def test_fragments_overlapping_the_inner_steps_keep_one_outer_state(
+    tmp_path: Path, dht_peer: list[str], transport: str
+) -> None:
+    """--hv.fragments 2 --hv.overlap-steps 1, H = 4: a fragment's round every 2 steps, on the wire while the next
+    inner step runs (over TCP a 2-rank NO_SHARD group's round thread broadcasts and passes replica slices over
+    process groups of its own). Every fragment round leaves both groups one outer state, and the last step's
+    blocking rounds give them one final model."""
+    own = ["--hv.fragments", "2", "--hv.overlap-steps", "1", "--hv.transport", transport]
+    second = (2, [*own, "--sharding-strategy", "NO_SHARD"]) if transport == "tcp" else (1, own)
+    run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, own), second])
+    rows = [outer_rows(d) for d in run_dirs]
+    full = [{r["outer_step"]: r["outer_digest"] for r in per_group if r.get("num_peers") == 2} for per_group in rows]
+    shared = set(full[0]) & set(full[1])
+    assert shared and all(full[0][s] == full[1][s] for s in shared), rows
+    assert any("round_step" in r for per_group in rows for r in per_group), rows  # some round landed later
+    assert {r["fragment"] for per_group in rows for r in per_group if "fragment" in r} == {0, 1}
+    finals = [summary(d) for d in run_dirs]
+    assert all(f["status"] == "ok" for f in finals) and len({f["params_sha256"] for f in finals}) == 1, finals
+    assert len({f["outer_steps"] for f in finals}) == 1 and finals[0]["outer_steps"] >= 3, finals
+
+
 def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Path, dht_peer: list[str]) -> None:
     """Under DDP and ZERO1 every rank's local shards are the whole model (as under NO_SHARD): the replicas of a
     group each exchange a slice of it and pass each other the averages, and both groups end on one model."""

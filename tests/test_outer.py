@@ -31,7 +31,9 @@ class Alone(Member):
     def __init__(self) -> None:
         super().__init__(MemorySwarm(1), "alone")
 
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
+    def average(
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
+    ) -> Report:
         return Report(num_peers=1)
 
 
@@ -212,7 +214,9 @@ class FailsOnce(Member):
         super().__init__(hub, name)
         self.fail_round, self.failed = fail_round, False
 
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
+    def average(
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
+    ) -> Report:
         inputs = [t.clone() for t in tensors]
         report = super().average(tensors, round_index, weight, stop)
         if not self.failed and self.fail_round in (None, round_index):
@@ -273,7 +277,9 @@ def test_a_last_step_off_the_h_grid_ends_with_a_shorter_round() -> None:
 
 
 class AlwaysFails(Member):
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
+    def average(
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
+    ) -> Report:
         return Report(num_peers=0, ok=False)
 
 

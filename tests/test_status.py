@@ -141,7 +141,9 @@ class Fixed(Member):
         super().__init__(hub, "g0")
         self.num_peers, self.ok, self.sent = num_peers, ok, 0
 
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object) -> Report:
+    def average(
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
+    ) -> Report:
         return Report(num_peers=self.num_peers if self.ok else 0, ok=self.ok)
 
     def publish_status(self, record: Status) -> None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from diloco.config import HvConfig, OuterSetting
     from diloco.distenv import DistEnv
     from diloco.links import Group
+    from diloco.fragments import local_runs
     from diloco.membership import DiLoCo
     from diloco.swarm.fingerprint import ModelId
 
@@ -59,6 +60,7 @@ def join(
     model: ModelId | None = None,
     model_shapes: list[tuple[int, ...]],
     outer: OuterSetting,
+    fragments: list[list[int]] | None = None,
 ) -> DiLoCo:
     """Collective over the ranks of this worker group: start this rank's DHT peer and listener (rank 0: also the
     averager that matchmakes for the group), claim the group's world rank, and wait (at most
@@ -84,11 +86,13 @@ def join(
         meet this one (it is part of the matchmaking and progress keys), and one already training makes this
         group leave with a `FieldError` naming ``run_id``.
     :param model_shapes: every parameter's full shape, in the model's order (what ``shards`` are cut from).
+    :param fragments: with ``hv.fragments`` > 1: each fragment's parameter indices (``diloco.fragments``).
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
         holds), naming the ``HvConfig`` field; nothing is left running.
     """
     import torch
 
+    from diloco.fragments import local_runs
     from diloco.membership import DiLoCo
     from diloco.pace import FixedSteps, TokenBudget
     from diloco.swarm.addresses import offset_port
@@ -119,7 +123,7 @@ def join(
                 matchmaking_time=hv.matchmaking_time, averaging_timeout=hv.averaging_timeout,
                 target_group_size=hv.galaxy_size, transport=hv.transport, match_only=True,
             )  # fmt: skip
-        rounds = group_rounds(hv, env, group, dht, averager, model_shapes, sharding, port)
+        rounds = group_rounds(hv, env, group, dht, averager, model_shapes, sharding, port, fragments)
     except BaseException:
         if averager is not None:
             averager.shutdown()
@@ -136,7 +140,7 @@ def join(
                 tokens_per_step=tokens_per_step, max_steps=final_step,
             )  # fmt: skip
         else:
-            pace = FixedSteps(hv.local_steps, final_step)
+            pace = FixedSteps(hv.local_steps // hv.fragments, final_step)  # a fragment's round every H/F steps
         outer = DiLoCo(
             shards,
             peer,
@@ -156,6 +160,9 @@ def join(
             tokens_per_step=tokens_per_step,
             model=model,
             digest=CanonicalDigest(model_shapes, rounds.layout),
+            fragments=[local_runs(f, [s.numel() for s in shards]) for f in fragments] if fragments else None,
+            overlap_steps=hv.overlap_steps,
+            overlap_mix=hv.overlap_mix,
         )
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all
@@ -170,9 +177,12 @@ def join(
 
 
 def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager: object,
-                 model_shapes: list[tuple[int, ...]], sharding: str, port: int):  # fmt: skip
+                 model_shapes: list[tuple[int, ...]], sharding: str, port: int,
+                 fragments: list[list[int]] | None = None):  # fmt: skip
     """Collective: this rank's listener (a TCP socket, or libp2p streams through a ``tunnel.Tunnel``), every rank's
-    endpoint, and the replicas' process groups, for rounds of whole groups (``group_round.GroupRounds``)."""
+    endpoint, and the replicas' process groups, for rounds of whole groups (``group_round.GroupRounds``). Rounds
+    that overlap the inner steps (``hv.overlap_steps``) run on a thread of their own: their broadcast gets a process
+    group of its own too, so it never interleaves with the model's collectives on the training thread."""
     from diloco.swarm import tcp
     from diloco.swarm.addresses import announced_hosts, listen_host
     from diloco.swarm.averager import listen
@@ -196,6 +206,9 @@ def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager
             endpoint, connect = ((tunnel.peer_id,), 0), tunnel.connect
         endpoints = group.gather(endpoint)
         replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None
+        broadcast = group.broadcast
+        if hv.overlap_steps and env.world_size > 1:
+            broadcast = side_broadcast()
     except BaseException:
         if tunnel is not None:
             tunnel.close()
@@ -203,6 +216,21 @@ def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager
         raise
     return GroupRounds(
         averager if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
-        endpoints=endpoints, broadcast=group.broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
+        endpoints=endpoints, broadcast=broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
         timeout=timeout, replicas=replicas, transport=hv.transport, connect=connect, tunnel=tunnel,
+        fragments=fragments,
     )  # fmt: skip
+
+
+def side_broadcast() -> Callable[[object], object]:
+    """Collective over the group's ranks: a broadcast of rank 0's object over a gloo process group of its own."""
+    import torch.distributed as dist
+
+    side = dist.new_group(backend="gloo")
+
+    def broadcast(obj: object) -> object:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=side)
+        return box[0]
+
+    return broadcast

@@ -154,6 +154,8 @@ class GroupRounds:
     :param broadcast: rank 0's object on every rank of the group.
     :param replicas: passes replicas' slices (None: the group has no replicas).
     :param timeout: seconds any single step of a round may take (a silent groupmate is dropped after it).
+    :param fragments: with ``--hv.fragments``: the indices of each fragment's parameters (``diloco.fragments``);
+        a round of fragment f is laid out over those parameters alone. None: rounds are of the whole model.
     :param transport: what carries the bytes, "tcp" or "p2pd" (every group of a run uses one); ``connect``
         reaches other ranks' listeners that way, and ``tunnel`` (over p2pd: a ``diloco.swarm.tunnel.Tunnel``)
         brings their streams to ``listener``. ``close()`` closes both.
@@ -175,6 +177,7 @@ class GroupRounds:
         transport: str = "tcp",
         connect: tcp.Connect = tcp.connect,
         tunnel: object | None = None,
+        fragments: Sequence[Sequence[int]] | None = None,
     ):
         self.matcher, self.rank, self.shape, self.model_shapes = matcher, rank, shape, [tuple(s) for s in model_shapes]
         self.endpoints = tuple((tuple(hosts), int(port)) for hosts, port in endpoints)
@@ -183,6 +186,7 @@ class GroupRounds:
         )  # fmt: skip
         self.layout = group_layout(self.model_shapes, shape)[rank]  # this rank's part of the canonical vector
         self.transport, self.connect, self.tunnel = transport, connect, tunnel
+        self.fragments = [list(f) for f in fragments] if fragments else None
 
     def close(self) -> None:
         """Stop taking connections (the tunnel's streams first)."""
@@ -192,14 +196,19 @@ class GroupRounds:
         finally:
             self.listener.close()
 
-    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]):
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
+                fragment: int | None = None):  # fmt: skip
         """Collective: one round (see ``SwarmAverager.average`` for the contract), averaged in place: after a round
-        that failed the tensors hold averages where they arrived (the caller applies nothing then). Returns a
-        ``RoundReport``."""
+        that failed the tensors hold averages where they arrived (the caller applies nothing then). With
+        `fragment`, the tensors hold this rank's shard of that fragment's parameters. Returns a ``RoundReport``."""
+        shapes = self.model_shapes
+        if fragment is not None and self.fragments is not None:
+            shapes = [self.model_shapes[i] for i in self.fragments[fragment]]
         with self.listener.in_round():  # groupmates that learn of the round first may connect meanwhile
-            return self._average(tensors, round_index, weight, stop)
+            return self._average(tensors, round_index, weight, stop, shapes)
 
-    def _average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]):
+    def _average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
+                 shapes: Sequence[Sequence[int]]):  # fmt: skip
         from diloco.swarm.averager import RoundReport
 
         started = time.monotonic()
@@ -210,7 +219,7 @@ class GroupRounds:
         formed = time.monotonic()
         # in place: no second copy of the pseudo-gradient (the trainer's one tensor is viewed flat, not copied)
         vector = tcp.flatten(list(tensors))
-        outcome = run_round(info, self.rank, self.model_shapes, vector, vector, listener=self.listener,
+        outcome = run_round(info, self.rank, shapes, vector, vector, listener=self.listener,
                             codec=self.codec, timeout=self.timeout, connect=self.connect)  # fmt: skip
         if self.replicas is not None:
             self.replicas.fill(vector)  # collective: also when this rank's part failed

@@ -100,7 +100,12 @@ class Member:
         self.swarm, self.peer_id = swarm, peer_id
 
     def average(
-        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
+        self,
+        tensors: Sequence[torch.Tensor],
+        round_index: int,
+        weight: float,
+        stop: Callable[[], bool],
+        fragment: int | None = None,
     ) -> Report:
         swarm = self.swarm
         swarm.inbox[self.peer_id] = ([swarm.wire(t, count=True) for t in tensors], weight)

@@ -69,9 +69,14 @@ class SwarmPeer:
         self._store_failed = False  # one warning, not one per heartbeat
 
     def average(
-        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool]
+        self,
+        tensors: Sequence[torch.Tensor],
+        round_index: int,
+        weight: float,
+        stop: Callable[[], bool],
+        fragment: int | None = None,
     ) -> RoundReport:
-        return self.rounds.average(tensors, round_index, weight, stop)
+        return self.rounds.average(tensors, round_index, weight, stop, fragment)
 
     def publish(self, record: Progress) -> None:
         if self.rounds is not None:  # where a group of any shape downloads this group's state

@@ -1,0 +1,60 @@
+"""A round that is on the wire while the inner steps go on (``--hv.overlap-steps T``).
+
+The outer loop (``diloco.membership.DiLoCo``) starts the round on a thread of its own and lands it T inner steps
+later: it waits for the thread (the round is usually over by then), then applies the result as a blocking round
+would, merging it into the model (``OuterOptimizer.step``'s `mix`). One round is in flight at a time. The thread
+only calls ``Swarm.average``, which reaches the group's other ranks over process groups of its own, never the
+ones the inner steps use (``diloco.swarm.group_rounds``), so it cannot interleave with the model's collectives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.links import RoundResult, Swarm
+
+
+@dataclass
+class InFlight:
+    """One round started at inner step `step`, to land at `land_at`: what applying it needs."""
+
+    step: int
+    land_at: int
+    index: int
+    fragment: int | None
+    pseudo_gradient: torch.Tensor
+    weight: float
+    tokens: int
+    source: int | None
+    report: RoundResult | None = None
+    error: BaseException | None = None
+    thread: threading.Thread = field(init=False, repr=False)
+
+    def start(self, swarm: Swarm, stop: Callable[[], bool]) -> InFlight:
+        """Average `pseudo_gradient` in place on a background thread."""
+
+        def run() -> None:
+            try:
+                self.report = swarm.average(
+                    [self.pseudo_gradient], round_index=self.index, weight=self.weight, stop=stop,
+                    fragment=self.fragment,
+                )  # fmt: skip
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by `wait`
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name=f"round-{self.index}", daemon=True)
+        self.thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> RoundResult | None:
+        """The round's report once its thread ended (None: still running after `timeout`); re-raises its error."""
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            return None
+        if self.error is not None:
+            raise self.error
+        return self.report
