@@ -243,12 +243,14 @@ BENCH_HELP = {
     "every round, and the round time.",
     "compression": "Held-out loss at equal tokens and bytes per value of each --hv.compression (none, fp16, int8, "
     "int4): 2 groups, H = 25, against DDP, on real text.",
+    "wan": "Time to a loss on a slow link: DDP, DiLoCo blocking, and fragments overlapping the inner steps (with int4) "
+    "on real text, 2 workers behind tbf links of 100 Mbit/s and 1 Gbit/s (network namespaces; needs root).",
 }
 
 
 def _bench_command(name: str) -> Callable[..., int]:
     """`diloco bench <name>`: cyclopts reads the flags from the signature and the help from the docstring. Only
-    convergence and compression read data (`--data`): the others train on fake data. strategies takes a
+    convergence, compression and wan read data (`--data`): the others train on fake data. strategies takes a
     `--model`."""
 
     def command(
@@ -290,7 +292,9 @@ def _bench_command(name: str) -> Callable[..., int]:
             return _bench(name, quick, out, doc)
         return _bench(name, quick, out, doc, model=_bench_model(model))
 
-    chosen = {"convergence": with_study, "compression": with_data, "strategies": with_model}.get(name, command)
+    chosen = {"convergence": with_study, "compression": with_data, "wan": with_data, "strategies": with_model}.get(
+        name, command
+    )
     chosen.__doc__ = BENCH_HELP[name]
     return chosen
 

@@ -64,8 +64,8 @@ def test_local_runs_merge_neighbours_and_skip_empty_shards() -> None:
 
 
 def test_fragment_outer_step_by_hand_leaves_the_other_fragment_alone() -> None:
-    """Nesterov SGD on fragment 0 (values 0-1) only: v = m·v + Δ; θ ← θ − lr·(Δ + m·v); fragment 1's outer values,
-    momentum and model values do not move. With one fragment the step equals torch's SGD bit for bit."""
+    """Nesterov SGD on fragment 0 (values 0-1) only: v = m·v + Δ; θ ← θ − lr·(Δ + m·v); fragment 1's outer
+    values, momentum and model values do not move. With one fragment the step equals torch's SGD bit for bit."""
     a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
     outer = OuterOptimizer([a, b], lr=0.5, momentum=0.9, fragments=[[(0, 2)], [(2, 4)]])
     theta, velocity = torch.tensor([1.0, 2.0]), torch.zeros(2)

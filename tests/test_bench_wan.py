@@ -1,0 +1,65 @@
+"""`diloco bench wan`: DDP, blocking DiLoCo and overlapped fragments on real text, two workers in network namespaces
+behind tbf links; the figures come from the workers' own rows, and the namespaces are gone afterwards. Needs root."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from diloco.bench import wan
+from tests.conftest import ROOT
+from tests.test_bench import bench
+from tests.test_bench_wire import assert_none_left, namespaces
+
+pytestmark = pytest.mark.slow
+
+CORPUS = ROOT / "diloco" / "corpus" / "tinyshakespeare.txt"
+
+
+def test_wan_quick(tmp_path) -> None:
+    before = namespaces()
+    data, doc = bench("wan", tmp_path, "--data", str(CORPUS), timeout=480)  # 100 s alone
+    (link,) = data["links"]
+    used = {m.group(1) for arm in link["arms"] if (m := re.match(r"ip netns exec (\S+) ", arm["command"]))}
+    assert used
+    assert_none_left(before, used)
+    arms = {arm["name"]: arm for arm in link["arms"]}
+    assert list(arms) == ["ddp", "blocking", "streaming", "streaming-int4"]
+    steps = data["setup"]["steps"]
+    for arm in arms.values():
+        assert 0 < arm["inner_s"] <= arm["train_s"] and 0 < arm["utilisation"] <= 1.0, arm
+        assert arm["evals"] and arm["evals"][-1][1] == pytest.approx(arm["final_eval_loss"]), arm
+        assert arm["peak_link_bytes_per_s"] > 0
+    assert arms["ddp"]["time_to_ddp_loss_ratio"] == 1.0  # DDP reaches its own final loss at its end
+    assert arms["blocking"]["rounds"] == steps // data["setup"]["local_steps"]
+    # a fragment round every H/F steps, landed T steps later; the last step's extra round has no row of its own
+    assert arms["streaming"]["rounds"] == steps // (data["setup"]["local_steps"] // data["setup"]["fragments"])
+    assert arms["streaming"]["median_step_s_on_wire"] is not None
+    assert arms["streaming-int4"]["peak_link_bytes_per_s"] < arms["streaming"]["peak_link_bytes_per_s"]
+    assert "## wan (quick): " in doc and "| streaming-int4 | " in doc and "Targets at 1000 Mbit/s" in doc
+    assert (tmp_path / "wan-quick.png").stat().st_size > 0
+
+
+def test_time_to_a_loss_is_the_first_eval_at_or_below_it() -> None:
+    evals = [(1.0, 5.0), (2.0, 4.0), (3.0, 3.5), (4.0, 3.6)]
+    assert wan.time_to(evals, 4.0) == 2.0 and wan.time_to(evals, 3.5) == 3.0 and wan.time_to(evals, 3.0) is None
+
+
+def test_run_figures_leave_evaluations_out_and_split_steps_on_the_wire() -> None:
+    """Steps of 1 s each (tokens/s = tokens per step); an eval taking 5 s after step 2; a round started after step
+    2 landed at step 4 (steps 3 and 4 on the wire, 2 s each); the final round row at 11 s. Training time: 11 − 0 −
+    5 = 6 s, inner time 1 + 1 + 2 + 2 = 6 s."""
+    rows = [
+        {"step": 1, "tokens_per_s": 100.0, "time": 1.0},
+        {"step": 2, "tokens_per_s": 100.0, "time": 2.0},
+        {"step": 2, "eval_loss": 4.0, "time": 7.0},
+        {"step": 3, "tokens_per_s": 50.0, "time": 9.0},
+        {"step": 4, "tokens_per_s": 50.0, "time": 11.0},
+        {"step": 4, "outer_step": 1, "num_peers": 2, "round_step": 2, "land_wait_s": 0.0, "averaging_s": 0.5,
+         "time": 11.0},
+    ]  # fmt: skip
+    got = wan.run_figures(rows, tokens_per_step=100)
+    assert got["train_s"] == pytest.approx(6.0) and got["inner_s"] == pytest.approx(6.0)
+    assert got["utilisation"] == pytest.approx(1.0) and got["evals"] == [(2.0, 4.0)]
+    assert got["median_step_s_on_wire"] == 2.0 and got["median_step_s_off_wire"] == 1.0 and got["rounds"] == 1
