@@ -219,7 +219,8 @@ _DATA = Parameter(help="Text to train and evaluate on: a .txt, .jsonl or .parque
                   "10% held out (e.g. tinyshakespeare.txt). Required.")  # fmt: skip
 _STUDY = Parameter(help="defaults: k = 2, 4, 8 groups at H = 25, no outer flags against DDP and the trials of "
                    "the 4-group gap (the ~1M model, 2 seeds); map: the gap to DDP of each outer setting over H = "
-                   "10-500 and k = 2, 4 (a 0.14M model, 2000 inner steps).")  # fmt: skip
+                   "10-500 and k = 2, 4 (a 0.14M model, 2000 inner steps); streaming: blocking rounds against "
+                   "--hv.fragments 2, strided and contiguous, blocking and overlapped (k = 2, H = 20).")  # fmt: skip
 _MODEL = Parameter(help="The model every arm trains: a bench model's name (e.g. llama-14m-fresh; an unknown name "
                    "lists them) or a local model folder. Default: llama-2m-fresh with --quick, else "
                    "llama-14m-fresh.")  # fmt: skip
@@ -273,7 +274,7 @@ def _bench_command(name: str) -> Callable[..., int]:
     def with_study(
         *,
         data: Annotated[Path | None, _DATA] = None,
-        study: Annotated[Literal["defaults", "map"], _STUDY] = "defaults",
+        study: Annotated[Literal["defaults", "map", "streaming"], _STUDY] = "defaults",
         quick: Annotated[bool, _QUICK] = False,
         out: Annotated[Path, _OUT] = BENCH_OUT,
         doc: Annotated[Path, _DOC] = BENCH_DOC,

@@ -153,6 +153,27 @@ def test_compression_quick(tmp_path: Path) -> None:
     assert f"--data {CORPUS}" in data["command"]
 
 
+@pytest.mark.slow
+def test_convergence_streaming_quick(tmp_path: Path) -> None:
+    """The streaming study: blocking rounds against two fragments, strided and contiguous, blocking and overlapped,
+    every arm's groups ending on one model, and each fragment arm's gap to the blocking arm of its seed."""
+    data, doc = bench("convergence", tmp_path, "--data", str(CORPUS), "--study", "streaming",
+                      stem="convergence-streaming")  # fmt: skip
+    arms = {arm["name"]: arm for arm in data["arms"]}
+    assert {"ddp", "diloco-H4-auto", "streaming-F2-strided", "streaming-F2-contiguous-T1",
+            "streaming-F2-strided-T1-mix0"} <= set(arms)  # fmt: skip
+    assert arms["streaming-F2-contiguous-T1"]["layout"] == "contiguous" and arms["streaming-F2-strided-T1"]["overlap"]
+    blocking = arms["diloco-H4-auto"]["final_eval_loss"][0]
+    for name, arm in arms.items():
+        if arm["groups"] > 1:
+            assert arm["groups_identical"], name  # the last step's blocking rounds give one model
+        if name.startswith("streaming-"):
+            assert data["vs_blocking"][name] == pytest.approx(arm["final_eval_loss"][0] / blocking - 1)
+    # the strided and contiguous cuts differ, so their losses do
+    assert arms["streaming-F2-strided"]["final_eval_loss"] != arms["streaming-F2-contiguous"]["final_eval_loss"]
+    assert "Against blocking rounds of the whole model" in doc
+
+
 def test_convergence_without_a_data_file_is_one_line(tmp_path: Path) -> None:
     """No --data, or one that is no file, or an unknown study: one line naming the flag and exit code 2, before
     torch is imported."""

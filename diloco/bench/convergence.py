@@ -12,9 +12,11 @@ galaxy size k sees the same number of training tokens:
 - at k = 4 (`defaults` only), trials of what else might close the gap to DDP: the inner lr, the inner warm-up,
   a smaller batch for more steps.
 
-Two studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, two
-seeds for the arms that decide the defaults) and `map` (a 0.14M-parameter model, seq 64, S = 2000, so that H = 500
-still makes 4 outer steps; H 10, 25, 100, 250 and 500 at k = 2 and 4, one seed).
+Three studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, two
+seeds for the arms that decide the defaults), `map` (a 0.14M-parameter model, seq 64, S = 2000, so that H = 500
+still makes 4 outer steps; H 10, 25, 100, 250 and 500 at k = 2 and 4, one seed) and `streaming` (the defaults'
+workload at k = 2, H = 20: blocking rounds against two fragments, strided and contiguous, blocking and overlapped;
+the quality side of `bench wan`, whose rounds cross a real network).
 
 The groups of an arm run in threads of one process and average through the in-memory swarm
 (`diloco.swarm.memory`): an exact mean, which is what the swarm computes with `--hv.compression none`
@@ -47,9 +49,10 @@ from diloco.bench.convergence_report import markdown, plot, stem, summarize
 from diloco.bench.models import model_folder
 from diloco.config import Config, FieldError, auto_outer
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
+from diloco.fragments import fragment_params, local_runs
 from diloco.links import solo_group
 from diloco.membership import DiLoCo
-from diloco.model import load_model
+from diloco.model import decoder_layers, load_model
 from diloco.swarm.memory import MemorySwarm
 
 __all__ = ["ArmSpec", "Workload", "load_corpus", "markdown", "measure", "plot", "run_arm", "stem"]
@@ -97,6 +100,10 @@ class ArmSpec:
     lr: float | None = None  # the inner lr; None: the workload's
     warmup_steps: int | None = None  # the inner warm-up; None: the workload's
     trial: str = ""  # what a trial arm changes, for the table
+    fragments: int = 1  # --hv.fragments (`streaming` study)
+    layout: str = "strided"  # --hv.fragment-layout
+    overlap: int = 0  # --hv.overlap-steps
+    mix: float = 0.5  # --hv.overlap-mix
 
     @property
     def setting(self) -> Setting | None:
@@ -185,6 +192,28 @@ def map_specs(w: Workload, quick: bool) -> list[ArmSpec]:
     return specs
 
 
+def streaming_specs(w: Workload, quick: bool) -> list[ArmSpec]:
+    """k = 2, per seed: DDP, blocking rounds of the whole model (auto), two fragments strided and contiguous,
+    blocking and overlapped by T = H/F − 2 steps (mix 0.5), strided also by shorter T, and by the longest T with
+    mix 0 (the round's result alone)."""
+    h, fragments = (4, 2) if quick else (20, 2)
+    longest = max(h // fragments - 2, 1)
+    shorter = () if quick else (2, 4)
+    specs = []
+    for seed in w.seeds:
+        auto = auto_outer(h, 2, w.warmup_steps, w.steps)
+        blocking = diloco_arm(2, w, h, auto, seed, auto=True)
+        specs += [baselines(2, w, seed)[1], blocking]
+        for layout in ("strided", "contiguous"):
+            split = replace(blocking, name=f"streaming-F{fragments}-{layout}", fragments=fragments, layout=layout)
+            specs.append(split)
+            for t in (*(shorter if layout == "strided" else ()), longest):
+                specs.append(replace(split, name=f"{split.name}-T{t}", overlap=t))
+        strided = replace(blocking, fragments=fragments, overlap=longest, mix=0.0)
+        specs.append(replace(strided, name=f"streaming-F{fragments}-strided-T{longest}-mix0"))
+    return specs
+
+
 # ---------------------------------------------------------------- one arm
 
 
@@ -237,7 +266,8 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
             outer_lr, momentum = spec.outer
             outer = DiLoCo([p.data for p in model.parameters()], swarm.member(f"g{g}"), solo_group(), world_rank=g,
                            local_steps=spec.h, outer_lr=outer_lr, outer_momentum=momentum,
-                           outer_warmup=spec.outer_warmup, final_step=spec.steps)  # fmt: skip
+                           outer_warmup=spec.outer_warmup, final_step=spec.steps, fragments=fragment_runs(spec, model),
+                           overlap_steps=spec.overlap, overlap_mix=spec.mix)  # fmt: skip
         for step in range(1, spec.steps + 1):
             batch = data.next_batch()
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -277,6 +307,16 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
         "groups_identical": identical,
         "wall_s": time.perf_counter() - started,
     }
+
+
+def fragment_runs(spec: ArmSpec, model: torch.nn.Module) -> list[list[tuple[int, int]]] | None:
+    """Where each fragment sits in the model's flat parameters, as the trainer cuts them (None: one fragment)."""
+    if spec.fragments == 1:
+        return None
+    home = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
+    params = list(model.parameters())
+    cut = fragment_params([home.get(id(p)) for p in params], spec.fragments, spec.layout)  # type: ignore[arg-type]
+    return [local_runs(f, [p.numel() for p in params]) for f in cut]
 
 
 def _codec(compression: str) -> object:
@@ -319,7 +359,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path, study
     w = workload(quick, study)
     w = replace(w, model=model_folder(w.model, work_dir / "models"))
     load_corpus(w, data)  # a bad --data fails here, once, not in every worker
-    specs = defaults_specs(w, quick) if study == "defaults" else map_specs(w, quick)
+    specs = {"defaults": defaults_specs, "map": map_specs, "streaming": streaming_specs}[study](w, quick)
     workers = max(1, min(info["usable_cores"], len(specs)))
     runs = []
     for run in run_arms(specs, w, data, workers):

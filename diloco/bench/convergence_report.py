@@ -26,14 +26,27 @@ def summarize(runs: list[dict[str, Any]], specs: list[Any], study: str) -> dict[
         arm["worst_gap"] = max(gaps)
     if study == "map":
         return {"arms": arms, "map": grid(arms)}
+    if study == "streaming":
+        return {"arms": arms, "vs_blocking": vs_blocking(runs)}
     return {"arms": arms, "target": target(arms), "m1": m1(arms)}
+
+
+def vs_blocking(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per fragment arm of the streaming study: its eval loss ÷ the blocking arm's of the same seed − 1, averaged
+    over the seeds."""
+    blocking = {r["seed"]: r["final_eval_loss"] for r in runs if r["name"].endswith("-auto")}
+    gaps: dict[str, list[float]] = {}
+    for r in runs:
+        if r["name"].startswith("streaming-"):
+            gaps.setdefault(r["name"], []).append(r["final_eval_loss"] / blocking[r["seed"]] - 1)
+    return {name: float(np.mean(values)) for name, values in gaps.items()}
 
 
 def _arm(runs: list[dict[str, Any]]) -> dict[str, Any]:
     runs = sorted(runs, key=lambda r: r["seed"])
     first, losses = runs[0], [r["final_eval_loss"] for r in runs]
     kept = ("name", "k", "groups", "batch", "steps", "h", "outer", "outer_warmup", "lr", "warmup_steps", "trial",
-            "tokens")  # fmt: skip
+            "tokens", "fragments", "layout", "overlap", "mix")  # fmt: skip
     return {key: first[key] for key in kept} | {
         "seeds": [r["seed"] for r in runs],
         "final_eval_loss": losses,
@@ -111,7 +124,7 @@ def _name(setting: tuple[float, float, int] | None) -> str:
 
 def stem(quick: bool, study: str = "defaults", **_options: Any) -> str:
     """The name of the bench's JSON and PNG: convergence[-map][-quick] (``diloco.bench.run`` asks for it)."""
-    return "convergence" + ("-map" if study == "map" else "") + ("-quick" if quick else "")
+    return "convergence" + ("" if study == "defaults" else f"-{study}") + ("-quick" if quick else "")
 
 
 # ---------------------------------------------------------------- the section
@@ -151,7 +164,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {a['k']} | {a['name']} | {a['h'] or '–'} | {_name(_setting(a))} | {losses} | "
             f"{a['mean_eval_loss']:.4f} | {gaps} | {a['gap_vs_ddp'] * 100:+.1f}% | {a['wall_s']:.0f} |"
         )
-    lines += [""] + (_defaults_verdict(result) if "target" in result else _map_tables(result["map"]))
+    if "target" in result:
+        lines += ["", *_defaults_verdict(result)]
+    elif "map" in result:
+        lines += ["", *_map_tables(result["map"])]
+    else:
+        gaps = ", ".join(f"{name} {gap * 100:+.2f}%" for name, gap in result["vs_blocking"].items())
+        lines += ["", f"Against blocking rounds of the whole model (auto), mean over the seeds: {gaps}."]
     return "\n".join(lines) + "\n"
 
 
