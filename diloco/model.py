@@ -48,6 +48,13 @@ def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
     raise UsageError(f"model type {model.config.model_type!r}: could not find its {depth} decoder layers")
 
 
+def parameter_layers(model: PreTrainedModel) -> list[int | None]:
+    """For each parameter in model order, the decoder layer it belongs to (None: embeddings, final norm, head):
+    what ``diloco.fragments`` cuts fragments from."""
+    home = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
+    return [home.get(id(p)) for p in model.parameters()]
+
+
 def params_sha256(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     """SHA-256 over full parameters in name order, as float32 bytes: equal hashes mean equal models."""
     digest = hashlib.sha256()

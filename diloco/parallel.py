@@ -187,10 +187,10 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(tensor.item())
 
 
-def broadcast_object(obj: object) -> object:
-    """Rank 0's value on every rank."""
+def broadcast_object(obj: object, group: dist.ProcessGroup | None = None) -> object:
+    """Rank 0's value on every rank (of `group`, default: all)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 

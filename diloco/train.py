@@ -33,7 +33,7 @@ from diloco.fragments import fragment_params
 from diloco.links import Group
 from diloco.membership import JoinError
 from diloco.metrics import Metrics, peak_memory_mb, peak_reserved_mb, write_json_atomic
-from diloco.model import decoder_layers, load_model, params_sha256, save_hf
+from diloco.model import decoder_layers, load_model, parameter_layers, params_sha256, save_hf
 from diloco.outer import NoOuter, OuterLoop
 
 log = logging.getLogger("diloco")
@@ -310,10 +310,8 @@ def build_outer(
     shards = parallel.local_shards(model)
     fragments = None
     if config.hv.fragments > 1:
-        inner = parallel.unwrap(model)
-        home = {id(p): i for i, layer in enumerate(decoder_layers(inner)) for p in layer.parameters()}
+        layers = parameter_layers(parallel.unwrap(model))
         try:
-            layers = [home.get(id(p)) for p in inner.parameters()]
             fragments = fragment_params(layers, config.hv.fragments, config.hv.fragment_layout)
         except ValueError as e:
             raise FieldError(f"{{hv.fragments}} {config.hv.fragments}: {e}") from None

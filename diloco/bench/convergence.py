@@ -52,7 +52,7 @@ from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpu
 from diloco.fragments import fragment_params, local_runs
 from diloco.links import solo_group
 from diloco.membership import DiLoCo
-from diloco.model import decoder_layers, load_model
+from diloco.model import load_model, parameter_layers
 from diloco.swarm.memory import MemorySwarm
 
 __all__ = ["ArmSpec", "Workload", "load_corpus", "markdown", "measure", "plot", "run_arm", "stem"]
@@ -313,10 +313,8 @@ def fragment_runs(spec: ArmSpec, model: torch.nn.Module) -> list[list[tuple[int,
     """Where each fragment sits in the model's flat parameters, as the trainer cuts them (None: one fragment)."""
     if spec.fragments == 1:
         return None
-    home = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
-    params = list(model.parameters())
-    cut = fragment_params([home.get(id(p)) for p in params], spec.fragments, spec.layout)  # type: ignore[arg-type]
-    return [local_runs(f, [p.numel() for p in params]) for f in cut]
+    cut = fragment_params(parameter_layers(model), spec.fragments, spec.layout)  # type: ignore[arg-type]
+    return [local_runs(f, [p.numel() for p in model.parameters()]) for f in cut]
 
 
 def _codec(compression: str) -> object:

@@ -211,6 +211,7 @@ def run_figures(rows: list[dict[str, Any]], tokens_per_step: int) -> dict[str, A
     train_s = last - start - sum(d for t, d in durations if t <= last)
     landed = [r for r in rows if "round_step" in r]
     on_wire = {s for r in landed for s in range(r["round_step"] + 1, r["step"] + 1)}
+    blocking = [r["averaging_s"] for r in rows if "averaging_s" in r and "round_step" not in r]
     wire = [s for step, s in step_s.items() if step in on_wire]
     off = [s for step, s in step_s.items() if step not in on_wire]
     return {
@@ -222,10 +223,9 @@ def run_figures(rows: list[dict[str, Any]], tokens_per_step: int) -> dict[str, A
         "median_step_s_off_wire": statistics.median(off) if off else None,
         "evals": evals,
         "rounds": sum(1 for r in rows if "outer_step" in r and "num_peers" in r),
-        "round_s_total": sum(r["averaging_s"] for r in rows if "averaging_s" in r and "round_step" not in r),
+        "round_s_total": sum(blocking),
         "land_wait_s_total": sum(r["land_wait_s"] for r in landed),
-        "blocking_round_s": statistics.median([r["averaging_s"] for r in rows if "averaging_s" in r and
-                                               "round_step" not in r] or [0.0]),  # fmt: skip
+        "blocking_round_s": statistics.median(blocking or [0.0]),
     }
 
 

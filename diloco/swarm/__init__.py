@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from diloco.config import HvConfig, OuterSetting
     from diloco.distenv import DistEnv
     from diloco.links import Group
-    from diloco.fragments import local_runs
     from diloco.membership import DiLoCo
     from diloco.swarm.fingerprint import ModelId
 
@@ -224,13 +223,10 @@ def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager
 
 def side_broadcast() -> Callable[[object], object]:
     """Collective over the group's ranks: a broadcast of rank 0's object over a gloo process group of its own."""
+    import functools
+
     import torch.distributed as dist
 
-    side = dist.new_group(backend="gloo")
+    from diloco import parallel
 
-    def broadcast(obj: object) -> object:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=side)
-        return box[0]
-
-    return broadcast
+    return functools.partial(parallel.broadcast_object, group=dist.new_group(backend="gloo"))
