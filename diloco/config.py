@@ -72,6 +72,8 @@ Precision = Literal["fp16-mixed", "bf16-mixed", "32-true"]
 ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "DDP", "ZERO1"]
 Compression = Literal["none", "fp16", "int8", "int4"]
 Transport = Literal["tcp", "p2pd"]
+Aggregation = Literal["mean", "trimmed-mean", "centered-clip"]  # see diloco.aggregation
+ROBUST_MIN = 3  # contributions a robust aggregation needs (fewer: the mean)
 METRIC_SINKS = ("dummy", "tensorboard", "wandb")  # what --metric-logger-type may list; dummy adds no sink
 Maddrs = Annotated[list[str], Parameter(consume_multiple=True)]
 
@@ -179,6 +181,13 @@ class HvConfig(_Strict):
         description="Outer steps over which the outer lr rises linearly to its value (0: none); auto: in runs of "
         "fewer than 50 outer steps up to H = 100, the outer steps that cover 3 × --warmup-steps inner steps.",
     )
+    aggregation: Aggregation = Field(
+        "mean",
+        description="How each reducer combines the groups' pseudo-gradients: mean (weighted), trimmed-mean (per "
+        "value, drops the largest and smallest fifth, at least one each) or centered-clip (clips each group's pull "
+        "on the median); the robust two blunt a hostile or broken group, with 3 groups or more. Every group of a "
+        "run uses one.",
+    )
     matchmaking_time: float = Field(5.0, gt=0, description="Seconds to wait for peers when forming a round.")
     averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
     skip_load_from_peers: bool = Field(False, description="Do not download the outer state from peers on join.")
@@ -285,6 +294,13 @@ class HvConfig(_Strict):
                 raise ValueError(f"--hv.overlap-steps {self.overlap_steps} must be smaller than --hv.local-steps / "
                                  f"--hv.fragments = {self.local_steps // self.fragments}: a round lands before the "
                                  "next one starts")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _robust_needs_groups(self) -> HvConfig:
+        if self.aggregation != "mean" and self.galaxy_size < ROBUST_MIN:
+            raise ValueError(f"--hv.aggregation {self.aggregation} needs --hv.galaxy-size {ROBUST_MIN} or more: "
+                             "with fewer groups no majority can outvote a hostile one (use mean)")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -75,6 +75,8 @@ class DiLoCo:
         inner step ends with a round for every fragment. None: every round averages the whole model.
     :param overlap_steps: inner steps taken while a round is on the wire (``diloco.inflight``); 0: blocking.
     :param overlap_mix: how much of its own values a parameter keeps when an overlapped round lands.
+    :param aggregation: how reducers combine pseudo-gradients (``--hv.aggregation``): part of the outer setting the
+        groups of a run must share.
     """
 
     def __init__(
@@ -101,9 +103,12 @@ class DiLoCo:
         fragments: list[Runs] | None = None,
         overlap_steps: int = 0,
         overlap_mix: float = 0.5,
+        aggregation: str = "mean",
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup, fragments)
-        self.outer_setting = f"{outer_lr:g}/{outer_momentum:g} w{outer_warmup}"  # in the status record
+        # in the status record; the mean is left out, as records from before --hv.aggregation have it
+        robust = "" if aggregation == "mean" else f" {aggregation}"
+        self.outer_setting = f"{outer_lr:g}/{outer_momentum:g} w{outer_warmup}{robust}"
         self.fragments = len(fragments) if fragments else 1
         self.overlap, self.mix = overlap_steps, overlap_mix
         self.in_flight: InFlight | None = None

@@ -118,6 +118,9 @@ CASES = {
                                                           "--hv.overlap-steps", "2"], "--hv.overlap-steps 2"),
     "more fragments than layers": (lambda t: [*SWARM, "--hv.local-steps", "8", "--hv.fragments", "8"],
                                    "--hv.fragments 8: the model has 2 decoder layers"),  # fmt: skip
+    "robust aggregation for two groups": (lambda t: [*SWARM, "--hv.aggregation", "trimmed-mean"],
+                                          "--hv.aggregation trimmed-mean needs --hv.galaxy-size 3 or more"),
+    "unknown aggregation": (lambda t: ["--hv.aggregation", "median"], "--hv.aggregation"),
     "missing config file": (lambda t: ["--config", str(t / "run.toml")], "--config"),
     "run dir in use": (lambda t: ["--run-dir", str(occupied_run_dir(t))], "already holds a run"),
 }

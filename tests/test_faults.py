@@ -206,7 +206,8 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
     procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
     with logs[2].open("w") as out:
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.nan_peer", str(FAST[1]), "poisoned", "3", "2", "3", *dht_peer],
+            [sys.executable, "-m", "tests.hostile_peer", "nan", str(FAST[1]), "poisoned", "3", "2", "3", "mean",
+             *dht_peer],
             cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         ))  # fmt: skip
     finish(procs[:2], logs[:2], timeout=240)
@@ -224,6 +225,37 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
     assert all(math.isfinite(r["loss"]) for d in dirs for r in metrics(d) if "loss" in r)
     assert all(summary(d)["status"] == "ok" for d in dirs)
     assert "ok=False" in logs[2].read_text()  # the poisoned peer's own rounds fail
+
+
+@pytest.mark.parametrize("aggregation", ["trimmed-mean"])
+def test_a_sign_flipped_scaled_attacker_is_outvoted_by_a_robust_aggregation(
+    tmp_path: Path, dht_peer: list[str], aggregation: str
+) -> None:
+    """A third peer sends -50 times the swarm's last average in every round: under the norm screen's 100x, so
+    nothing is rejected (but at the end, when the cosine schedule shrank the honest pseudo-gradients). With the
+    mean, the averaged pseudo-gradient would grow ~16x per round (-50/3 of the last); with a robust
+    --hv.aggregation it stays at the honest groups' scale, and they end on one model."""
+    dirs = [tmp_path / f"w{i}" for i in range(2)]
+    logs = [tmp_path / f"w{i}.log" for i in range(3)]
+    steps = ["--max-steps", "30", "--hv.run-id", "flipped", "--hv.matchmaking-time", "8",
+             "--hv.aggregation", aggregation, "--hv.outer-lr", "1", "--hv.outer-momentum", "0"]  # fmt: skip
+    procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
+    with logs[2].open("w") as out:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.hostile_peer", "flip50", str(FAST[1]), "flipped", "3", "2", "6",
+             aggregation, *dht_peer],
+            cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        ))  # fmt: skip
+    finish(procs[:2], logs[:2], timeout=300)
+    procs[2].wait(timeout=120)
+    rows = [outer_rows(d) for d in dirs]
+    # rounds the attacker took part in after its first (zeros), unscreened: its -50x went into the reducers' rule
+    attacked = [r for r in rows[0] if r.get("num_peers") == 3 and r["outer_step"] > 1 and r.get("rejected") == 0]
+    first = rows[0][0]["pseudo_grad_norm"]  # the averaged pseudo-gradient the groups applied
+    assert all(r["pseudo_grad_norm"] < 3 * first for r in attacked), [r["pseudo_grad_norm"] for r in rows[0]]
+    assert len(attacked) >= 2, rows  # (with the mean: 16x in round 2, then its contributions are over 100x)
+    assert len({summary(d)["params_sha256"] for d in dirs}) == 1
+    assert all(summary(d)["status"] == "ok" for d in dirs)
 
 
 def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path: Path, dht_peer: list[str]) -> None:

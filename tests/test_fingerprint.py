@@ -123,6 +123,22 @@ def test_a_group_of_another_outer_setting_leaves_with_one_line() -> None:
     assert rival_model(mine, [status(0, "aaa", outer="")], lambda peer: True) is None
 
 
+def test_a_group_of_another_aggregation_leaves_naming_the_flag() -> None:
+    """A reducer with the mean would decide its spans as it likes in a swarm that trims: the later group leaves
+    with a line naming --hv.aggregation, and its status record carries the rule."""
+    hub = MemorySwarm(3)
+    first = group(hub, 0, net(), outer_lr=1.2, aggregation="trimmed-mean")
+    first.claim_world_rank()
+    first.join(0)
+    assert hub.statuses[0].outer == "1.2/0 w0 trimmed-mean"
+    with pytest.raises(FieldError) as refused:
+        group(hub, 1, net(seed=3), outer_lr=1.2).claim_world_rank()
+    assert str(refused.value.within("hv")) == (
+        "hv.aggregation mean: worker group 0 (peer peer-0) combines pseudo-gradients with trimmed-mean; the groups "
+        "of a run must use one --hv.aggregation (a reducer with another rule decides the spans it reduces)"
+    )
+
+
 def test_records_of_trainers_before_fingerprints_still_read() -> None:
     old = {name: value for name, value in status(0, "aaa").to_dict().items() if name not in ("model", "parameters",
                                                                                              "peer")}  # fmt: skip

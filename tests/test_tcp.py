@@ -31,6 +31,7 @@ def run_group(
     members: list[int] | None = None,
     schedules: list[Schedule] | None = None,
     in_place: bool = False,
+    aggregation: str = "mean",
 ) -> tuple[list[torch.Tensor], list[str | None], list[Round], float]:
     """One round of a group of ``len(vectors)`` peers (only ``members`` take part; the others are silent), with a
     flat schedule unless ``schedules`` are given; `in_place`: each peer's output is its vector. Returns (outputs,
@@ -46,7 +47,7 @@ def run_group(
     schedules = schedules or [None] * k
     rounds = [
         Round(v, o, group_id=group_id, index=i, endpoints=endpoints, weight=weights[i], codec=codec, timeout=timeout,
-              schedule=schedules[i])  # fmt: skip
+              schedule=schedules[i], aggregation=aggregation)  # fmt: skip
         for i, (v, o) in enumerate(zip(vectors, outs))
     ]
     errors: list[str | None] = [None] * k

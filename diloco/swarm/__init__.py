@@ -162,6 +162,7 @@ def join(
             fragments=[local_runs(f, [s.numel() for s in shards]) for f in fragments] if fragments else None,
             overlap_steps=hv.overlap_steps,
             overlap_mix=hv.overlap_mix,
+            aggregation=hv.aggregation,
         )
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all
@@ -217,7 +218,7 @@ def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager
         averager if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
         endpoints=endpoints, broadcast=broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
         timeout=timeout, replicas=replicas, transport=hv.transport, connect=connect, tunnel=tunnel,
-        fragments=fragments,
+        fragments=fragments, aggregation=hv.aggregation,
     )  # fmt: skip
 
 

@@ -50,7 +50,8 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
     fingerprints (its record has no model: it uses other keys and would never meet this group), or averages over
     another ``--hv.transport`` (the two matchmake under different keys and reach ranks differently: they never
     meet), or takes outer steps with another lr, momentum or lr warm-up (the same averaged pseudo-gradient would
-    then leave the groups on different outer parameters), and was there first; None if there is none.
+    then leave the groups on different outer parameters) or another ``--hv.aggregation`` (a reducer with the mean
+    would undo the others' robustness on its spans), and was there first; None if there is none.
 
     A group past joining was there first; of two groups joining at the same moment the one whose record is older
     stays (then the lower world rank), so exactly one of them leaves. Groups that left are not compared; a record
@@ -78,9 +79,16 @@ def mismatch_error(other: Status, mine: ModelId, transport: str = "", outer: str
             "average with this one; run one diloco version in every group of a run, or give this one another run id"
         )
     if other.model == mine.fingerprint and other.transport in ("", transport):
+        (theirs, their_rule), (ours, our_rule) = _setting(other.outer), _setting(outer)
+        if theirs == ours:
+            return FieldError(
+                f"{{aggregation}} {our_rule}: worker group {other.world_rank} (peer {other.peer}) combines "
+                f"pseudo-gradients with {their_rule}; the groups of a run must use one --hv.aggregation (a reducer "
+                "with another rule decides the spans it reduces)"
+            )
         return FieldError(
             f"{{outer_lr}}: worker group {other.world_rank} (peer {other.peer}) takes outer steps with lr/momentum "
-            f"and warm-up {other.outer}, this group with {outer}; the groups of a run must use one outer setting: "
+            f"and warm-up {theirs}, this group with {ours}; the groups of a run must use one outer setting: "
             "give every group the same --hv.outer-lr, --hv.outer-momentum and --hv.outer-lr-warmup (auto picks "
             "them by H, galaxy size and --warmup-steps)"
         )
@@ -96,6 +104,12 @@ def mismatch_error(other: Status, mine: ModelId, transport: str = "", outer: str
         f"this group ({mine}); the groups of a run must train the same model: give this one the same model or "
         "another run id"
     )
+
+
+def _setting(outer: str) -> tuple[str, str]:
+    """A status record's outer setting (``DiLoCo.outer_setting``) as (lr/momentum wN, aggregation)."""
+    words = outer.split()
+    return " ".join(words[:2]), " ".join(words[2:]) or "mean"
 
 
 def run_key(run_id: str, model: ModelId | None) -> str:

@@ -23,6 +23,7 @@ from typing import get_args
 import torch
 import torch.distributed as dist
 
+from diloco.aggregation import Aggregation
 from diloco.config import ShardingStrategy
 from diloco.swarm import tcp
 from diloco.swarm.layout import Shape, group_layout, plan, plan_schedule, replica_slice
@@ -114,6 +115,7 @@ def run_round(
     codec: tcp.Codec,
     timeout: float,
     connect: tcp.Connect = tcp.connect,
+    aggregation: Aggregation = "mean",
 ) -> Outcome:
     """This rank's part of the round: `vector` is its local buffer (its shard of every parameter, concatenated in
     the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``); it may
@@ -128,6 +130,7 @@ def run_round(
     round_ = tcp.Round(
         vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints,
         weight=info.members[info.me].weight, codec=codec, timeout=timeout, schedule=schedule, connect=connect,
+        aggregation=aggregation,
     )  # fmt: skip
     listener.register(round_)
     try:
@@ -159,6 +162,7 @@ class GroupRounds:
     :param transport: what carries the bytes, "tcp" or "p2pd" (every group of a run uses one); ``connect``
         reaches other ranks' listeners that way, and ``tunnel`` (over p2pd: a ``diloco.swarm.tunnel.Tunnel``)
         brings their streams to ``listener``. ``close()`` closes both.
+    :param aggregation: how this rank combines the contributions to the spans it reduces (``--hv.aggregation``).
     """
 
     def __init__(
@@ -178,7 +182,9 @@ class GroupRounds:
         connect: tcp.Connect = tcp.connect,
         tunnel: object | None = None,
         fragments: Sequence[Sequence[int]] | None = None,
+        aggregation: Aggregation = "mean",
     ):
+        self.aggregation = aggregation
         self.matcher, self.rank, self.shape, self.model_shapes = matcher, rank, shape, [tuple(s) for s in model_shapes]
         self.endpoints = tuple((tuple(hosts), int(port)) for hosts, port in endpoints)
         self.broadcast, self.listener, self.codec, self.timeout, self.replicas = (
@@ -220,7 +226,8 @@ class GroupRounds:
         # in place: no second copy of the pseudo-gradient (the trainer's one tensor is viewed flat, not copied)
         vector = tcp.flatten(list(tensors))
         outcome = run_round(info, self.rank, shapes, vector, vector, listener=self.listener,
-                            codec=self.codec, timeout=self.timeout, connect=self.connect)  # fmt: skip
+                            codec=self.codec, timeout=self.timeout, connect=self.connect,
+                            aggregation=self.aggregation)  # fmt: skip
         if self.replicas is not None:
             self.replicas.fill(vector)  # collective: also when this rank's part failed
         if outcome.ok and len(tensors) > 1:

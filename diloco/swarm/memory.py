@@ -4,8 +4,9 @@
 The groups of a round meet at a barrier and each gets the exact weighted mean of their tensors, summed in one
 order (by peer id), which is what the real swarm computes with `--hv.compression none`: bit-identical in every
 group. Given a wire format's codec (`diloco.swarm.tcp.Codec`), every contribution and the mean go through it,
-part by part, as over the wire (a real reducer's own part skips it: this is slightly the more lossy). Progress
-and status records and served states live in dicts. It implements `diloco.links.Swarm`;
+part by part, as over the wire (a real reducer's own part skips it: this is slightly the more lossy). With a robust
+``aggregation`` the groups' tensors are laid end to end and combined part by part (``PART_NUMEL`` values, as the TCP
+transport cuts a flat vector) by ``diloco.aggregation``. Progress and status records and served states live in dicts. It implements `diloco.links.Swarm`;
 plain torch, no hivemind, no network.
 """
 
@@ -18,11 +19,14 @@ from typing import Any
 
 import torch
 
+from diloco.aggregation import aggregate
+from diloco.config import Aggregation
 from diloco.swarm.budget import RoundTokens
 from diloco.swarm.progress import Progress
 from diloco.swarm.status import Status
 
 State = tuple[dict[str, Any], list[torch.Tensor]]
+PART_NUMEL = 2**18  # values per part of a robust aggregation: the TCP transport's (``tcp.RAW.part_numel``)
 
 
 @dataclass
@@ -46,10 +50,11 @@ class MemorySwarm:
         bigger one when a group joins).
     :param codec: what the contributions and the mean go through (None: exact float32); `wire_bytes` counts the
         encoded bytes of every contribution.
+    :param aggregation: how the contributions are combined (``--hv.aggregation``).
     """
 
-    def __init__(self, groups: int, codec: Any = None) -> None:
-        self.codec = codec
+    def __init__(self, groups: int, codec: Any = None, aggregation: Aggregation = "mean") -> None:
+        self.codec, self.aggregation = codec, aggregation
         self.wire_bytes = 0
         self._count_lock = threading.Lock()
         self.barrier = threading.Barrier(groups)
@@ -73,6 +78,18 @@ class MemorySwarm:
                     self.wire_bytes += len(encoded)
             out[lo : lo + part.numel()] = self.codec.decode(memoryview(encoded), part.numel())
         return out.view(tensor.shape)
+
+    def combine(self, inputs: list[tuple[list[torch.Tensor], float]]) -> list[torch.Tensor]:
+        """The groups' (tensors, weight) combined, tensor by tensor, as every group receives them."""
+        weights = [w for _, w in inputs]
+        if self.aggregation == "mean":
+            total = sum(weights)
+            return [self.wire(sum(ts[i] * w for ts, w in inputs) / total) for i in range(len(inputs[0][0]))]
+        flats = [torch.cat([t.reshape(-1) for t in ts]) for ts, _ in inputs]
+        flat = torch.cat([aggregate([f[lo : lo + PART_NUMEL] for f in flats], weights, self.aggregation)
+                          for lo in range(0, flats[0].numel(), PART_NUMEL)])  # fmt: skip
+        shapes = [t.shape for t in inputs[0][0]]
+        return [self.wire(part.view(shape)) for part, shape in zip(flat.split([s.numel() for s in shapes]), shapes)]
 
     def member(self, peer_id: str) -> Member:
         return Member(self, peer_id)
@@ -111,8 +128,7 @@ class Member:
         swarm.inbox[self.peer_id] = ([swarm.wire(t, count=True) for t in tensors], weight)
         swarm.barrier.wait()
         inputs = [swarm.inbox[name] for name in sorted(swarm.inbox)]  # one summation order: the same bytes
-        total = sum(w for _, w in inputs)
-        means = [swarm.wire(sum(ts[i] * w for ts, w in inputs) / total) for i in range(len(tensors))]
+        means = swarm.combine(inputs)
         swarm.barrier.wait()  # everyone has read the inbox before the next round overwrites it
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean)

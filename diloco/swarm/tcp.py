@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from diloco.aggregation import Aggregation, aggregate
 from diloco.screening import MAX_NORM_RATIO, part_norm, screen
 from diloco.swarm.layout import Part, Schedule, flat_schedule
 
@@ -175,6 +176,7 @@ class Round:
         silent that long is dropped from the average (the others go on); a silent reducer fails the round.
     :param schedule: who reduces and sends which parts, as this peer sees it; None: every peer holds the whole
         vector (``flat_schedule``).
+    :param aggregation: how this peer, as reducer, combines the screened contributions (``diloco.aggregation``).
     """
 
     def __init__(
@@ -191,8 +193,10 @@ class Round:
         max_norm_ratio: float = MAX_NORM_RATIO,
         schedule: Schedule | None = None,
         connect: Connect = connect,
+        aggregation: Aggregation = "mean",
     ):
         self.vector, self.out, self.group_id, self.index = vector, out, group_id, index
+        self.aggregation = aggregation
         self.connector = connect
         self.endpoints, self.codec, self.timeout, self.max_norm_ratio = endpoints, codec, timeout, max_norm_ratio
         self.k = len(endpoints)
@@ -354,9 +358,14 @@ class Round:
         return {s: (parts[s], weights[s]) for s in live if s not in reasons}
 
     def _average(self, q: int, contributions: dict[int, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, object]:
-        """Weighted mean in sender order (0/0 = NaN when nothing is left, which fails the round at every peer)."""
+        """Weighted mean in sender order (0/0 = NaN when nothing is left, which fails the round at every peer), or
+        the round's robust rule."""
         if not contributions:
             average = torch.full((self.schedule.parts[self.index][q].numel,), float("nan"))
+            return average, self.codec.encode(average)
+        if self.aggregation != "mean":
+            parts, weights = zip(*contributions.values())
+            average = aggregate(parts, weights, self.aggregation)
             return average, self.codec.encode(average)
         (first, (average, weight)), *others = contributions.items()
         # a groupmate's decoded part is a buffer of this round alone: accumulate into it (our own is the input)

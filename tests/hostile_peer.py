@@ -1,8 +1,13 @@
 """A misbehaving worker group for the fault tests: it joins the swarm like a one-rank group (over TCP: its rank 0
-matchmakes for the group) and sends a pseudo-gradient full of NaN in every round, as a trainer with a broken NaN
-check would.
+matchmakes for the group) and, in every round, sends
 
-Usage: python -m tests.nan_peer MODEL_DIR RUN_ID GALAXY_SIZE WORLD_RANK ROUNDS INITIAL_PEER...
+- ``nan``: a pseudo-gradient full of NaN, as a trainer with a broken NaN check would;
+- ``flip50``: -50 times the average the swarm sent it in the round before (zeros in the first): a sign-flipped,
+  scaled copy of the honest pseudo-gradient, under the norm screen's 100x. It reduces its own spans honestly,
+  with the swarm's ``--hv.aggregation`` (a hostile reducer is another attack).
+
+Usage: python -m tests.hostile_peer ATTACK MODEL_DIR RUN_ID GALAXY_SIZE WORLD_RANK ROUNDS AGGREGATION
+INITIAL_PEER...
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ MATCHMAKING_S = 8  # as the honest groups of the test: long enough under load fo
 AVERAGING_S = 15
 
 
-def main(model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int, peers: list[str]) -> None:
+def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int, aggregation: str,
+         peers: list[str]) -> None:  # fmt: skip
     module = load_model(Path(model_dir), seed=0)
     model = model_id(module.named_parameters())
     size = model.parameters
@@ -42,11 +48,16 @@ def main(model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int,
         averager, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[tuple(p.shape) for p in module.parameters()],
         endpoints=[(announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1])], broadcast=lambda o: o,
         listener=listener, codec=WIRE_FORMATS["none"].tcp, timeout=AVERAGING_S / 4, replicas=None,
+        aggregation=aggregation,
     )  # fmt: skip
+    last = torch.zeros(size)  # the swarm's last average, as it came back
     try:
         rendezvous(dht, f"{prefix}-members", str(world_rank), galaxy, 60)
         for round_index in range(1, rounds + 1):
-            report = group.average([torch.full((size,), float("nan"))], round_index, 1.0, lambda: False)
+            sent = torch.full((size,), float("nan")) if attack == "nan" else -50 * last
+            report = group.average([sent], round_index, 1.0, lambda: False)  # in place: `sent` holds the average
+            if report.ok and report.num_peers > 1:
+                last = sent
             print(f"round {round_index}: ok={report.ok} num_peers={report.num_peers}", flush=True)
     finally:
         listener.close()
@@ -55,5 +66,5 @@ def main(model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int,
 
 
 if __name__ == "__main__":
-    model, run, galaxy, rank, rounds, *initial = sys.argv[1:]
-    main(model, run, int(galaxy), int(rank), int(rounds), initial)
+    attack, model, run, galaxy, rank, rounds, aggregation, *initial = sys.argv[1:]
+    main(attack, model, run, int(galaxy), int(rank), int(rounds), aggregation, initial)
