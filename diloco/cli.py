@@ -77,6 +77,16 @@ class _HvFlags(pydantic.BaseModel):
     hv: HvConfig
 
 
+def keygen(path: Annotated[Path, Parameter(help="Where to write the key (refused if the file exists).")], /) -> int:
+    """Write a new swarm key: a random secret, mode 0600. Give it to every worker group of the swarm with
+    --hv.swarm-key PATH (and to `diloco status`); copy it to the other machines over a channel you trust."""
+    from diloco.swarm.swarm_key import keygen as write_key
+
+    write_key(path)
+    print(f"wrote a swarm key to {path} (mode 0600); pass --hv.swarm-key {path} to every group of the swarm")
+    return 0
+
+
 def status(
     *,
     initial_peers: Annotated[list[str], Parameter(name="--hv.initial-peers", consume_multiple=True, negative="", help=(
@@ -85,6 +95,9 @@ def status(
     run_id: Annotated[str, Parameter(name="--hv.run-id", help=(
         "The run's swarm name (its groups' --hv.run-id)."
     ))] = _DEFAULT_RUN_ID,
+    swarm_key: Annotated[Path | None, Parameter(name="--hv.swarm-key", help=(
+        "The swarm's key file, when its groups run with --hv.swarm-key."
+    ))] = None,
     watch: Annotated[float | None, Parameter(help="Redraw every SECONDS until Ctrl+C (then exit 0).")] = None,
     as_json: Annotated[bool, Parameter(name="--json", negative="", help=(
         "One JSON object (run_id, time, groups) instead of the table; with --watch, one per line."
@@ -101,11 +114,11 @@ def status(
       3  no worker group of --hv.run-id published a status in the last 3 minutes"""
     from diloco.swarm import monitor  # plain Python: hivemind only once the flags are valid
 
-    _HvFlags(hv={"initial_peers": initial_peers, "run_id": run_id})
+    _HvFlags(hv={"initial_peers": initial_peers, "run_id": run_id, "swarm_key": swarm_key})
     if watch is not None and watch <= 0:
         raise UsageError(f"--watch {watch:g}: give a positive number of seconds")
     try:
-        return monitor.show(initial_peers, run_id, watch, as_json)
+        return monitor.show(initial_peers, run_id, watch, as_json, swarm_key=swarm_key)
     except monitor.StatusError as e:
         print(f"error: {_one_line(as_flags(e.within('hv')))}", file=sys.stderr)
         return e.exit_code
@@ -244,6 +257,8 @@ BENCH_HELP = {
     "every round, and the round time.",
     "compression": "Held-out loss at equal tokens and bytes per value of each --hv.compression (none, fp16, int8, "
     "int4): 2 groups, H = 25, against DDP, on real text.",
+    "poison": "One hostile group among four honest ones (50x, sign-flipped, noise pseudo-gradients) under each "
+    "--hv.aggregation (mean, trimmed-mean, centered-clip): eval loss against the swarm without it, on real text.",
     "wan": "Time to a loss on a slow link: DDP, DiLoCo blocking, and fragments overlapping the inner steps (with int4) "
     "on real text, 2 workers behind tbf links of 100 Mbit/s and 1 Gbit/s (network namespaces; needs root).",
 }
@@ -251,7 +266,7 @@ BENCH_HELP = {
 
 def _bench_command(name: str) -> Callable[..., int]:
     """`diloco bench <name>`: cyclopts reads the flags from the signature and the help from the docstring. Only
-    convergence, compression and wan read data (`--data`): the others train on fake data. strategies takes a
+    convergence, compression, poison and wan read data (`--data`): the others train on fake data. strategies takes a
     `--model`."""
 
     def command(
@@ -293,9 +308,8 @@ def _bench_command(name: str) -> Callable[..., int]:
             return _bench(name, quick, out, doc)
         return _bench(name, quick, out, doc, model=_bench_model(model))
 
-    chosen = {"convergence": with_study, "compression": with_data, "wan": with_data, "strategies": with_model}.get(
-        name, command
-    )
+    readers = {"convergence": with_study, "compression": with_data, "poison": with_data, "wan": with_data}
+    chosen = (readers | {"strategies": with_model}).get(name, command)
     chosen.__doc__ = BENCH_HELP[name]
     return chosen
 
@@ -340,6 +354,7 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
     app.command(train_command, name="train")
     app.command(dht)
     app.command(status)
+    app.command(keygen)
     app.command(launch)
     app.command(slurm)
     app.command(plot)

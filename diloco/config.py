@@ -212,6 +212,11 @@ class HvConfig(_Strict):
     run_id: str = Field(
         "diloco", pattern=r"^[A-Za-z0-9_-]+$", description="Swarm name: keeps separate runs apart on one DHT."
     )
+    swarm_key: Path | None = Field(
+        None,
+        description="A secret every group of the swarm holds (`diloco keygen PATH` writes one, mode 0600): records, "
+        "rounds and state downloads of groups without it are ignored. None: an open swarm (README, 'Security').",
+    )
     host_maddrs: Maddrs = Field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
         description="Multiaddrs this peer listens on; port 0 = any free port, a fixed port P is P + local rank "
@@ -442,6 +447,13 @@ class Config(_Strict):
                              "hub dataset with configurations")  # fmt: skip
         elif self.dataset is not None and not self.dataset.exists():
             raise UsageError(f"--dataset {self.dataset}: no such file or folder")
+        if self.hv.swarm_key is not None:
+            from diloco.swarm.swarm_key import SwarmKey  # plain Python
+
+            try:
+                SwarmKey.load(self.hv.swarm_key)
+            except FieldError as e:
+                raise e.within("hv") from None
         if self.tokenizer is not None and hub.is_hub_id(self.tokenizer):
             hub.check_name("tokenizer", self.tokenizer)
         elif self.tokenizer is not None and not Path(self.tokenizer).is_dir():

@@ -81,6 +81,11 @@ class Swarm(Protocol):
         """Whether the peer answers now."""
         ...
 
+    @property
+    def rejected_records(self) -> int:
+        """Records read so far and ignored for a missing or wrong swarm-key seal (0 in an open swarm)."""
+        ...
+
     def serve_state(self, provider: Callable[[], State]) -> None:
         """Start answering state downloads of other groups with `provider()`."""
         ...

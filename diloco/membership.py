@@ -586,7 +586,8 @@ class DiLoCo:
         return sorted(r.world_rank for r in pending if self.swarm.alive(r.peers[0]))
 
     def summary(self) -> dict[str, Any]:
-        return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers}
+        return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers,
+                "rejected_records": self.swarm.rejected_records}  # fmt: skip
 
     def close(self) -> None:
         """Tell onlookers how this group left, then leave the swarm (a round still in flight, which gives up once

@@ -64,6 +64,14 @@ def busy_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
+def open_key(tmp: Path) -> Path:
+    """A swarm key file anyone may read."""
+    path = tmp / "swarm.key"
+    path.write_text("ab" * 32 + "\n")
+    path.chmod(0o644)
+    return path
+
+
 def left_in(work: Path, grace_s: float = 5.0) -> list[str]:
     """Processes still running with ``work`` as their folder after ``grace_s`` seconds: every process a command
     starts (its DHT process, p2pd) inherits it. They are killed, and their command lines returned."""
@@ -121,6 +129,9 @@ CASES = {
     "robust aggregation for two groups": (lambda t: [*SWARM, "--hv.aggregation", "trimmed-mean"],
                                           "--hv.aggregation trimmed-mean needs --hv.galaxy-size 3 or more"),
     "unknown aggregation": (lambda t: ["--hv.aggregation", "median"], "--hv.aggregation"),
+    "missing swarm key": (lambda t: [*SWARM, "--hv.swarm-key", str(t / "none.key")], "--hv.swarm-key"),
+    "swarm key readable by others": (lambda t: [*SWARM, "--hv.swarm-key", str(open_key(t))],
+                                     "let others read the key; chmod 600"),  # fmt: skip
     "missing config file": (lambda t: ["--config", str(t / "run.toml")], "--config"),
     "run dir in use": (lambda t: ["--run-dir", str(occupied_run_dir(t))], "already holds a run"),
 }

@@ -278,6 +278,62 @@ def test_a_sender_that_dies_mid_stream_is_left_out():
     assert 2 in rounds[0]._banned  # reducer 0 dropped it
 
 
+@pytest.mark.parametrize("frame", ["length 2**40", "short part", "nothing (slowloris)"])
+def test_a_hostile_groupmates_frames_are_refused_and_the_reducer_goes_on(frame: str):
+    """Groupmate 2 passes the handshake with reducer 0, then sends a length header claiming 2**40 bytes, a part
+    shorter than the schedule's, or nothing at all: reducer 0 drops it (at once, or after its timeout), never
+    allocates what the header claims, and averages its span from the other two."""
+    vectors = [randn(3 * 2**18, seed) for seed in range(3)]
+    listeners = [Listener(listen_socket("127.0.0.1", 0), 2.0).start() for _ in range(3)]
+    endpoints = [(["127.0.0.1"], listener._sock.getsockname()[1]) for listener in listeners]
+    group_id = os.urandom(32)
+    outs = [torch.full_like(v, float("nan")) for v in vectors]
+    rounds = [Round(v, o, group_id=group_id, index=i, endpoints=endpoints, weight=1.0, codec=RAW, timeout=2.0)
+              for i, (v, o) in enumerate(zip(vectors, outs))]  # fmt: skip
+    for listener, round_ in zip(listeners[:2], rounds[:2]):
+        listener.register(round_)
+    hostile = rounds[2]._connect(0)
+    if frame == "length 2**40":
+        hostile.sendall(tcp.LENGTH.pack(2**40))
+    elif frame == "short part":
+        hostile.sendall(tcp.LENGTH.pack(12) + b"\0" * 12)
+    threads = [threading.Thread(target=lambda r=r: _raises(r.run)) for r in rounds[:2]]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    hostile.close()
+    for listener in listeners:
+        listener.close()
+    assert time.monotonic() - started < 15
+    assert 2 in rounds[0]._banned, rounds[0]._banned
+    lo, hi = rounds[0]._bounds(rounds[0].schedule.parts[0][0])  # reducer 0's first part, averaged without peer 2
+    assert torch.equal(outs[1][lo:hi], (vectors[0][lo:hi] + vectors[1][lo:hi]) / 2)
+
+
+def test_a_hello_replayed_from_an_earlier_round_is_refused():
+    """A groupmate's hello of round A, recorded and replayed to the same peer during round B (another group id):
+    it names a round that is not there, or carries the MAC of another key, and is dropped unanswered."""
+    listener = Listener(listen_socket("127.0.0.1", 0), 2.0, registration_timeout=0.5).start()
+    endpoints = [(["127.0.0.1"], 1), (["127.0.0.1"], listener._sock.getsockname()[1])]
+    vector = randn(1000, 0)
+    old, new = (Round(vector, vector.clone(), group_id=os.urandom(32), index=1, endpoints=endpoints, weight=1.0,
+                      codec=RAW, timeout=2.0) for _ in range(2))  # fmt: skip
+    listener.register(new)
+    try:
+        for tag in (old.tag, new.tag):  # as recorded; and with the tag patched to the new round's
+            fields = tcp.HELLO.pack(tcp.MAGIC, tag, 0, 1, 2, old.digest, b"none", 1.0)
+            replay = socket.create_connection(("127.0.0.1", endpoints[1][1]))
+            replay.sendall(fields + tcp._mac(old.group_id, fields))
+            replay.settimeout(5)
+            assert replay.recv(1) == b""  # dropped without an answer
+            replay.close()
+        assert not new._attached
+    finally:
+        listener.close()
+
+
 def test_strangers_and_wrong_hosts_are_refused_and_the_round_goes_on():
     """A connection with a wrong MAC is dropped; an endpoint whose first host answers on that port but is not the
     peer (say, another machine's loopback) fails the handshake there and is reached through its next host."""

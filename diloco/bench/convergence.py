@@ -45,6 +45,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup
 
 from diloco.bench import BenchError
+from diloco.bench.attacks import Attacker
 from diloco.bench.convergence_report import markdown, plot, stem, summarize
 from diloco.bench.models import model_folder
 from diloco.config import Config, FieldError, auto_outer
@@ -104,6 +105,8 @@ class ArmSpec:
     layout: str = "strided"  # --hv.fragment-layout
     overlap: int = 0  # --hv.overlap-steps
     mix: float = 0.5  # --hv.overlap-mix
+    aggregation: str = "mean"  # --hv.aggregation (`bench poison`)
+    attack: str = ""  # the last group forges its pseudo-gradients (`bench.attacks`); its data is group 0's
 
     @property
     def setting(self) -> Setting | None:
@@ -249,7 +252,9 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
     seed = w.seed if spec.seed is None else spec.seed
     lr = w.lr if spec.lr is None else spec.lr
     warmup = w.warmup_steps if spec.warmup_steps is None else spec.warmup_steps
-    swarm = MemorySwarm(spec.groups, codec=None if spec.compression is None else _codec(spec.compression))
+    codec = None if spec.compression is None else _codec(spec.compression)
+    swarm = MemorySwarm(spec.groups, codec=codec, aggregation=spec.aggregation)  # type: ignore[arg-type]
+    honest = spec.groups - 1 if spec.attack else spec.groups  # an attacker leaves the honest groups' data as it was
     models = [load_model(w.model, seed) for _ in range(spec.groups)]  # one initialisation for all groups
     tokens_per_step = spec.groups * spec.batch * w.seq_length
     every = max(spec.steps // w.evals, 1)
@@ -258,13 +263,16 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
 
     def group(g: int) -> None:
         model = models[g]
-        data = BlockBatches(corpus.train, Shard(g, spec.groups), spec.batch, seed)
+        data = BlockBatches(corpus.train, Shard(g % honest, honest), spec.batch, seed)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
         schedule = get_cosine_schedule_with_warmup(opt, warmup, spec.steps)
         outer = None
         if spec.outer is not None:
             outer_lr, momentum = spec.outer
-            outer = DiLoCo([p.data for p in model.parameters()], swarm.member(f"g{g}"), solo_group(), world_rank=g,
+            member = swarm.member(f"g{g}")
+            if g >= honest:
+                member = Attacker(member, spec.attack, seed)
+            outer = DiLoCo([p.data for p in model.parameters()], member, solo_group(), world_rank=g,
                            local_steps=spec.h, outer_lr=outer_lr, outer_momentum=momentum,
                            outer_warmup=spec.outer_warmup, final_step=spec.steps, fragments=fragment_runs(spec, model),
                            overlap_steps=spec.overlap, overlap_mix=spec.mix)  # fmt: skip

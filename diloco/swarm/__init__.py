@@ -103,13 +103,16 @@ def join(
     from diloco.swarm.peer import SwarmPeer
     from diloco.swarm.progress import progress_key
     from diloco.swarm.status import status_key
+    from diloco.swarm.swarm_key import SealedStore, SwarmKey
 
+    key = SwarmKey.load(hv.swarm_key) if hv.swarm_key is not None else None
+    run_id = hv.run_id if key is None else key.run_id(hv.run_id)  # a keyed swarm's DHT keys: unknown to others
     dht = start_dht(
         initial_peers=hv.initial_peers,
         host_maddrs=[offset_port(m, env.local_rank) for m in hv.host_maddrs],
         announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
     )
-    run = run_key(hv.run_id, model)
+    run = run_key(run_id, model)
     # rank 0 matchmakes for its whole group under a key every shape shares (and one transport: their rounds travel
     # differently); rounds and states travel over the ranks' listeners, so the other ranks need no averager
     prefix = f"{run}-groups" + ("" if hv.transport == "tcp" else f"-{hv.transport}")
@@ -122,15 +125,16 @@ def join(
                 matchmaking_time=hv.matchmaking_time, averaging_timeout=hv.averaging_timeout,
                 target_group_size=hv.galaxy_size, transport=hv.transport, match_only=True,
             )  # fmt: skip
-        rounds = group_rounds(hv, env, group, dht, averager, model_shapes, sharding, port, fragments)
+        rounds = group_rounds(hv, env, group, dht, averager, model_shapes, sharding, port, fragments, key)
     except BaseException:
         if averager is not None:
             averager.shutdown()
         dht.shutdown()
         raise
+    records = dht if key is None else SealedStore(dht, key)  # records sealed with the key, and read only so
     peer = SwarmPeer(
-        dht, averager, progress_key(run), REQUEST_TIMEOUT_S,
-        status_key=status_key(hv.run_id), tokens_key=tokens_key(hv.run_id), rounds=rounds,
+        records, averager, progress_key(run), REQUEST_TIMEOUT_S,
+        status_key=status_key(run_id), tokens_key=tokens_key(run_id), rounds=rounds,
     )  # fmt: skip
     try:
         if hv.target_tokens and final_step:  # a run of 0 steps has no round to pace
@@ -167,7 +171,8 @@ def join(
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all
         if group.is_main:  # rank 0 meets the other groups for its whole group
-            seen = rendezvous(dht, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout, stop)
+            seen = rendezvous(records, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout,
+                              stop)  # fmt: skip
             log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
         group.broadcast(None)
     except BaseException:
@@ -178,7 +183,7 @@ def join(
 
 def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager: object,
                  model_shapes: list[tuple[int, ...]], sharding: str, port: int,
-                 fragments: list[list[int]] | None = None):  # fmt: skip
+                 fragments: list[list[int]] | None = None, key: object = None):  # fmt: skip
     """Collective: this rank's listener (a TCP socket, or libp2p streams through a ``tunnel.Tunnel``), every rank's
     endpoint, and the replicas' process groups, for rounds of whole groups (``group_round.GroupRounds``). Rounds
     that overlap the inner steps (``hv.overlap_steps``) run on a thread of their own: their broadcast gets a process
@@ -218,7 +223,7 @@ def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager
         averager if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
         endpoints=endpoints, broadcast=broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
         timeout=timeout, replicas=replicas, transport=hv.transport, connect=connect, tunnel=tunnel,
-        fragments=fragments, aggregation=hv.aggregation,
+        fragments=fragments, aggregation=hv.aggregation, key=key,
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from diloco.config import ShardingStrategy
 from diloco.swarm import tcp
 from diloco.swarm.layout import Shape, group_layout, plan, plan_schedule, replica_slice
 from diloco.swarm.listener import Listener
+from diloco.swarm.swarm_key import SwarmKey
 
 log = logging.getLogger("diloco")
 
@@ -163,6 +164,8 @@ class GroupRounds:
         reaches other ranks' listeners that way, and ``tunnel`` (over p2pd: a ``diloco.swarm.tunnel.Tunnel``)
         brings their streams to ``listener``. ``close()`` closes both.
     :param aggregation: how this rank combines the contributions to the spans it reduces (``--hv.aggregation``).
+    :param key: the swarm key (``diloco.swarm.swarm_key``): announcements without its MAC are left out of the
+        round, and the round's handshakes are keyed with it too. None: an open swarm.
     """
 
     def __init__(
@@ -183,8 +186,9 @@ class GroupRounds:
         tunnel: object | None = None,
         fragments: Sequence[Sequence[int]] | None = None,
         aggregation: Aggregation = "mean",
+        key: SwarmKey | None = None,
     ):
-        self.aggregation = aggregation
+        self.aggregation, self.key = aggregation, key
         self.matcher, self.rank, self.shape, self.model_shapes = matcher, rank, shape, [tuple(s) for s in model_shapes]
         self.endpoints = tuple((tuple(hosts), int(port)) for hosts, port in endpoints)
         self.broadcast, self.listener, self.codec, self.timeout, self.replicas = (
@@ -241,15 +245,25 @@ class GroupRounds:
         """Rank 0: (the round, or None; groups in it; ok)."""
         mine = {"shape": [self.shape.strategy, self.shape.world_size, self.shape.nodes],
                 "endpoints": [[list(hosts), port] for hosts, port in self.endpoints], "weight": weight}  # fmt: skip
-        match, report = self.matcher.match(round_index, mine, stop)
+        match, report = self.matcher.match(round_index, self.key.sign_member(mine) if self.key else mine, stop)
         if match is None:
             return None, report.num_peers, report.ok
+        gathered, me, group_id = list(match.gathered), match.index, match.group_id
+        if self.key is not None:  # every member sees the same announcements: all leave out the same ones
+            signed = [self.key.member_signed(entry) for entry in gathered]
+            if (left_out := sum(entry is None for entry in signed)) > 0:
+                log.warning("averaging: %d group(s) in this round announced themselves without this swarm's key; "
+                            "averaging without them", left_out)  # fmt: skip
+            me = sum(entry is not None for entry in signed[:me])
+            gathered, group_id = [entry for entry in signed if entry is not None], self.key.round_secret(group_id)
         try:
-            members = tuple(member_of(entry) for entry in match.gathered)
+            members = tuple(member_of(entry) for entry in gathered)
         except (TypeError, ValueError, KeyError) as e:  # another version, or a bad actor: no round with them
             log.warning("averaging: a group announced itself in a form this version cannot read (%s)", e)
-            return None, len(match.gathered), False
-        return RoundInfo(match.group_id, members, match.index), len(members), True
+            return None, len(gathered), False
+        if len(members) < 2:
+            return None, len(members), True  # alone among strangers: as a round of one
+        return RoundInfo(group_id, members, me), len(members), True
 
 
 def member_of(entry: object) -> Member:

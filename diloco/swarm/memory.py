@@ -155,6 +155,8 @@ class Member:
     def alive(self, peer_id: str) -> bool:
         return peer_id in self.swarm.providers
 
+    rejected_records = 0  # no swarm key in memory
+
     def serve_state(self, provider: Callable[[], State]) -> None:
         self.swarm.providers[self.peer_id] = provider
 

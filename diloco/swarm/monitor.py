@@ -20,11 +20,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from diloco.config import FieldError
 from diloco.swarm import status
 from diloco.swarm.status import Status
+from diloco.swarm.swarm_key import SealedStore, SwarmKey
 
 if TYPE_CHECKING:
     import hivemind
@@ -55,7 +57,8 @@ class NoGroups(StatusError):
 
 
 def show(
-    initial_peers: Sequence[str], run_id: str, watch: float | None, as_json: bool, out: TextIO = sys.stdout
+    initial_peers: Sequence[str], run_id: str, watch: float | None, as_json: bool, out: TextIO = sys.stdout,
+    swarm_key: Path | None = None,
 ) -> int:
     """The body of ``diloco status``. Returns the exit code.
 
@@ -64,17 +67,22 @@ def show(
     :param watch: redraw every `watch` seconds until Ctrl+C; None: show once.
     :param as_json: one JSON object per look instead of a table.
     :param out: where the table or the JSON goes.
+    :param swarm_key: the key file of a keyed swarm (``--hv.swarm-key``): its records are read under the key's
+        run id, and only those sealed with it are shown.
     :raises FieldError: bad input naming ``initial_peers``; ``Unreachable`` / ``NoGroups`` (a ``StatusError``).
     """
     check_peers(initial_peers)
+    key = None if swarm_key is None else SwarmKey.load(swarm_key)
     dht = None
     try:
         dht = client(initial_peers)
+        store = dht if key is None else SealedStore(dht, key)
+        stored_as = run_id if key is None else key.run_id(run_id)  # the run id its DHT keys derive from
         if watch is None:
-            return look_once(dht, run_id, as_json, out)
+            return look_once(store, run_id, as_json, out, stored_as)
         with ctrl_c() as stopped:
             while not stopped.is_set():
-                frame = render(status.read(dht, status.status_key(run_id)), run_id, time.time(), as_json)
+                frame = render(status.read(store, status.status_key(stored_as)), run_id, time.time(), as_json)
                 print(frame if as_json or not out.isatty() else CLEAR + frame, file=out, flush=True)
                 stopped.wait(watch)
         return 0
@@ -117,8 +125,8 @@ def client(initial_peers: Sequence[str]) -> hivemind.DHT:
         raise
 
 
-def look_once(dht: status.Store, run_id: str, as_json: bool, out: TextIO) -> int:
-    records = status.read(dht, status.status_key(run_id))
+def look_once(dht: status.Store, run_id: str, as_json: bool, out: TextIO, stored_as: str | None = None) -> int:
+    records = status.read(dht, status.status_key(stored_as or run_id))
     if not records:
         raise NoGroups(no_groups_line(run_id))
     print(render(records, run_id, time.time(), as_json), file=out, flush=True)

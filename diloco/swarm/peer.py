@@ -23,6 +23,7 @@ from diloco.swarm.group_round import GroupRounds, member_of
 from diloco.swarm.layout import group_layout
 from diloco.swarm.progress import Progress
 from diloco.swarm.status import Status
+from diloco.swarm.swarm_key import SealedStore
 
 log = logging.getLogger("diloco")
 
@@ -138,6 +139,10 @@ class SwarmPeer:
             self._store_failed = True
             log.warning("could not publish a record of this group in the DHT (%s); training goes on", why)
 
+    @property
+    def rejected_records(self) -> int:
+        return self.dht.rejected_total if isinstance(self.dht, SealedStore) else 0
+
     def alive(self, peer_id: str) -> bool:
         try:
             return bool(self.dht.run_coroutine(partial(_ping, peer_id)))
@@ -145,8 +150,8 @@ class SwarmPeer:
             return False
 
     def serve_state(self, provider: Callable[[], State]) -> None:
-        service = transfer.StateService(self.rounds.layout, provider, self.request_timeout)
-        self.rounds.listener.serve(transfer.MAGIC, service)
+        service = transfer.StateService(self.rounds.layout, provider, self.request_timeout, self.rounds.key)
+        self.rounds.listener.serve(service.magic, service)
 
     def download_state(self, record: Progress, rank: int) -> State | None:
         try:  # a record of another version, or garbage: no state from it
@@ -156,7 +161,7 @@ class SwarmPeer:
             return None
         layouts = group_layout(self.rounds.model_shapes, source.shape)
         return transfer.download(self.rounds.layout, layouts, source.endpoints, self.request_timeout,
-                                 self.rounds.connect)  # fmt: skip
+                                 self.rounds.connect, self.rounds.key)  # fmt: skip
 
     def shutdown(self) -> None:
         deadline = time.monotonic() + LAST_STATUS_WAIT_S

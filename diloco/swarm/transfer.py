@@ -16,7 +16,11 @@ Wire protocol, one connection per (downloading rank, source rank), opened by the
 * answer: the metadata as JSON (u32 length first), the number of tensors (u8: the outer parameters, and the
   momentum once there is one), then per tensor the float32 values of every run, in the order asked.
 
-Anyone who reaches the listener may download the state, as with hivemind's own state download.
+In an open swarm anyone who reaches the listener may download the state, as with hivemind's own state download.
+With a swarm key (``diloco.swarm.swarm_key``) the request opens with ``KEYED_MAGIC`` and a random nonce, and ends
+with a MAC of nonce and runs; the answer's metadata is followed by a MAC of nonce and metadata. So only key holders
+download, only from key holders, and the caller's digest check then covers the values (the digest is in the
+authenticated metadata).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import os
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -32,12 +37,15 @@ from typing import Any
 import torch
 
 from diloco.swarm.layout import RankLayout
+from diloco.swarm.swarm_key import SwarmKey
 from diloco.swarm import tcp
 from diloco.swarm.tcp import Endpoint, recv_exact
 
 log = logging.getLogger("diloco")
 
 MAGIC = b"DLS1"
+KEYED_MAGIC = b"DLK1"
+NONCE_BYTES = 16
 COUNT = struct.Struct("!I")
 RUN = struct.Struct("!QQ")
 TENSORS = struct.Struct("!B")
@@ -70,10 +78,12 @@ class StateService:
     :param layout: this rank's; a run is served when it lies inside one of the runs this rank holds.
     :param provider: this rank's current state (copies, taken at one moment).
     :param timeout: seconds any single read or write of a connection may take.
+    :param key: the swarm key; None: an open swarm (serve under ``MAGIC``, else under ``KEYED_MAGIC``: ``magic``).
     """
 
-    def __init__(self, layout: RankLayout, provider: Callable[[], State], timeout: float):
-        self.held, self.provider, self.timeout = layout.held, provider, timeout
+    def __init__(self, layout: RankLayout, provider: Callable[[], State], timeout: float, key: SwarmKey | None = None):
+        self.held, self.provider, self.timeout, self.key = layout.held, provider, timeout, key
+        self.magic = MAGIC if key is None else KEYED_MAGIC
         self._starts = [p.start for p in layout.held]
 
     def local(self, start: int, stop: int) -> int:
@@ -85,15 +95,21 @@ class StateService:
 
     def __call__(self, conn: socket.socket) -> None:
         conn.settimeout(self.timeout)
-        (count,) = COUNT.unpack(_receive(conn, COUNT.size))
+        nonce = bytes(_receive(conn, NONCE_BYTES)) if self.key is not None else b""
+        count_bytes = bytes(_receive(conn, COUNT.size))
+        (count,) = COUNT.unpack(count_bytes)
         if count > MAX_RUNS:
             raise ValueError(f"{count} runs asked")
-        data = _receive(conn, count * RUN.size)
+        data = bytes(_receive(conn, count * RUN.size))
+        if self.key is not None and not self.key.check(bytes(_receive(conn, tcp.MAC_SIZE)), "state-ask", nonce,
+                                                       count_bytes + data):  # fmt: skip
+            raise ConnectionError("a state request without this swarm's key")
         asked = [RUN.unpack_from(data, i * RUN.size) for i in range(count)]
         places = [(self.local(start, stop), stop - start) for start, stop in asked]
         meta, tensors = self.provider()
         header = json.dumps(meta).encode()
-        conn.sendall(COUNT.pack(len(header)) + header + TENSORS.pack(len(tensors)))
+        seal = self.key.mac("state-meta", nonce, header) if self.key is not None else b""
+        conn.sendall(COUNT.pack(len(header)) + header + seal + TENSORS.pack(len(tensors)))
         for tensor in tensors:
             flat = tensor.reshape(-1)
             for local, numel in places:
@@ -102,11 +118,11 @@ class StateService:
 
 def download(
     me: RankLayout, source: Sequence[RankLayout], endpoints: Sequence[Endpoint], timeout: float,
-    connect: tcp.Connect = tcp.connect,
+    connect: tcp.Connect = tcp.connect, key: SwarmKey | None = None,
 ) -> State | None:
     """This rank's outer state (in `me`'s layout) from the ranks of a group laid out as `source`, reached at
-    `endpoints` (in rank order) through `connect`. None when a rank does not answer in full or the answers describe
-    different states."""
+    `endpoints` (in rank order) through `connect`, authenticated with the swarm `key` if any. None when a rank does
+    not answer in full, the answers describe different states, or (with a key) a rank cannot prove it holds it."""
     outer = torch.empty(me.local_numel)
     made: list[list[torch.Tensor]] = []  # the outer parameters, and the momentum once an answer has one
 
@@ -122,7 +138,7 @@ def download(
     meta: dict[str, Any] | None = None
     for rank, runs in (requests(me, source) or {0: []}).items():  # a rank that holds nothing still needs the meta
         try:
-            got = _fetch(connect(endpoints[rank], timeout, None), runs, timeout, buffers)
+            got = _fetch(connect(endpoints[rank], timeout, None), runs, timeout, buffers, key)
         except (OSError, ValueError, UnicodeDecodeError) as e:
             log.debug("state download from rank %d failed: %s: %s", rank, type(e).__name__, e)
             return None
@@ -133,18 +149,26 @@ def download(
     return None if meta is None else (meta, made[0] if made else [outer])
 
 
-def _fetch(sock: socket.socket, runs: list[Run], timeout: float,
-           buffers: Callable[[int], list[torch.Tensor]]) -> dict[str, Any]:  # fmt: skip
+def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callable[[int], list[torch.Tensor]],
+           key: SwarmKey | None = None) -> dict[str, Any]:  # fmt: skip
     """Ask one source rank, connected on `sock` (closed after), for `runs`; its values go into ``buffers(count)`` at
     the runs' places."""
     sock.settimeout(timeout)
     try:
-        request = MAGIC + COUNT.pack(len(runs)) + b"".join(RUN.pack(start, stop) for start, stop, _ in runs)
+        asked = COUNT.pack(len(runs)) + b"".join(RUN.pack(start, stop) for start, stop, _ in runs)
+        if key is None:
+            nonce, request = b"", MAGIC + asked
+        else:
+            nonce = os.urandom(NONCE_BYTES)
+            request = KEYED_MAGIC + nonce + asked + key.mac("state-ask", nonce, asked)
         sock.sendall(request)
         (length,) = COUNT.unpack(_receive(sock, COUNT.size))
         if length > MAX_META_BYTES:
             raise ValueError(f"metadata of {length} bytes")
-        meta = json.loads(bytes(_receive(sock, length)).decode())
+        header = bytes(_receive(sock, length))
+        if key is not None and not key.check(bytes(_receive(sock, tcp.MAC_SIZE)), "state-meta", nonce, header):
+            raise ValueError("a state answer without this swarm's key")
+        meta = json.loads(header.decode())
         if not isinstance(meta, dict):
             raise ValueError("metadata that is not an object")
         (count,) = TENSORS.unpack(_receive(sock, TENSORS.size))
