@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from diloco.links import Group
     from diloco.membership import DiLoCo
     from diloco.swarm.fingerprint import ModelId
+    from diloco.swarm.swarm_key import SwarmKey
 
 log = logging.getLogger("diloco")
 
@@ -183,7 +184,7 @@ def join(
 
 def group_rounds(hv: HvConfig, env: DistEnv, group: Group, dht: object, averager: object,
                  model_shapes: list[tuple[int, ...]], sharding: str, port: int,
-                 fragments: list[list[int]] | None = None, key: object = None):  # fmt: skip
+                 fragments: list[list[int]] | None = None, key: SwarmKey | None = None):  # fmt: skip
     """Collective: this rank's listener (a TCP socket, or libp2p streams through a ``tunnel.Tunnel``), every rank's
     endpoint, and the replicas' process groups, for rounds of whole groups (``group_round.GroupRounds``). Rounds
     that overlap the inner steps (``hv.overlap_steps``) run on a thread of their own: their broadcast gets a process
