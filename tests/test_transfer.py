@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -98,3 +99,30 @@ def test_a_request_for_values_a_rank_does_not_hold_is_dropped() -> None:
         with socket.create_connection(tuple([endpoints[0][0][0], endpoints[0][1]]), timeout=10) as sock:
             sock.sendall(transfer.MAGIC + transfer.COUNT.pack(1) + transfer.RUN.pack(0, TOTAL))  # rank 0 holds half
             assert sock.recv(1) == b""  # closed without an answer
+
+
+@pytest.mark.parametrize("answer", ["short", "three tensors", "huge metadata"])
+def test_a_source_that_answers_the_wrong_size_gives_no_state(answer: str) -> None:
+    """A hostile or broken source rank: fewer values than asked (then it hangs up), a third tensor, or a metadata
+    length of 4 GiB. The download gives up (None) in bounded time, without allocating what it was told."""
+    layout = group_layout(SHAPES, Shape("FULL_SHARD", 1))[0]
+    source = group_layout(SHAPES, Shape("FULL_SHARD", 1))
+    server = listen_socket("127.0.0.1", 0)
+
+    def lie(conn: socket.socket) -> None:
+        header = b'{"outer_step": 9}'
+        if answer == "huge metadata":
+            conn.sendall(transfer.COUNT.pack(2**32 - 1))
+        else:
+            count = 3 if answer == "three tensors" else 1
+            conn.sendall(transfer.COUNT.pack(len(header)) + header + transfer.TENSORS.pack(count))
+            conn.sendall(b"\0" * (4 * TOTAL // 2))  # half the values asked for
+
+    listener = Listener(server, handshake_timeout=10).start()
+    listener.serve(transfer.MAGIC, lie)
+    try:
+        started = time.monotonic()
+        assert transfer.download(layout, source, [(["127.0.0.1"], server.getsockname()[1])], timeout=2) is None
+        assert time.monotonic() - started < 10
+    finally:
+        listener.close()

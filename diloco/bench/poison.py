@@ -138,6 +138,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"- {rule}: worst gap under attack {v['worst_gap_under_attack'] * 100:+.2f}% (any seed) vs the "
                      f"attack-free mean: **{verdict}** the {result['target'] * 100:.0f}% target; without an "
                      f"attacker {v['cost_without_attacker'] * 100:+.2f}% vs the mean")  # fmt: skip
+    if "plot" in result:
+        lines += ["", f"![eval loss per aggregation and attack]({result['plot']})"]
     return "\n".join(lines) + "\n"
 
 
