@@ -107,8 +107,21 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
         assert not left_running(children, grace_s=10)
         two_more = lambda: len(outer_rows(dirs[0])) >= killed_at + 2  # noqa: E731
         wait_for(two_more, 90, "two rounds without the victim", survivors, logs)
+        # the survivors' training pauses (SIGSTOP; their DHT peers and averagers go on) while the victim starts up:
+        # under load its start took longer than their remaining steps, and it then found nobody to catch up with
+        joined = logs[2].read_text().count("joined the swarm") + 1
+        paused = [time.time()]
+        for proc in survivors:
+            os.kill(proc.pid, signal.SIGSTOP)
         victim = start_group([*victim_args, "--ckpt.resume", "latest"], logs[2], torchrun=True)
         procs[2] = victim
+        try:
+            wait_for(lambda: logs[2].read_text().count("joined the swarm") >= joined, 120, "the victim's restart",
+                     [victim], [logs[2]])  # fmt: skip
+        finally:
+            for proc in survivors:
+                os.kill(proc.pid, signal.SIGCONT)
+            paused.append(time.time())
         finish(procs, logs, timeout=240)
     finally:
         for proc in procs:
@@ -129,7 +142,10 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
         assert a["num_peers"] == 0 or a["params_sha256"] == b["params_sha256"]  # 0: the models carry on
         compared += a["num_peers"] >= 2
     assert compared >= 8, compared
-    assert all(r["averaging_s"] < 3 + 15 + 5 for r in rows[0] + rows[1] if "averaging_s" in r)  # bounded
+    # bounded (a round the pause above overlapped took the pause too)
+    timed = [r for r in rows[0] + rows[1] if "averaging_s" in r]
+    unpaused = [r for r in timed if r["time"] < paused[0] or r["time"] - r["averaging_s"] > paused[1]]
+    assert all(r["averaging_s"] < 3 + 15 + 5 for r in unpaused) and len(unpaused) >= len(timed) - 2
     dropped = [r.get("num_peers", 0) for r in rows[0][killed_at : killed_at + 3]]
     # the drop shows: fewer than 3 peers (0: a failed round; 1: alone while the other survivor sat out a failed one)
     assert min(dropped) < 3, dropped
