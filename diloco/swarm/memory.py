@@ -24,9 +24,10 @@ from diloco.config import Aggregation
 from diloco.swarm.budget import RoundTokens
 from diloco.swarm.progress import Progress
 from diloco.swarm.status import Status
+from diloco.swarm.tcp import RAW
 
 State = tuple[dict[str, Any], list[torch.Tensor]]
-PART_NUMEL = 2**18  # values per part of a robust aggregation: the TCP transport's (``tcp.RAW.part_numel``)
+PART_NUMEL = RAW.part_numel  # values per part of a robust aggregation: as the TCP transport cuts them
 
 
 @dataclass
