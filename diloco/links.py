@@ -28,6 +28,7 @@ class RoundResult(Protocol):
     allreduce_seconds: float  # of `seconds`, from the group's forming to the result (the rest: waiting for it)
     rejected: int  # contributions of other groups this rank rejected (non-finite, or an outlier norm)
     transport: str  # what carried the bytes: "tcp", "p2pd", or "" (no group formed)
+    round_id: str  # the same in every member of one round's group ("": no group formed): who averaged together
 
 
 State = tuple[dict[str, Any], list[torch.Tensor]]  # (small metadata, tensors) of one rank's outer state

@@ -402,6 +402,8 @@ class DiLoCo:
             }
             if report.transport:
                 row["transport"] = report.transport  # what carried this rank's bytes: tcp or p2pd
+            if report.round_id:
+                row["round"] = report.round_id  # equal in the rows of the groups that averaged together
         row["params_sha256"] = sha
         return row
 

@@ -118,8 +118,10 @@ def assert_trained_together(run_dirs: list[Path], groups: int, outer_steps: int)
         assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in full_rounds.values())
     shared = set.intersection(*(set(f) for f in full))
     assert shared, full  # at least one round all groups took part in, together
-    for step in shared:  # bit-identical after every round they shared
+    for step in shared:  # bit-identical after every round they shared, which every row names alike
         assert len({f[step]["params_sha256"] for f in full}) == 1, step
+        assert len({f[step]["round"] for f in full}) == 1, [f[step] for f in full]
+    assert len({full[0][step]["round"] for step in shared}) == len(shared)  # one name per round
     assert all(s["status"] == "ok" for s in finals) and len({s["outer_steps"] for s in finals}) == 1, finals
     assert len({s["params_sha256"] for s in finals}) == 1
     for d in run_dirs:

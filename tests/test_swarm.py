@@ -361,6 +361,7 @@ def test_peers_end_bit_identical(bootstrap, num_peers: int, transport: str):
         reports = [RoundReport(**row["report"]) for row in rows]
         assert all(r.ok and r.num_peers == num_peers and r.transport == transport for r in reports), reports
         assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in reports), reports
+        assert len({r.round_id for r in reports}) == 1 and reports[0].round_id, reports  # one round, one name
         assert len({row["digest"] for row in rows}) == 1, f"{compression}: peers hold different bytes"
         assert rows[0]["max_error"] <= MAX_ERROR.get(compression, float("inf")), (compression, rows[0])
         assert rows[0]["relative_rms"] <= MAX_RELATIVE_RMS_ERROR[compression], (compression, rows[0])
@@ -368,6 +369,8 @@ def test_peers_end_bit_identical(bootstrap, num_peers: int, transport: str):
     # int8 puts about a quarter of the bytes of "none" on the wire (per peer it varies with the parts it reduces)
     sent = {compression: sum(row["report"]["bytes_sent"] for row in rows) for compression, rows in results.items()}
     assert sent["int8"] < 0.3 * sent["none"] and sent["fp16"] < 0.55 * sent["none"], sent
+    names = {rows[0]["report"]["round_id"] for rows in results.values()}
+    assert len(names) == len(results)  # each compression's round has a name of its own
     assert leftovers == [[]] * num_peers
 
 

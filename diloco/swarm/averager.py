@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
 import logging
 import multiprocessing as mp
 import socket
@@ -147,10 +148,10 @@ class ExactAverager(hivemind.DecentralizedAverager):
     ):
         group_id = group_info.group_id if group_id is None else group_id
         self.stats.group_size = len(group_info.peer_ids)
+        if len(group_id) > GROUP_ID_MAX:
+            raise AllreduceException(f"a group id of {len(group_id)} bytes")
+        self.matched_id.raw = bytes([len(group_id)]) + group_id.ljust(GROUP_ID_MAX, b"\0")  # the caller reads it
         if self.match_only:  # the caller's ranks average with the group's ranks themselves
-            if len(group_id) > GROUP_ID_MAX:
-                raise AllreduceException(f"a group id of {len(group_id)} bytes")
-            self.matched_id.raw = bytes([len(group_id)]) + group_id.ljust(GROUP_ID_MAX, b"\0")
             self._running_groups[group_id].set_result(_TcpGroup(None))  # done here (else hivemind warns each round)
             return
         endpoints = self._tcp_endpoints(group_info)
@@ -249,6 +250,8 @@ class RoundReport:
     :param transport: what carried the round's bytes: "tcp" or "p2pd"; "" when no group formed.
     :param allreduce_seconds: of ``seconds``, the part from the moment the group was formed (matchmaking over) to
         the result in the tensors; 0 when no group formed.
+    :param round_id: a short id of the round's group (hex, the same for every member of one round): which groups
+        averaged together; "" when no group formed.
     :param rejected: groupmates' contributions (and this peer's own) that this peer, as a reducer, left out of the
         average for holding NaN/Inf or a norm ``screening.MAX_NORM_RATIO`` times the group's; a rejected peer's round
         fails, the others complete without it (ok=True).
@@ -262,6 +265,12 @@ class RoundReport:
     rejected: int = 0
     transport: str = ""
     allreduce_seconds: float = 0.0
+    round_id: str = ""
+
+
+def round_id(group_id: bytes) -> str:
+    """A short public name of a round's group: the members' rows name one round alike, without its secret id."""
+    return hashlib.sha256(b"round-id" + group_id).hexdigest()[:12] if group_id else ""
 
 
 ROUND_BITS = 20  # round indices are told apart modulo 2**20
@@ -402,9 +411,11 @@ class SwarmAverager:
         control = self._start_step(round_index, weight, self._gather)
         ok, num_peers, allreduce_s = self._finish_round(control, tensors, stop, started)
         transport = "" if num_peers < 2 else ("tcp" if stats.over_tcp else "p2pd")
+        raw = self._averager.matched_id.raw
         return RoundReport(
             num_peers, time.monotonic() - started, stats.bytes_sent, stats.bytes_received, ok,
             rejected=stats.rejected, transport=transport, allreduce_seconds=allreduce_s,
+            round_id=round_id(raw[1 : 1 + raw[0]]) if num_peers > 1 else "",
         )  # fmt: skip
 
     def _start_step(self, round_index: int | None, weight: float, gather: object) -> StepControl:
@@ -413,6 +424,7 @@ class SwarmAverager:
         if round_index is not None:
             self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
         self._averager.stats.clear()
+        self._averager.matched_id.raw = bytes(1 + GROUP_ID_MAX)  # no group yet: a failed round names none
         return self._averager.step(
             weight=weight, timeout=self.matchmaking_time + self.averaging_timeout, allow_retries=True, gather=gather,
             require_trigger=True, wait=False,

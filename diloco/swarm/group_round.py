@@ -219,7 +219,7 @@ class GroupRounds:
 
     def _average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
                  shapes: Sequence[Sequence[int]]):  # fmt: skip
-        from diloco.swarm.averager import RoundReport
+        from diloco.swarm.averager import RoundReport, round_id
 
         started = time.monotonic()
         found = self._match(round_index, weight, stop) if self.matcher is not None else None
@@ -239,6 +239,7 @@ class GroupRounds:
         return RoundReport(
             len(info.members), time.monotonic() - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
             rejected=outcome.rejected, transport=self.transport, allreduce_seconds=time.monotonic() - formed,
+            round_id=round_id(info.group_id),
         )  # fmt: skip
 
     def _match(self, round_index: int, weight: float, stop: Callable[[], bool]) -> tuple[RoundInfo | None, int, bool]:

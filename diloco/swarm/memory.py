@@ -42,6 +42,7 @@ class Report:
     bytes_received: int = 0
     rejected: int = 0
     transport: str = ""
+    round_id: str = ""
 
 
 class MemorySwarm:
@@ -133,7 +134,7 @@ class Member:
         swarm.barrier.wait()  # everyone has read the inbox before the next round overwrites it
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean)
-        return Report(num_peers=len(inputs))
+        return Report(num_peers=len(inputs), round_id=f"r{round_index}" if len(inputs) > 1 else "")
 
     def publish(self, record: Progress) -> None:
         self.swarm.records[record.world_rank] = record
