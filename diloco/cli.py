@@ -222,6 +222,9 @@ def _bench(name: str, quick: bool, out: Path, doc: Path, **options: Any) -> int:
     except bench.BenchError as e:
         logging.getLogger("diloco").error("%s", e)
         return 1
+    except bench.Stopped as e:  # everything it started is gone by now: one line, and the shell's code for the signal
+        logging.getLogger("diloco").error("bench %s %s", name, e)
+        return 128 + e.signum
     return 0
 
 

@@ -16,8 +16,13 @@ import logging
 import os
 import platform
 import shlex
+import shutil
+import signal
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,74 @@ section gives the load average.
 
 class BenchError(RuntimeError):
     """An arm failed or measured nothing: the bench stops with one line and exit code 1."""
+
+
+# ---------------------------------------------------------------- stopped by a signal
+
+# SIGTERM (a test's timeout, `kill`, a scheduler) and SIGHUP (the terminal closed) would otherwise end the bench at
+# once, skipping every `finally`: its processes (some inside network namespaces), namespaces, bridge and temp folder
+# would outlive it. SIGINT already raises KeyboardInterrupt.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(BaseException):
+    """A stop signal reached the bench: raised in the main thread so that every `finally` and `__exit__` on the way
+    out runs. A BaseException, as KeyboardInterrupt is, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class _Signals:
+    """What the handler installed by `stop_on_signals` knows: whether it has raised already (later signals are
+    logged and dropped: they would cut the cleanup short), and how deep in `shielded` sections the main thread is
+    (a signal there waits until the section ends)."""
+
+    raised = False
+    shield_depth = 0
+    pending: int | None = None
+
+
+def _handle(signum: int, frame: object) -> None:
+    if _Signals.raised:
+        log.warning("received %s again: still removing what the bench started", signal.Signals(signum).name)
+    elif _Signals.shield_depth:
+        _Signals.pending = signum
+    else:
+        _Signals.raised = True
+        log.warning("received %s: stopping the bench, removing what it started", signal.Signals(signum).name)
+        raise Stopped(signum)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within: SIGTERM and SIGHUP raise `Stopped` in the main thread (once); the previous handlers come back on exit.
+    Outside the main thread (where Python allows no handler) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _handle) for sig in STOP_SIGNALS}
+    _Signals.raised, _Signals.pending = False, None
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def shielded() -> Iterator[None]:
+    """A cleanup that a stop signal must not cut in half (deleting namespaces, the temp folder): a signal that comes
+    meanwhile raises `Stopped` once the section is done."""
+    _Signals.shield_depth += 1
+    try:
+        yield
+    finally:
+        _Signals.shield_depth -= 1
+        if not _Signals.shield_depth and _Signals.pending is not None:  # nested: the outermost section raises
+            signum, _Signals.pending = _Signals.pending, None
+            _handle(signum, None)
 
 
 # ---------------------------------------------------------------- the machine
@@ -116,11 +189,20 @@ def command_line(
 
 def run(name: str, quick: bool, out: Path, doc: Path, command: str, options: dict[str, Any] | None = None) -> Path:
     """Run bench `name` (with its own flags `options`), write `<out>/<name>[-quick].json`, append its table to
-    `doc`. Returns the JSON path."""
+    `doc`. Returns the JSON path. A stop signal raises `Stopped` once what the bench started is gone."""
+    with stop_on_signals():
+        return _run(name, quick, out, doc, command, options)
+
+
+def _run(name: str, quick: bool, out: Path, doc: Path, command: str, options: dict[str, Any] | None) -> Path:
     module = importlib.import_module(f"diloco.bench.{name}")
     info = machine()
-    with tempfile.TemporaryDirectory(prefix=f"diloco-bench-{name}-") as tmp:
+    tmp = tempfile.mkdtemp(prefix=f"diloco-bench-{name}-")
+    try:
         body = module.measure(quick, Path(tmp), info, **(options or {}))
+    finally:
+        with shielded():
+            shutil.rmtree(tmp, ignore_errors=True)
     result = {
         "bench": name,
         "quick": quick,

@@ -8,6 +8,7 @@ root namespace (a DHT peer) reaches all of them. The kernel counts every byte th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -15,7 +16,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from diloco.bench import BenchError
+import psutil
+
+from diloco import procs
+from diloco.bench import BenchError, shielded
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,9 @@ def hosts(count: int, rate_mbit: float | None = None, net: int | None = None) ->
         _ip("link", "set", bridge, "up")
         for i in range(count):
             host = Host(name=f"{tag}n{i}", ip=f"10.{net}.0.{i + 1}", veth=f"{tag}h{i}", iface=f"{tag}p{i}")
-            _ip("netns", "add", host.name)
-            made.append(host)
+            with shielded():  # a stop signal between the two would leave it behind
+                _ip("netns", "add", host.name)
+                made.append(host)
             inner = host.iface
             _ip("link", "add", host.veth, "type", "veth", "peer", "name", inner, "netns", host.name)
             _ip("link", "set", host.veth, "master", bridge, "up")
@@ -105,8 +110,23 @@ def hosts(count: int, rate_mbit: float | None = None, net: int | None = None) ->
                 _shape(inner, rate_mbit, host.name)  # out of the namespace
         yield made
     finally:
-        for host in made:
-            # the pair goes now (a namespace's own links only go when the kernel gets round to freeing it)
-            subprocess.run(["ip", "link", "delete", host.veth], capture_output=True)
-            subprocess.run(["ip", "netns", "delete", host.name], capture_output=True)
-        subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
+        with shielded():  # a stop signal now would leave namespaces behind: it waits until they are gone
+            for host in made:
+                kill_inside(host.name)
+                # the pair goes now (a namespace's own links only go when the kernel gets round to freeing it)
+                subprocess.run(["ip", "link", "delete", host.veth], capture_output=True)
+                subprocess.run(["ip", "netns", "delete", host.name], capture_output=True)
+            subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
+
+
+def kill_inside(name: str) -> None:
+    """SIGKILL every process still inside namespace `name` and wait until they are gone. Its users stop their own
+    processes first (gracefully); this catches what a stop cut short. `ip netns delete` only unnames a namespace:
+    a process left inside would keep it, and run on, unseen. The namespace is this bench's (its name carries the
+    bench's pid), so whatever runs inside it was started by this bench."""
+    listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+    found = []
+    for pid in listed.split():
+        with contextlib.suppress(ValueError, psutil.NoSuchProcess):
+            found.append(psutil.Process(int(pid)))
+    procs.kill_all(found)

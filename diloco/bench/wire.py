@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco import procs
-from diloco.bench import BenchError, machine_line, netns
+from diloco.bench import BenchError, machine_line, netns, shielded
 from diloco.bench.arms import Workload, workload_dict
 from diloco.config import first_line
 
@@ -91,8 +91,9 @@ def spawn(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess
 def started(stack: ExitStack, command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """`spawn`, with `procs.stop_tree` registered on `stack`: SIGINT, STOP_GRACE_S seconds to exit, then SIGKILL to
     whatever is left of it and its descendants (p2pd, torchrun's ranks); gone when the stack closes, error or not."""
-    proc = spawn(command, log_path, env)
-    stack.callback(procs.stop_tree, proc, STOP_GRACE_S)
+    with shielded():  # a stop signal between the two would leave the process running, unseen by the stack
+        proc = spawn(command, log_path, env)
+        stack.callback(procs.stop_tree, proc, STOP_GRACE_S)
     return proc
 
 
