@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,9 +47,13 @@ class Result:
         return self.stdout + self.stderr
 
 
-def run_cmd(cmd: list[str], timeout: float = 180, cwd: Path = ROOT, env: dict[str, str] | None = None) -> Result:
+def run_cmd(
+    cmd: list[str], timeout: float = 180, cwd: Path = ROOT, env: dict[str, str] | None = None, term_grace_s: float = 0
+) -> Result:
     """Run in a new process group; on timeout kill the whole group (torchrun and its ranks). `env`: variables to
-    set besides `child_env()`'s."""
+    set besides `child_env()`'s. `term_grace_s` > 0: on timeout, SIGTERM the group first and give it that long to
+    clean up (a bench removes its namespaces and stops processes in sessions of their own, which a SIGKILL to its
+    group would leave running)."""
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=child_env() | (env or {}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -56,10 +61,24 @@ def run_cmd(cmd: list[str], timeout: float = 180, cwd: Path = ROOT, env: dict[st
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = stop_group(proc, term_grace_s)
         raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n{out}\n{err}") from None
     return Result(proc.returncode, out, err)
+
+
+def stop_group(proc: subprocess.Popen[str], term_grace_s: float) -> tuple[str, str]:
+    """End `proc`'s process group (it leads a session of its own) and return its output: SIGTERM and up to
+    `term_grace_s` seconds to exit (when > 0), then SIGKILL to whatever of the group is left."""
+    out = err = None
+    if term_grace_s > 0:
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            out, err = proc.communicate(timeout=term_grace_s)
+    with contextlib.suppress(ProcessLookupError):  # gone already: it exited within the grace
+        os.killpg(proc.pid, signal.SIGKILL)
+    if out is None:
+        out, err = proc.communicate()
+    return out, err
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 180, extra: list[str] | None = None) -> Result:

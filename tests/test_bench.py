@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 
+from diloco import bench as benches
 from diloco.config import auto_outer
 from tests.conftest import CORPUS, ROOT, assert_ok, run_cmd
 
 DILOCO = Path(sys.executable).parent / "diloco"
 
 
+# On a timeout a bench gets SIGTERM and this long to stop its processes (some in sessions or network namespaces of
+# their own, out of reach of a SIGKILL to its group) and remove its namespaces and temp folder.
+STOP_GRACE_S = 30.0
+
+
 def bench(name: str, tmp_path: Path, *flags: str, timeout: float = 300, stem: str = "") -> tuple[dict, str]:
     doc = tmp_path / "benchmarks.md"
     command = [str(DILOCO), "bench", name, "--quick", *flags, "--out", str(tmp_path), "--doc", str(doc)]
-    result = run_cmd(command, timeout=timeout)
+    result = run_cmd(command, timeout=timeout, term_grace_s=STOP_GRACE_S)
     assert_ok(result)
     return json.loads((tmp_path / f"{stem or name}-quick.json").read_text()), doc.read_text()
 
@@ -232,6 +240,26 @@ def test_bad_bench_is_one_line(tmp_path: Path) -> None:
         result = run_cmd([str(DILOCO), *args], timeout=60)
         assert result.returncode == 2, result.output
         assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+
+
+def test_a_stop_signal_raises_once_after_a_shielded_section() -> None:
+    """SIGHUP inside `stop_on_signals` raises `Stopped`, not inside `shielded` sections (nested here) but once the
+    outermost is done; a second signal during the cleanup that follows is dropped; the previous handlers come back."""
+    before = {sig: signal.getsignal(sig) for sig in benches.STOP_SIGNALS}
+    seen = []
+    with pytest.raises(benches.Stopped) as stopped, benches.stop_on_signals():
+        try:
+            with benches.shielded():
+                with benches.shielded():
+                    os.kill(os.getpid(), signal.SIGHUP)
+                seen.append("shielded section done")
+            seen.append("went on after the signal")
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            seen.append("cleanup done")
+    assert stopped.value.signum == signal.SIGHUP and str(stopped.value) == "stopped by SIGHUP"
+    assert seen == ["shielded section done", "cleanup done"]
+    assert {sig: signal.getsignal(sig) for sig in benches.STOP_SIGNALS} == before
 
 
 def test_table_and_quartiles() -> None:

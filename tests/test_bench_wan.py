@@ -3,13 +3,21 @@ behind tbf links; the figures come from the workers' own rows, and the namespace
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import subprocess
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
+from diloco import procs
 from diloco.bench import wan
-from tests.conftest import ROOT
-from tests.test_bench import bench
+from tests.conftest import ROOT, child_env
+from tests.test_bench import DILOCO, STOP_GRACE_S, bench
 from tests.test_bench_wire import assert_none_left, namespaces
 
 pytestmark = pytest.mark.slow
@@ -39,6 +47,87 @@ def test_wan_quick(tmp_path) -> None:
     assert arms["streaming-int4"]["peak_link_bytes_per_s"] < arms["streaming"]["peak_link_bytes_per_s"]
     assert "## wan (quick): " in doc and "| streaming-int4 | " in doc and "Targets at 1000 Mbit/s" in doc
     assert (tmp_path / "wan-quick.png").stat().st_size > 0
+
+
+def test_a_stopped_wan_bench_leaves_nothing_behind(tmp_path: Path) -> None:
+    """SIGTERM to the bench's process group while its first arm trains (a test's timeout, a user's `kill`): it exits
+    with 128 + 15 within STOP_GRACE_S, and nothing it started is left: no process (its bootstrap DHTs with their
+    p2pd inside namespaces, the workers), none of its namespaces (named from its pid) nor its bridge, no temp
+    folder."""
+    scratch = tmp_path / "tmp"  # the bench's temp folder goes here (TMPDIR), where the test can see it
+    scratch.mkdir()
+    command = [str(DILOCO), "bench", "wan", "--quick", "--data", str(CORPUS), "--out", str(tmp_path / "out"),
+               "--doc", str(tmp_path / "benchmarks.md")]  # fmt: skip
+    env = child_env() | {"TMPDIR": str(scratch)}
+    with (tmp_path / "bench.log").open("w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    tag = f"dl{proc.pid % 100000}"  # netns.hosts names its namespaces, veths and bridge after the bench's pid
+    mine = re.compile(rf"{tag}[nh]\d+$|{tag}br$")
+    started: list[psutil.Process] = []
+    try:
+        started = wait_for_training(proc, timeout_s=240)
+        assert {name for name in namespaces() if mine.match(name)}
+        assert list(scratch.glob("diloco-bench-wan-*"))
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STOP_GRACE_S:.0f} s after SIGTERM:\n{(tmp_path / 'bench.log').read_text()}")
+        assert not [p.cmdline() for p in started if running(p)]
+        assert not {name for name in namespaces() if mine.match(name)}
+        assert not [link for link in links() if mine.match(link)]
+        assert not list(scratch.glob("diloco-bench-wan-*"))
+        assert code == 128 + signal.SIGTERM, (tmp_path / "bench.log").read_text()
+        assert "stopped by SIGTERM" in (tmp_path / "bench.log").read_text()
+    finally:  # what a failure left behind, so that it fails alone: only what this test's bench started
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        procs.kill_all(started)
+        proc.wait()
+        remove_namespaces(mine)
+
+
+def remove_namespaces(mine: re.Pattern[str]) -> None:
+    """Kill what runs inside the namespaces `mine` matches, delete them, their veths and bridge (written here, not
+    with the bench's own code: the test cleans up after a bench whose cleanup failed)."""
+    for name in namespaces():
+        if mine.match(name):
+            inside = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in inside:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    for link in links():
+        if mine.match(link):
+            subprocess.run(["ip", "link", "delete", link], capture_output=True)
+
+
+def wait_for_training(proc: subprocess.Popen[bytes], timeout_s: float) -> list[psutil.Process]:
+    """Wait until the bench runs a DHT (its p2pd) and the first arm's workers; its descendants then."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        family = procs.family(proc.pid)[1:]
+        lines = []
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                lines.append(" ".join(p.cmdline()))
+        if any("p2pd" in line for line in lines) and any("diloco.train" in line for line in lines):
+            return family
+        time.sleep(0.5)
+    raise AssertionError(f"no DHT and workers within {timeout_s:.0f} s (exit code {proc.poll()})")
+
+
+def running(proc: psutil.Process) -> bool:
+    """Still there and not a zombie (an orphan's zombie waits for a reaper that may not come in a container)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def links() -> list[str]:
+    """Names of the network interfaces of the root namespace."""
+    return os.listdir("/sys/class/net")
 
 
 def test_time_to_a_loss_is_the_first_eval_at_or_below_it() -> None:
