@@ -74,7 +74,8 @@ def stop_tree(proc: subprocess.Popen, grace_s: float, sig: int | None = signal.S
     The descendants are collected before the signal, and killed by pid as well as by process group: hivemind's
     DHT and averager processes move to process groups of their own, so a killpg alone would miss them.
     """
-    procs = family(proc.pid)
+    # once it is reaped its pid may be another process's: only its process group is still its own
+    procs = family(proc.pid) if proc.poll() is None else []
     if sig is not None and proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(sig)

@@ -112,6 +112,11 @@ class CpuLimit:
         (self.folder / "cpu.cfs_quota_us").write_text(str(self.quota_us))
         self.engaged = True
 
+    def disengage(self) -> None:
+        """Lift the quota (until the next `engage`): a process restarted in the group starts up at full speed."""
+        (self.folder / "cpu.cfs_quota_us").write_text("-1")
+        self.engaged = False
+
     def add(self, pid: int) -> None:
         """Put process `pid` and the descendants it already has into the group (the kernel puts later children
         there itself). A process that has exited meanwhile is skipped."""

@@ -98,6 +98,8 @@ def test_an_unengaged_limit_runs_free_until_engaged(busy: list[subprocess.Popen[
         assert (limit.folder / "cpu.cfs_quota_us").read_text().strip() == "-1"
         limit.engage()
         assert (limit.folder / "cpu.cfs_quota_us").read_text().strip() == "25000"
+        limit.disengage()  # a restart in the group starts up free again
+        assert (limit.folder / "cpu.cfs_quota_us").read_text().strip() == "-1" and not limit.engaged
 
 
 def test_release_frees_the_children_and_keeps_the_parent(busy: list[subprocess.Popen[bytes]]) -> None:
