@@ -262,6 +262,9 @@ BENCH_HELP = {
     "int4): 2 groups, H = 25, against DDP, on real text.",
     "poison": "One hostile group among four honest ones (50x, sign-flipped, noise pseudo-gradients) under each "
     "--hv.aggregation (mean, trimmed-mean, centered-clip): eval loss against the swarm without it, on real text.",
+    "churn": "A 30-minute soak: four worker groups of mixed shapes, two of them killed (kill -9), stopped (SIGTERM), "
+    "restarted from checkpoints or rejoining fresh every 10-30 s (seeded); divergences, hangs, one final model, "
+    "throughput retained against the swarm without churn, RSS over time (cgroups; needs root).",
     "wan": "Time to a loss on a slow link: DDP, DiLoCo blocking, and fragments overlapping the inner steps (with int4) "
     "on real text, 2 workers behind tbf links of 100 Mbit/s and 1 Gbit/s (network namespaces; needs root).",
 }
