@@ -400,6 +400,71 @@ def test_killed_trainer_leaves_no_processes():
                 child.kill()
 
 
+@pytest.mark.slow
+def test_matchmaking_closes_once_the_expected_groups_are_in(bootstrap):
+    """Two peers of a galaxy of four: untold, a round waits out the matchmaking time for the two that are gone;
+    told to expect two (`expect`: what a trainer counts from the groups' status records), it forms at once."""
+    matchmaking = 8.0
+    dhts = [start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in range(2)]
+    averagers: list[SwarmAverager] = []
+    try:
+        averagers = [SwarmAverager(dht, prefix="expect", tensors=peer_tensors(i), matchmaking_time=matchmaking,
+                                   averaging_timeout=10.0, target_group_size=4) for i, dht in enumerate(dhts)]  # fmt: skip
+
+        def round_of_both(index: int) -> list[RoundReport]:
+            reports: list[RoundReport | None] = [None, None]
+
+            def one(i: int) -> None:
+                reports[i] = averagers[i].average(peer_tensors(i), round_index=index)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            assert all(r is not None for r in reports), reports
+            return reports
+
+        waited = round_of_both(0)
+        for averager in averagers:
+            averager.expect(2)
+        told = round_of_both(1)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            shutdown_dht(dht)
+    assert all(r.ok and r.num_peers == 2 for r in waited + told), (waited, told)
+    assert min(r.seconds for r in waited) >= matchmaking * 0.9, waited
+    assert max(r.seconds for r in told) < matchmaking / 2, told
+
+
+def test_a_trainer_expects_the_groups_whose_status_records_are_fresh() -> None:
+    """Itself, the others heard from within two heartbeats and a failed round (5 + 20 s here) that have not left,
+    and never fewer than its last round had."""
+    from types import SimpleNamespace
+
+    from diloco.swarm.peer import SwarmPeer
+
+    from .test_status import record
+
+    averager = SimpleNamespace(peer_id="me", matchmaking_time=5.0, averaging_timeout=20.0, target_group_size=4)
+    peer = SwarmPeer(SimpleNamespace(), averager, "progress", 1.0, "status")
+    now = time.time()
+    records = [
+        record(0, peer="me", heard_at=now - 100),  # itself, however stale its own record
+        record(1, peer="b", heard_at=now - 30),  # a failed round ago: still coming
+        record(2, peer="c", heard_at=now - 40),  # killed a while ago
+        record(3, peer="d", heard_at=now - 1, state="finished"),  # left
+    ]
+    peer.status_records = lambda: records
+    assert peer.expected_groups() == 2
+    records.append(record(2, peer="c2", heard_at=now - 2, state="joining"))  # it restarted
+    assert peer.expected_groups() == 3
+    peer._last_peers = 4
+    assert peer.expected_groups() == 4
+
+
 def test_lone_averager_keeps_tensors(bootstrap):
     tensors = peer_tensors(7)
     original = [t.clone() for t in tensors]

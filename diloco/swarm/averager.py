@@ -44,6 +44,7 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import NoCompression
 from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
 from hivemind.proto import averaging_pb2
+from hivemind.utils.mpfuture import MPFuture
 
 from diloco.config import FieldError
 from diloco.screening import all_finite
@@ -220,6 +221,21 @@ class ExactAverager(hivemind.DecentralizedAverager):
         # the result stays in tcp_out (stats.over_tcp says so): the averaged tensors keep this round's inputs
 
 
+    def set_target_group_size(self, size: int) -> None:
+        """Close matchmaking as soon as `size` peers (this one included) are in; applies from the next round on."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
+        future.result(timeout=10.0)
+
+    async def _set_target_group_size(self, size: int, future: MPFuture) -> None:
+        try:  # the leader's rule (assemble when full; refuse followers beyond it) and the wait for leaders
+            self._matchmaking.target_group_size = self._matchmaking.potential_leaders.target_group_size = size
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
+
+
 class _TcpGroup:
     """Stands in for hivemind's ``AllReduceRunner`` in ``_running_groups`` while the group averages over TCP, or
     once a ``match_only`` averager handed the group to its caller (`round_` None)."""
@@ -355,6 +371,7 @@ class SwarmAverager:
         self._gather = None if listening is None else {"tcp": [hosts, listening.getsockname()[1]]}
         self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
         self.grace = min(grace, matchmaking_time / 2)
+        self.target_group_size = self._expected = target_group_size
         try:
             self._averager = ExactAverager(
                 [tensor.detach().clone() for tensor in tensors],
@@ -381,6 +398,15 @@ class SwarmAverager:
         except BaseException:
             self.shutdown()
             raise
+
+    def expect(self, groups: int) -> None:
+        """The groups (this one included) expected in the next round: matchmaking closes once they are all in,
+        instead of waiting out ``matchmaking_time`` for groups that are gone. Between 2 and the size given at
+        construction; a peer told too few would turn later ones away, so callers count generously."""
+        size = max(2, min(groups, self.target_group_size or groups))
+        if size != self._expected:
+            self._averager.set_target_group_size(size)
+            self._expected = size
 
     def average(
         self,

@@ -68,6 +68,7 @@ class SwarmPeer:
         self.peer_id = averager.peer_id if averager is not None else dht.peer_id.to_base58()  # (the same daemon)
         self._storing: set[Future] = set()  # record stores under way (a future nobody holds drops its result)
         self._store_failed = False  # one warning, not one per heartbeat
+        self._last_peers = 0  # groups in the last round that did not fail
 
     def average(
         self,
@@ -77,7 +78,29 @@ class SwarmPeer:
         stop: Callable[[], bool],
         fragment: int | None = None,
     ) -> RoundReport:
-        return self.rounds.average(tensors, round_index, weight, stop, fragment)
+        if self.averager is not None:
+            self.averager.expect(self.expected_groups())
+        report = self.rounds.average(tensors, round_index, weight, stop, fragment)
+        if report.ok:
+            self._last_peers = report.num_peers
+        return report
+
+    def expected_groups(self) -> int:
+        """Rank 0: the groups that may come to the next round: this one, the others whose status record is fresh
+        and says they have not left, and at least as many as the last round had. A group killed a moment ago still
+        counts until its record is stale (then matchmaking stops waiting for it); one counted too few would be
+        turned away, so a record is fresh for two heartbeats plus a whole failed round, in which none is written."""
+        averager = self.averager
+        fresh_s = 2 * status.HEARTBEAT_S + averager.matchmaking_time + averager.averaging_timeout
+        now = time.time()
+        try:
+            records = self.status_records()
+        except Exception as e:  # the DHT is shutting down: expect everyone, as without records
+            log.debug("status records unreadable (%s): expecting every group", e)
+            return averager.target_group_size or 2
+        others = {r.world_rank for r in records
+                  if r.peer != self.peer_id and r.state not in status.LEFT and now - r.heard_at <= fresh_s}  # fmt: skip
+        return max(1 + len(others), self._last_peers)
 
     def publish(self, record: Progress) -> None:
         if self.rounds is not None:  # where a group of any shape downloads this group's state
