@@ -29,6 +29,7 @@ class RoundResult(Protocol):
     rejected: int  # contributions of other groups this rank rejected (non-finite, or an outlier norm)
     transport: str  # what carried the bytes: "tcp", "p2pd", or "" (no group formed)
     round_id: str  # the same in every member of one round's group ("": no group formed): who averaged together
+    dropped: int  # groupmates this rank's reducer left out for their frames or their silence (not their values)
 
 
 State = tuple[dict[str, Any], list[torch.Tensor]]  # (small metadata, tensors) of one rank's outer state
@@ -85,6 +86,16 @@ class Swarm(Protocol):
     @property
     def rejected_records(self) -> int:
         """Records read so far and ignored for a missing or wrong swarm-key seal (0 in an open swarm)."""
+        ...
+
+    @property
+    def rejected_states(self) -> int:
+        """State downloads this rank refused: an answer short, malformed, unproven or unlike its other ranks'."""
+        ...
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections this rank's listener dropped at their hello (strangers, bad MACs, replays, late senders)."""
         ...
 
     def serve_state(self, provider: Callable[[], State]) -> None:

@@ -124,6 +124,7 @@ class DiLoCo:
         self.done = False
         self.loaded_from_peers = False
         self.downloads = 0
+        self.rejected_states = 0  # downloaded states that did not fit this rank's shard
         self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
         self.token = group.broadcast(uuid.uuid4().hex)
         self.peers = tuple(group.gather(swarm.peer_id))
@@ -398,6 +399,7 @@ class DiLoCo:
                 "bytes_sent": int(self.group.sum(float(report.bytes_sent))),  # all ranks of the group
                 "bytes_received": int(self.group.sum(float(report.bytes_received))),
                 "rejected": int(self.group.sum(float(report.rejected))),
+                "dropped": int(self.group.sum(float(report.dropped))),
                 "pseudo_grad_norm": math.sqrt(self.group.sum(float(pseudo_gradient.square().sum()))),
             }
             if report.transport:
@@ -487,9 +489,12 @@ class DiLoCo:
         meta, tensors = got
         try:
             typed = all(isinstance(meta[k], t) for k, t in (("outer_step", int), ("step", int), ("digest", str)))
-            return meta if typed and self.params.fits(tensors) else None
+            if typed and self.params.fits(tensors):
+                return meta
         except (IndexError, KeyError, TypeError, AttributeError, RuntimeError):
-            return None
+            pass
+        self.rejected_states += 1  # an answer in full that is not a state of this model
+        return None
 
     def _load(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         with self.params.lock:
@@ -588,8 +593,13 @@ class DiLoCo:
         return sorted(r.world_rank for r in pending if self.swarm.alive(r.peers[0]))
 
     def summary(self) -> dict[str, Any]:
+        """Collective (sums over the group's ranks): the outer steps, whether the swarm's state was loaded, and
+        what was refused: records without the key's seal, state downloads, connections at their hello."""
+        refused = self.rejected_states + self.swarm.rejected_states
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers,
-                "rejected_records": self.swarm.rejected_records}  # fmt: skip
+                "rejected_records": self.swarm.rejected_records,
+                "rejected_states": int(self.group.sum(float(refused))),
+                "refused_connections": int(self.group.sum(float(self.swarm.refused_connections)))}  # fmt: skip
 
     def close(self) -> None:
         """Tell onlookers how this group left, then leave the swarm (a round still in flight, which gives up once

@@ -243,6 +243,34 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
     assert "ok=False" in logs[2].read_text()  # the poisoned peer's own rounds fail
 
 
+def test_a_peer_that_sends_a_huge_length_header_is_dropped_and_counted(tmp_path: Path, dht_peer: list[str]) -> None:
+    """A third peer joins every round and, past the handshake, tells each reducer its part is 2**40 bytes long:
+    the honest groups' reducers drop it at once (nothing of that size is allocated), count it in their rows'
+    `dropped`, average their spans without it, and the honest groups end on one model."""
+    dirs = [tmp_path / f"w{i}" for i in range(2)]
+    logs = [tmp_path / f"w{i}.log" for i in range(3)]
+    steps = ["--max-steps", "30", "--hv.run-id", "frames", "--hv.matchmaking-time", "8"]
+    procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
+    with logs[2].open("w") as out:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.hostile_peer", "frame", str(FAST[1]), "frames", "3", "2", "6", "mean",
+             *dht_peer],
+            cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        ))  # fmt: skip
+    try:
+        finish(procs[:2], logs[:2], timeout=300)
+        procs[2].wait(timeout=120)
+    finally:
+        kill_group(procs[2])
+    rows = [outer_rows(d) for d in dirs]
+    hit = [r for r in rows[0] + rows[1] if r.get("num_peers") == 3 and r.get("dropped", 0) >= 1]
+    assert len(hit) >= 2, [(r.get("num_peers"), r.get("dropped")) for r in rows[0] + rows[1]]
+    assert all(r.get("rejected", 0) == 0 for r in hit)  # a frame, not a value: not `rejected`
+    assert "left out of our span" in logs[0].read_text() + logs[1].read_text()
+    assert len({summary(d)["params_sha256"] for d in dirs}) == 1
+    assert all(summary(d)["status"] == "ok" for d in dirs)
+
+
 @pytest.mark.parametrize("aggregation", ["trimmed-mean"])
 def test_a_sign_flipped_scaled_attacker_is_outvoted_by_a_robust_aggregation(
     tmp_path: Path, dht_peer: list[str], aggregation: str

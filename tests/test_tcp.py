@@ -308,6 +308,7 @@ def test_a_hostile_groupmates_frames_are_refused_and_the_reducer_goes_on(frame: 
         listener.close()
     assert time.monotonic() - started < 15
     assert 2 in rounds[0]._banned, rounds[0]._banned
+    assert rounds[0].dropped == 1 and rounds[0].rejected == 0  # counted (a row's `dropped`), not as a bad value
     lo, hi = rounds[0]._bounds(rounds[0].schedule.parts[0][0])  # reducer 0's first part, averaged without peer 2
     assert torch.equal(outs[1][lo:hi], (vectors[0][lo:hi] + vectors[1][lo:hi]) / 2)
 
@@ -329,7 +330,7 @@ def test_a_hello_replayed_from_an_earlier_round_is_refused():
             replay.settimeout(5)
             assert replay.recv(1) == b""  # dropped without an answer
             replay.close()
-        assert not new._attached
+        assert not new._attached and listener.refused == 2  # counted (summary.json's `refused_connections`)
     finally:
         listener.close()
 

@@ -89,8 +89,12 @@ def test_sources_that_disagree_or_vanish_give_no_state() -> None:
     outer = torch.randn(TOTAL)
     with serving(Shape("FULL_SHARD", 2), [outer], {"outer_step": 1}) as endpoints:
         with serving(Shape("FULL_SHARD", 2), [outer], {"outer_step": 2}) as later:
-            assert transfer.download(layout, source, [endpoints[0], later[1]], timeout=10) is None
-    assert transfer.download(layout, source, endpoints, timeout=2) is None  # closed: nobody answers
+            disagree: list[str] = []
+            got = transfer.download(layout, source, [endpoints[0], later[1]], timeout=10, refused=disagree.append)
+            assert got is None and len(disagree) == 1 and "another state" in disagree[0]
+    refused: list[str] = []
+    assert transfer.download(layout, source, endpoints, timeout=2, refused=refused.append) is None  # nobody answers
+    assert refused == []  # unreachable is not refused
 
 
 def test_a_request_for_values_a_rank_does_not_hold_is_dropped() -> None:
@@ -122,7 +126,10 @@ def test_a_source_that_answers_the_wrong_size_gives_no_state(answer: str) -> Non
     listener.serve(transfer.MAGIC, lie)
     try:
         started = time.monotonic()
-        assert transfer.download(layout, source, [(["127.0.0.1"], server.getsockname()[1])], timeout=2) is None
+        refused: list[str] = []
+        endpoints = [(["127.0.0.1"], server.getsockname()[1])]
+        assert transfer.download(layout, source, endpoints, timeout=2, refused=refused.append) is None
         assert time.monotonic() - started < 10
+        assert len(refused) == 1  # counted (summary.json's `rejected_states`)
     finally:
         listener.close()

@@ -71,15 +71,17 @@ class RoundStats(ctypes.Structure):
         ("group_size", ctypes.c_int64),  # peers in the last group that tried to average
         ("rejected", ctypes.c_int64),  # contributions this peer, as a reducer, left out
         ("over_tcp", ctypes.c_int64),  # 1: the last all-reduce went over TCP (its result is in ``tcp_out``)
+        ("dropped", ctypes.c_int64),  # groupmates this peer, as a reducer, left out for their frames or silence
     ]
 
     def clear(self) -> None:
         ctypes.memset(ctypes.addressof(self), 0, ctypes.sizeof(self))
 
-    def add(self, sent: int, received: int, rejected: int) -> None:
+    def add(self, sent: int, received: int, rejected: int, dropped: int = 0) -> None:
         self.bytes_sent += sent
         self.bytes_received += received
         self.rejected += rejected
+        self.dropped += dropped
 
 
 class ExactAverager(hivemind.DecentralizedAverager):
@@ -214,7 +216,7 @@ class ExactAverager(hivemind.DecentralizedAverager):
             raise
         finally:
             self._listener.unregister(round_)
-            self.stats.add(round_.bytes_sent, round_.bytes_received, round_.rejected)
+            self.stats.add(round_.bytes_sent, round_.bytes_received, round_.rejected, round_.dropped)
         # reducers screen what they average; this catches one that does not (another version, a bad actor)
         if not all_finite(self.tcp_out):
             raise AllreduceException("a groupmate returned non-finite averages")
@@ -268,6 +270,9 @@ class RoundReport:
         the result in the tensors; 0 when no group formed.
     :param round_id: a short id of the round's group (hex, the same for every member of one round): which groups
         averaged together; "" when no group formed.
+    :param dropped: groupmates this peer, as a reducer, left out of its span for what they sent or did not send: a
+        frame too long, short or undecodable, silence past the timeout, a broken connection (their values are
+        ``rejected``'s business).
     :param rejected: groupmates' contributions (and this peer's own) that this peer, as a reducer, left out of the
         average for holding NaN/Inf or a norm ``screening.MAX_NORM_RATIO`` times the group's; a rejected peer's round
         fails, the others complete without it (ok=True).
@@ -282,6 +287,7 @@ class RoundReport:
     transport: str = ""
     allreduce_seconds: float = 0.0
     round_id: str = ""
+    dropped: int = 0
 
 
 def round_id(group_id: bytes) -> str:
@@ -440,7 +446,7 @@ class SwarmAverager:
         raw = self._averager.matched_id.raw
         return RoundReport(
             num_peers, time.monotonic() - started, stats.bytes_sent, stats.bytes_received, ok,
-            rejected=stats.rejected, transport=transport, allreduce_seconds=allreduce_s,
+            rejected=stats.rejected, transport=transport, allreduce_seconds=allreduce_s, dropped=stats.dropped,
             round_id=round_id(raw[1 : 1 + raw[0]]) if num_peers > 1 else "",
         )  # fmt: skip
 

@@ -65,6 +65,7 @@ class Outcome:
     bytes_received: int
     rejected: int
     error: str = ""
+    dropped: int = 0  # groupmates this rank's reducer left out for their frames or their silence
 
 
 def replica_ranks(shape: Shape) -> list[list[int]]:
@@ -142,7 +143,7 @@ def run_round(
         log.warning("averaging: this rank's part of the round failed: %s", error)
     finally:
         listener.unregister(round_)
-    return Outcome(not error, round_.bytes_sent, round_.bytes_received, round_.rejected, error)
+    return Outcome(not error, round_.bytes_sent, round_.bytes_received, round_.rejected, error, round_.dropped)
 
 
 class GroupRounds:
@@ -239,7 +240,7 @@ class GroupRounds:
         return RoundReport(
             len(info.members), time.monotonic() - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
             rejected=outcome.rejected, transport=self.transport, allreduce_seconds=time.monotonic() - formed,
-            round_id=round_id(info.group_id),
+            round_id=round_id(info.group_id), dropped=outcome.dropped,
         )  # fmt: skip
 
     def _match(self, round_index: int, weight: float, stop: Callable[[], bool]) -> tuple[RoundInfo | None, int, bool]:

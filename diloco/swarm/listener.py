@@ -40,6 +40,8 @@ class Listener:
         self._services: dict[bytes, Callable[[socket.socket], None]] = {}
         self._cv = threading.Condition()
         self._closed = False
+        self.refused = 0  # connections dropped at their hello: strangers, bad MACs, replays, late senders
+        self._warned = False
 
     def start(self) -> Listener:
         if self._sock is not None:
@@ -117,11 +119,22 @@ class Listener:
                     self._cv.wait(left)  # woken by a registration, by close, or by this rank entering a round
                 round_ = self._rounds.get(tag)
             if round_ is None:
-                raise ConnectionError("no round with this tag")
+                raise _NoRound("no round with this tag")
             round_.attach(conn, bytes(hello))
         except Exception as e:  # a stranger, a late or duplicate sender: drop the connection, never the process
-            logger.debug(f"butterfly connection dropped: {type(e).__name__}: {e}")
+            with self._cv:
+                self.refused += 1
+                warn = not self._warned and not isinstance(e, _NoRound)
+                self._warned |= warn
+            if warn:  # a round that ended (a late groupmate, a replayed hello) is routine; the rest is not
+                logger.warning(f"refused a connection: {type(e).__name__}: {e} (later ones are only counted)")
+            else:
+                logger.debug(f"butterfly connection dropped: {type(e).__name__}: {e}")
             close_socket(conn)
+
+
+class _NoRound(ConnectionError):
+    """A hello for a round this rank does not hold (any more): late, or replayed."""
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

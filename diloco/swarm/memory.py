@@ -43,6 +43,7 @@ class Report:
     rejected: int = 0
     transport: str = ""
     round_id: str = ""
+    dropped: int = 0
 
 
 class MemorySwarm:
@@ -158,6 +159,8 @@ class Member:
         return peer_id in self.swarm.providers
 
     rejected_records = 0  # no swarm key in memory
+    rejected_states = 0  # states are handed over in memory, never refused
+    refused_connections = 0  # no sockets
 
     def serve_state(self, provider: Callable[[], State]) -> None:
         self.swarm.providers[self.peer_id] = provider

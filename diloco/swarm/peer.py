@@ -69,6 +69,7 @@ class SwarmPeer:
         self._storing: set[Future] = set()  # record stores under way (a future nobody holds drops its result)
         self._store_failed = False  # one warning, not one per heartbeat
         self._last_peers = 0  # groups in the last round that did not fail
+        self.rejected_states = 0  # state downloads refused: short, malformed, unproven (``transfer.download``)
 
     def average(
         self,
@@ -184,7 +185,16 @@ class SwarmPeer:
             return None
         layouts = group_layout(self.rounds.model_shapes, source.shape)
         return transfer.download(self.rounds.layout, layouts, source.endpoints, self.request_timeout,
-                                 self.rounds.connect, self.rounds.key)  # fmt: skip
+                                 self.rounds.connect, self.rounds.key, self._refused_state)  # fmt: skip
+
+    def _refused_state(self, why: str) -> None:
+        if not self.rejected_states:
+            log.warning("refused a state download (%s); later ones are only counted (rejected_states)", why)
+        self.rejected_states += 1
+
+    @property
+    def refused_connections(self) -> int:
+        return self.rounds.listener.refused if self.rounds is not None else 0
 
     def shutdown(self) -> None:
         deadline = time.monotonic() + LAST_STATUS_WAIT_S

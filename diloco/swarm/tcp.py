@@ -210,6 +210,7 @@ class Round:
         self.tag = hashlib.sha256(group_id).digest()[:16]
         self.bytes_sent = self.bytes_received = 0
         self.rejected = 0  # senders (this peer included) whose contribution this peer, as reducer, left out
+        self.dropped = 0  # groupmates left out of our span for what they sent or did not send (frames, silence)
         self._cv = threading.Condition()
         span = self.schedule.parts[index]
         self._parts: list[dict[int, torch.Tensor] | None] = [{} for _ in span]  # sender -> its part
@@ -442,7 +443,8 @@ class Round:
         """Leave ``sender`` out of every part not averaged yet (call with the lock held)."""
         if sender not in self._banned:
             self._banned[sender] = reason
-            if sender != self.index and not quiet:
+            if sender != self.index and not quiet:  # quiet: a rejected contribution, counted in `rejected`
+                self.dropped += 1
                 logger.warning(f"averaging: peer #{sender} left out of our span: {reason}")
             self._cv.notify_all()
 

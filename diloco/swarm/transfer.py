@@ -118,11 +118,13 @@ class StateService:
 
 def download(
     me: RankLayout, source: Sequence[RankLayout], endpoints: Sequence[Endpoint], timeout: float,
-    connect: tcp.Connect = tcp.connect, key: SwarmKey | None = None,
+    connect: tcp.Connect = tcp.connect, key: SwarmKey | None = None, refused: Callable[[str], None] | None = None,
 ) -> State | None:
     """This rank's outer state (in `me`'s layout) from the ranks of a group laid out as `source`, reached at
     `endpoints` (in rank order) through `connect`, authenticated with the swarm `key` if any. None when a rank does
-    not answer in full, the answers describe different states, or (with a key) a rank cannot prove it holds it."""
+    not answer in full, the answers describe different states, or (with a key) a rank cannot prove it holds it;
+    `refused(why)` is told of each answer refused (one that came, but short, malformed, unproven or unlike the
+    others': not an unreachable rank)."""
     outer = torch.empty(me.local_numel)
     made: list[list[torch.Tensor]] = []  # the outer parameters, and the momentum once an answer has one
 
@@ -138,15 +140,24 @@ def download(
     meta: dict[str, Any] | None = None
     for rank, runs in (requests(me, source) or {0: []}).items():  # a rank that holds nothing still needs the meta
         try:
-            got = _fetch(connect(endpoints[rank], timeout, None), runs, timeout, buffers, key)
+            conn = connect(endpoints[rank], timeout, None)
+        except OSError as e:
+            log.debug("state download: rank %d unreachable: %s: %s", rank, type(e).__name__, e)
+            return None
+        try:
+            got = _fetch(conn, runs, timeout, buffers, key)
         except (OSError, ValueError, UnicodeDecodeError) as e:
-            log.debug("state download from rank %d failed: %s: %s", rank, type(e).__name__, e)
-            return None
+            return _refuse(refused, f"rank {rank}'s answer: {type(e).__name__}: {e}")
         if meta is not None and got != meta:
-            log.debug("state download: rank %d sent another state than the others", rank)
-            return None
+            return _refuse(refused, f"rank {rank} sent another state than the others")
         meta = got
     return None if meta is None else (meta, made[0] if made else [outer])
+
+
+def _refuse(refused: Callable[[str], None] | None, why: str) -> None:
+    log.debug("state download refused: %s", why)
+    if refused is not None:
+        refused(why)
 
 
 def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callable[[int], list[torch.Tensor]],
