@@ -7,10 +7,16 @@ then the checks that need torch.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from diloco import checkpoint
-from diloco.config import Config, FieldError
+from diloco.config import Config, FieldError, UsageError
+
+# hivemind shares memory through torch's "file_system" strategy, whose manager listens on a unix socket inside the
+# temp folder; a socket path holds at most 107 bytes, so a longer TMPDIR fails deep inside torch (measured limit
+# with torch 2.13: 73 characters)
+TEMPDIR_MAX_CHARS = 73
 
 
 def ckpt_folder(config: Config, run_dir: Path | None) -> Path:
@@ -23,6 +29,8 @@ def check_run(config: Config, world_size: int) -> Path | None:
     to resume from holds every file. Returns that checkpoint's folder, None when not resuming."""
     config.check_files()
     config.grad_accumulation(world_size)
+    if config.hv.galaxy_size > 1:
+        check_tempdir()
     if config.run_dir is not None and config.ckpt.resume is None and (config.run_dir / "metrics.jsonl").exists():
         raise FieldError(
             f"{{run_dir}} {config.run_dir} already holds a run (metrics.jsonl); pick another folder or continue it "
@@ -38,3 +46,14 @@ def check_run(config: Config, world_size: int) -> Path | None:
         path = checkpoint.latest(ckpt_folder(config, config.run_dir))
     checkpoint.check_layout(path, world_size)
     return path
+
+
+def check_tempdir() -> None:
+    """The temp folder's path is short enough for the socket of torch's shared-memory manager (the swarm needs
+    it); a clear line naming TMPDIR instead of a traceback from torch's C++ side."""
+    folder = tempfile.gettempdir()
+    if len(folder) > TEMPDIR_MAX_CHARS:
+        raise UsageError(
+            f"TMPDIR {folder}: {len(folder)} characters; the swarm needs a temp folder path of at most "
+            f"{TEMPDIR_MAX_CHARS} (torch's shared-memory socket lives there): set TMPDIR to a shorter folder"
+        )

@@ -247,6 +247,24 @@ def test_dht_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path, busy_po
     assert_one_line_exit_2(result, expected.format(port=busy_port, tmp=tmp_path), work)
 
 
+@pytest.mark.parametrize("command", ["train", "dht"])
+def test_a_temp_folder_too_long_for_torchs_socket_is_one_line_and_exit_2(command: str, tmp_path: Path) -> None:
+    """hivemind shares memory through a torch manager whose unix socket lives in TMPDIR: a long TMPDIR (a test's
+    tmp_path under pytest-xdist is one) fails in torch's C++ side; the swarm's commands say so instead, before
+    anything is written."""
+    long = tmp_path / ("t" * 80)
+    long.mkdir()
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = {"TMPDIR": str(long)}
+    if command == "train":
+        result = python_train([*FAKE, *SWARM], timeout=90, cwd=work, env=env)
+    else:
+        result = run_cmd([str(DILOCO), "dht"], timeout=60, cwd=work, env=env)
+    assert_one_line_exit_2(result, f"TMPDIR {long}: {len(str(long))} characters", work)
+    assert list(long.iterdir()) == []
+
+
 def test_dht_with_a_readable_identity_warns_in_one_line_and_starts(tmp_path: Path) -> None:
     from diloco.swarm.identity import ensure_identity
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,8 +56,9 @@ def test_a_stopped_wan_bench_leaves_nothing_behind(tmp_path: Path) -> None:
     with 128 + 15 within STOP_GRACE_S, and nothing it started is left: no process (its bootstrap DHTs with their
     p2pd inside namespaces, the workers), none of its namespaces (named from its pid) nor its bridge, no temp
     folder."""
-    scratch = tmp_path / "tmp"  # the bench's temp folder goes here (TMPDIR), where the test can see it
-    scratch.mkdir()
+    # the bench's temp folder goes here (TMPDIR), where the test can see it; short (not under tmp_path), as torch's
+    # shared-memory socket lives there (see preflight.check_tempdir)
+    scratch = Path(tempfile.mkdtemp(prefix="dlwan-"))
     command = [str(DILOCO), "bench", "wan", "--quick", "--data", str(CORPUS), "--out", str(tmp_path / "out"),
                "--doc", str(tmp_path / "benchmarks.md")]  # fmt: skip
     env = child_env() | {"TMPDIR": str(scratch)}
@@ -65,7 +68,7 @@ def test_a_stopped_wan_bench_leaves_nothing_behind(tmp_path: Path) -> None:
     mine = re.compile(rf"{tag}[nh]\d+$|{tag}br$")
     started: list[psutil.Process] = []
     try:
-        started = wait_for_training(proc, timeout_s=240)
+        started = wait_for_training(proc, timeout_s=240, log_path=tmp_path / "bench.log")
         assert {name for name in namespaces() if mine.match(name)}
         assert list(scratch.glob("diloco-bench-wan-*"))
         os.killpg(proc.pid, signal.SIGTERM)
@@ -85,6 +88,7 @@ def test_a_stopped_wan_bench_leaves_nothing_behind(tmp_path: Path) -> None:
         procs.kill_all(started)
         proc.wait()
         remove_namespaces(mine)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def remove_namespaces(mine: re.Pattern[str]) -> None:
@@ -102,7 +106,7 @@ def remove_namespaces(mine: re.Pattern[str]) -> None:
             subprocess.run(["ip", "link", "delete", link], capture_output=True)
 
 
-def wait_for_training(proc: subprocess.Popen[bytes], timeout_s: float) -> list[psutil.Process]:
+def wait_for_training(proc: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> list[psutil.Process]:
     """Wait until the bench runs a DHT (its p2pd) and the first arm's workers; its descendants then."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
@@ -114,7 +118,8 @@ def wait_for_training(proc: subprocess.Popen[bytes], timeout_s: float) -> list[p
         if any("p2pd" in line for line in lines) and any("diloco.train" in line for line in lines):
             return family
         time.sleep(0.5)
-    raise AssertionError(f"no DHT and workers within {timeout_s:.0f} s (exit code {proc.poll()})")
+    tail = log_path.read_text()[-3000:]
+    raise AssertionError(f"no DHT and workers within {timeout_s:.0f} s (exit code {proc.poll()}):\n{tail}")
 
 
 def running(proc: psutil.Process) -> bool:

@@ -380,6 +380,7 @@ def test_a_group_that_dies_or_stops_with_a_round_in_flight_resumes_and_matches(
             assert summary(dirs[1])["status"] == "interrupted"
         more = len(outer_rows(dirs[0])) + 2
         wait_for(lambda: len(outer_rows(dirs[0])) >= more, 90, "two rounds without the victim", procs[:1], logs)
+        before = len(outer_rows(dirs[0]))
         procs[1] = start_group([*args[1], "--ckpt.resume", "latest"], logs[1])
         finish(procs, logs, timeout=240)
     finally:
@@ -388,4 +389,7 @@ def test_a_group_that_dies_or_stops_with_a_round_in_flight_resumes_and_matches(
     resumed, finals = summary(dirs[1]), [summary(d) for d in dirs]
     assert resumed["status"] == "ok" and resumed["loaded_state_from_peers"] is True
     assert len({s["params_sha256"] for s in finals}) == 1 and len({s["outer_steps"] for s in finals}) == 1, finals
-    assert outer_rows(dirs[0])[-1]["num_peers"] == 2  # the resumed group takes part again
+    # the resumed group takes part again (not necessarily in the last round: under load that one may tear, and the
+    # settle then gives both groups its result)
+    after = [row["num_peers"] for row in outer_rows(dirs[0])[before:]]
+    assert 2 in after, after

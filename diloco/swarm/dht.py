@@ -28,6 +28,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 from multiaddr import Multiaddr
 
+from diloco import preflight
 from diloco.config import FieldError, first_line
 from diloco.procs import exit_with_parent
 from diloco.swarm.identity import ensure_identity
@@ -65,7 +66,9 @@ def start_dht(
     :raises FieldError: bad input, as one line naming the option (``initial_peers``, ``host_maddrs``,
         ``announce_maddrs`` or ``identity``): no initial peer answered, a host port in use, an unusable identity
         file. No process is left behind.
+    :raises UsageError: a TMPDIR too long for torch's shared-memory socket (see ``preflight.check_tempdir``).
     """
+    preflight.check_tempdir()
     kwargs = {}
     if identity_path is not None:
         try:
