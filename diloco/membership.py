@@ -34,7 +34,7 @@ from diloco.pace import FixedSteps, Pace
 from diloco.screening import all_finite
 from diloco.swarm.digest import Digest, ShardDigest
 from diloco.swarm.fingerprint import ModelId, mismatch_error, rival_model
-from diloco.swarm.progress import Progress, sources
+from diloco.swarm.progress import Progress, Refused, sources
 from diloco.swarm.status import DIGEST_CHARS, HEARTBEAT_S, Status
 
 log = logging.getLogger("diloco")
@@ -124,7 +124,9 @@ class DiLoCo:
         self.done = False
         self.loaded_from_peers = False
         self.downloads = 0
-        self.rejected_states = 0  # downloaded states that did not fit this rank's shard
+        self.rejected_states = 0  # downloaded states that did not fit this rank's shard, or not their digest
+        self.refused = Refused()  # (the same on every rank: what the group refused together)
+        self._warned: set[str] = set()  # tokens of the groups whose state could not be loaded, warned about
         self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
         self.token = group.broadcast(uuid.uuid4().hex)
         self.peers = tuple(group.gather(swarm.peer_id))
@@ -217,13 +219,17 @@ class DiLoCo:
             )
             if stopped:
                 return None  # the run stops after its first step and checkpoints this group's own state
-            if not plan and not seen:
-                if self.group.is_main:
+            # groups seen ahead that vanish (a DHT read that came back empty, pings lost under load) are not
+            # proof that this group is the first: keep trying them until the deadline, unless their answers were
+            # refused too often (a stranger's forged record would otherwise keep the swarm's first group out)
+            refused_before = bool(seen)
+            seen = self.refused.prune(plan or seen)
+            if not seen:
+                if self.group.is_main and refused_before:
+                    log.warning("the groups ahead sent only states this group refused: starting from its own state")
+                elif self.group.is_main:
                     log.info("no worker group is ahead of this one: starting from this group's own state")
                 return None
-            # groups seen ahead that vanish (a DHT read that came back empty, pings lost under load) are not
-            # proof that this group is the first: keep trying them until the deadline
-            seen = plan or seen
             loaded = self._load_from(seen)
             if loaded is not None:
                 return loaded
@@ -434,8 +440,9 @@ class DiLoCo:
             self.swarm.publish(self._record())
 
     def _plan(self) -> list[list[Progress]]:
-        """Rank 0: the states to load, best first (see `sources`)."""
-        return sources(self.swarm.records(), self._record(), lambda r: self.swarm.alive(r.peers[0]))
+        """Rank 0: the states to load, best first (see `sources`), but those refused too often (`Refused`)."""
+        plan = sources(self.swarm.records(), self._record(), lambda r: self.swarm.alive(r.peers[0]))
+        return self.refused.prune(plan)
 
     def _current_state(self) -> State:
         """This rank's outer state as served to other groups (called from the swarm's background thread)."""
@@ -455,15 +462,16 @@ class DiLoCo:
         outer_before = self.outer_step
         for holders in plan:
             for record in holders:
+                before = self.rejected_states + self.swarm.rejected_states
                 got = self.swarm.download_state(record, self.group.rank)
                 meta = self._valid(got)
                 part = None if meta is None else self.digester.partial(got[1][0])
                 seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"], meta["digest"]))
                 parts = self.group.gather(part)
                 # every rank got one state, and all of it: the ranks' parts add up to the digest it was served with
-                if any(s is None for s in seen) or len(set(seen)) != 1 or self.digester.combine(parts) != seen[0][2]:
-                    if self.group.is_main:
-                        log.warning("could not load the state of worker group %d; trying the next", record.world_rank)
+                whole = all(s is not None for s in seen) and len(set(seen)) == 1
+                if not whole or self.digester.combine(parts) != seen[0][2]:
+                    self._refused(record, whole, self.rejected_states + self.swarm.rejected_states > before)
                     continue
                 self._load(*got)
                 self.loaded_from = record.world_rank
@@ -481,6 +489,18 @@ class DiLoCo:
                 self._new_round(step)  # the model holds the loaded outer parameters: the inner steps since are gone
                 return step
         return None
+
+    def _refused(self, record: Progress, whole: bool, refused_here: bool) -> None:
+        """Collective: a download from `record`'s group failed. An answer that came whole but does not add up to
+        its digest, or that a rank refused, counts against that state (`Refused`); one warning per group start."""
+        if self.group.sum(float(refused_here)) or whole:
+            self.refused.note(record)
+            if whole and self.group.is_main:
+                self.rejected_states += 1  # values that do not add up to the digest they were served with
+        if self.group.is_main:
+            warn = log.warning if record.token not in self._warned else log.debug
+            warn("could not load the state of worker group %d; trying the next", record.world_rank)
+            self._warned.add(record.token)
 
     def _valid(self, got: State | None) -> dict[str, Any] | None:
         """The metadata of a downloaded state that fits this rank's shard, else None."""
@@ -589,6 +609,7 @@ class DiLoCo:
         pending = [
             r for r in self.swarm.records()
             if r.world_rank != self.world_rank and r.settled and not (r.done and r.state == mine.state)
+            and not self.refused.skipped(r)  # a group whose answers this one keeps refusing is not waited for
         ]  # fmt: skip
         return sorted(r.world_rank for r in pending if self.swarm.alive(r.peers[0]))
 

@@ -8,14 +8,24 @@ matchmakes for the group) and, in every round, sends
 - ``frame``: nothing: to each reducer it sends, past the handshake, a length header claiming 2**40 bytes and
   then waits; its own span it reduces honestly (its contribution there: zeros).
 
+or, taking part in no round:
+
+- ``forge``: for ROUNDS seconds, a progress record in the DHT that claims its group (WORLD_RANK) holds outer step
+  10**6, naming a listener of its own that answers every state download with metadata saying so and then a
+  state of the wrong size (8 bytes of values, then it hangs up).
+
 Usage: python -m tests.hostile_peer ATTACK MODEL_DIR RUN_ID GALAXY_SIZE WORLD_RANK ROUNDS AGGREGATION
 INITIAL_PEER...
 """
 
 from __future__ import annotations
 
+import json
+import socket
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -27,9 +37,11 @@ from diloco.swarm.codecs import WIRE_FORMATS
 from diloco.swarm.dht import rendezvous, start_dht
 from diloco.swarm.fingerprint import model_id, run_key
 from diloco.swarm.group_round import GroupRounds
+from diloco.swarm import transfer
 from diloco.swarm.layout import Shape
 from diloco.swarm.listener import Listener, listen_socket
-from diloco.swarm.tcp import LENGTH, Round
+from diloco.swarm.progress import Progress, progress_key, publish
+from diloco.swarm.tcp import LENGTH, Round, recv_exact
 
 MATCHMAKING_S = 8  # as the honest groups of the test: long enough under load for all three to gather
 AVERAGING_S = 15
@@ -47,12 +59,63 @@ def huge_frames(self: Round, reducer: int) -> None:
     self._fail(f"reducer #{reducer}: sent it a 2**40-byte header")
 
 
+FORGED_STEP = 10**6
+
+
+def forge(dht, run: str, world_rank: int, seconds: float) -> None:
+    """The ``forge`` attack: a record claiming outer step 10**6, refreshed every 2 s, and a listener behind it that
+    answers state downloads with the wrong size. Prints how many downloads it answered."""
+    server = socket.create_server(("127.0.0.1", 0))
+    served = []
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # closed: the attack is over
+            with conn:
+                try:
+                    request = bytearray(len(transfer.MAGIC) + transfer.COUNT.size)
+                    recv_exact(conn, memoryview(request))
+                    (count,) = transfer.COUNT.unpack_from(request, len(transfer.MAGIC))
+                    recv_exact(conn, memoryview(bytearray(count * transfer.RUN.size)))
+                    meta = {"outer_step": FORGED_STEP, "step": 100 * FORGED_STEP, "digest": "f" * 64,
+                            "tainted": False, "world_rank": world_rank}  # fmt: skip
+                    header = json.dumps(meta).encode()
+                    conn.sendall(transfer.COUNT.pack(len(header)) + header + transfer.TENSORS.pack(1) + bytes(8))
+                    served.append(1)
+                    print(f"answered state download {len(served)} with 8 bytes of values", flush=True)
+                except (OSError, ValueError):
+                    pass
+
+    threading.Thread(target=answer, daemon=True).start()
+    hosts = announced_hosts(dht.get_visible_maddrs())
+    record = Progress(world_rank=world_rank, outer_step=FORGED_STEP, step=100 * FORGED_STEP, digest="f" * 64,
+                      tainted=False, settled=True, token=uuid.uuid4().hex, peers=(dht.peer_id.to_base58(),),
+                      shape=("FULL_SHARD", 1, 1), endpoints=([hosts, server.getsockname()[1]],))  # fmt: skip
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            publish(dht, progress_key(run), record)
+            print(f"forged a record of outer step {FORGED_STEP}", flush=True)
+            time.sleep(2.0)
+    finally:
+        server.close()
+        print(f"answered {len(served)} state downloads", flush=True)
+
+
 def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int, aggregation: str,
          peers: list[str]) -> None:  # fmt: skip
     module = load_model(Path(model_dir), seed=0)
     model = model_id(module.named_parameters())
     size = model.parameters
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])
+    if attack == "forge":
+        try:
+            return forge(dht, run_key(run_id, model), world_rank, rounds)
+        finally:
+            dht.shutdown()
     prefix = f"{run_key(run_id, model)}-groups"  # where the rank 0 of every group of this model matchmakes
     averager = SwarmAverager(
         dht, prefix=prefix, tensors=[torch.zeros(1)], matchmaking_time=MATCHMAKING_S, averaging_timeout=AVERAGING_S,

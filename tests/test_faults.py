@@ -50,6 +50,17 @@ def wait_for(predicate, timeout: float, what: str, procs: list[subprocess.Popen]
         time.sleep(0.05)
 
 
+def start_hostile(args: list[str], peers: list[str], log: Path) -> subprocess.Popen[str]:
+    """A `tests.hostile_peer` process (ATTACK RUN_ID GALAXY_SIZE WORLD_RANK ROUNDS AGGREGATION, model FAST's) in its
+    own session, output to `log`."""
+    attack, *rest = args
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.hostile_peer", attack, str(FAST[1]), *rest, *peers], cwd=ROOT,
+            env=child_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+
+
 def outer_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -220,12 +231,7 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
     # from one honest group and the poisoned one leaves the other honest group alone, and none has both
     steps = ["--max-steps", "15", "--hv.run-id", "poisoned", "--hv.matchmaking-time", "8"]
     procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
-    with logs[2].open("w") as out:
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.hostile_peer", "nan", str(FAST[1]), "poisoned", "3", "2", "3", "mean",
-             *dht_peer],
-            cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        ))  # fmt: skip
+    procs.append(start_hostile(["nan", "poisoned", "3", "2", "3", "mean"], dht_peer, logs[2]))
     finish(procs[:2], logs[:2], timeout=240)
     procs[2].wait(timeout=120)
     rows = [outer_rows(d) for d in dirs]
@@ -251,12 +257,7 @@ def test_a_peer_that_sends_a_huge_length_header_is_dropped_and_counted(tmp_path:
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
     steps = ["--max-steps", "30", "--hv.run-id", "frames", "--hv.matchmaking-time", "8"]
     procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
-    with logs[2].open("w") as out:
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.hostile_peer", "frame", str(FAST[1]), "frames", "3", "2", "6", "mean",
-             *dht_peer],
-            cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        ))  # fmt: skip
+    procs.append(start_hostile(["frame", "frames", "3", "2", "6", "mean"], dht_peer, logs[2]))
     try:
         finish(procs[:2], logs[:2], timeout=300)
         procs[2].wait(timeout=120)
@@ -269,6 +270,38 @@ def test_a_peer_that_sends_a_huge_length_header_is_dropped_and_counted(tmp_path:
     assert "left out of our span" in logs[0].read_text() + logs[1].read_text()
     assert len({summary(d)["params_sha256"] for d in dirs}) == 1
     assert all(summary(d)["status"] == "ok" for d in dirs)
+
+
+def test_a_forged_record_of_a_huge_outer_step_draws_no_group_away(tmp_path: Path, dht_peer: list[str]) -> None:
+    """In an open swarm a stranger stores a progress record claiming outer step 10**6, and its listener answers
+    state downloads with a state of the wrong size. The swarm's first group tries it three times, refuses every
+    answer, and starts from its own state (not a JoinError: a forged record cannot keep a swarm from starting); a
+    group that joins later tries it first (the highest step), refuses it, and loads the honest group's state.
+    Refusals are counted (`rejected_states`) and warned about once; neither group asks again at its boundaries or
+    waits for the stranger at the end, and both end on one model at the honest outer step."""
+    dirs, logs = [tmp_path / f"w{i}" for i in range(2)], [tmp_path / f"w{i}.log" for i in range(3)]
+    steps = ["--max-steps", "40", "--hv.run-id", "forged"]
+    procs = [start_hostile(["forge", "forged", "2", "2", "600", "mean"], dht_peer, logs[2])]
+    try:
+        wait_for(lambda: "forged a record" in logs[2].read_text(), 120, "the forged record", procs, logs[2:])
+        procs.insert(0, start_group(group_args(0, 2, dht_peer, dirs[0], *steps), logs[0]))
+        wait_for(lambda: len(outer_rows(dirs[0])) >= 1, 120, "group 0's first round", procs[:1], logs)
+        procs.insert(1, start_group(group_args(1, 2, dht_peer, dirs[1], *steps, "--seed", "7"), logs[1]))
+        finish(procs[:2], logs[:2], timeout=300)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    finals = [summary(d) for d in dirs]
+    assert all(s["status"] == "ok" for s in finals) and finals[1]["loaded_state_from_peers"] is True, finals
+    assert finals[0]["loaded_state_from_peers"] is False and finals[0]["rejected_states"] == 3, finals
+    assert 1 <= finals[1]["rejected_states"] <= 3, finals  # (`progress.REFUSALS_BEFORE_SKIP`)
+    said = [log.read_text() for log in logs[:2]]
+    assert "the groups ahead sent only states this group refused" in said[0]
+    assert all(text.count("could not load the state of worker group 2") == 1 for text in said)  # warned once
+    assert not any("did not reach this final state" in text for text in said)  # nobody waited for the stranger
+    assert len({s["params_sha256"] for s in finals}) == 1
+    assert {s["outer_steps"] for s in finals} == {len(outer_rows(dirs[0]))}  # nothing of 10**6 was adopted
+    assert "answered state download 4" in logs[2].read_text() and "answered state download 7" not in logs[2].read_text()
 
 
 @pytest.mark.parametrize("aggregation", ["trimmed-mean"])
@@ -284,12 +317,7 @@ def test_a_sign_flipped_scaled_attacker_is_outvoted_by_a_robust_aggregation(
     steps = ["--max-steps", "30", "--hv.run-id", "flipped", "--hv.matchmaking-time", "8",
              "--hv.aggregation", aggregation, "--hv.outer-lr", "1", "--hv.outer-momentum", "0"]  # fmt: skip
     procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
-    with logs[2].open("w") as out:
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.hostile_peer", "flip50", str(FAST[1]), "flipped", "3", "2", "6",
-             aggregation, *dht_peer],
-            cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        ))  # fmt: skip
+    procs.append(start_hostile(["flip50", "flipped", "3", "2", "6", aggregation], dht_peer, logs[2]))
     finish(procs[:2], logs[:2], timeout=300)
     procs[2].wait(timeout=120)
     rows = [outer_rows(d) for d in dirs]

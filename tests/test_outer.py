@@ -3,6 +3,7 @@ up, settling), with the in-memory swarm across threads."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ from diloco.links import solo_group
 from diloco.membership import DiLoCo, JoinError
 from diloco.outer import OuterReport
 from diloco.swarm.memory import Member, MemorySwarm, Report
-from diloco.swarm.progress import Progress, sources
+from diloco.swarm.progress import Progress, Refused, sources
 
 
 def approx(value: float) -> object:
@@ -385,6 +386,22 @@ def record(world_rank: int, outer_step: int, digest: str, *, tainted: bool = Fal
 def test_sources_rank_states(others: list[Progress], mine: Progress, expected: list[list[int]]) -> None:
     plan = sources(others, mine, alive=lambda r: r.digest != "dead")
     assert [[r.world_rank for r in holders] for holders in plan] == expected
+
+
+def test_a_state_refused_too_often_is_pruned_until_its_group_moves_on() -> None:
+    """A forged record (a stranger claiming outer step 10**6): after three refused answers its state leaves the plan
+    and the next source is first; the same group at a new state, or another start of it, is asked again."""
+    forged, honest = record(2, 10**6, "f"), record(1, 7, "a")
+    plan = sources([forged, honest], record(0, 5, "b"), alive=lambda r: True)
+    refused = Refused(limit=3)
+    for _ in range(2):
+        refused.note(forged)
+    assert [[r.world_rank for r in holders] for holders in refused.prune(plan)] == [[2], [1]]
+    refused.note(forged)
+    assert refused.skipped(forged) and [[r.world_rank for r in h] for h in refused.prune(plan)] == [[1]]
+    moved = dataclasses.replace(forged, outer_step=10**6 + 1)
+    restarted = dataclasses.replace(forged, token="another start")
+    assert not refused.skipped(moved) and not refused.skipped(restarted) and not refused.skipped(honest)
 
 
 def test_the_outer_loop_and_its_stand_in_swarm_never_import_hivemind() -> None:

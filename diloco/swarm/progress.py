@@ -14,12 +14,13 @@ Plain Python: the DHT is any object with hivemind's `store` / `get`, so importin
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 PROGRESS_TTL = 24 * 3600.0  # seconds a group's progress record lives without a refresh (it refreshes every round)
+REFUSALS_BEFORE_SKIP = 3  # refused answers for one state of one group before a running group stops asking for it
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,26 @@ def sources(records: Iterable[Progress], mine: Progress, alive: Callable[[Progre
 
     ranked = sorted(holders, key=rank, reverse=True)
     return [sorted(holders[s], key=lambda r: r.world_rank) for s in ranked[: ranked.index(mine.state)]]
+
+
+class Refused:
+    """The states whose downloads this group refused (an answer came, but short, malformed, unproven or not a state
+    of this model), per start of a group (its token) and state. After `limit` refusals a group no longer asks for
+    that state (joining, at its boundaries, at the end of the run) nor waits for its holder at the end: a stranger's
+    forged record costs it `limit` downloads, not one per round, and cannot keep a swarm's first group from
+    starting. A group that moves on to another state is asked again, and an honest answer cut short (a timeout
+    under load) has `limit` tries."""
+
+    def __init__(self, limit: int = REFUSALS_BEFORE_SKIP) -> None:
+        self.limit = limit
+        self._counts: Counter[tuple[str, tuple[int, str]]] = Counter()
+
+    def note(self, record: Progress) -> None:
+        self._counts[record.token, record.state] += 1
+
+    def skipped(self, record: Progress) -> bool:
+        return self._counts[record.token, record.state] >= self.limit
+
+    def prune(self, plan: list[list[Progress]]) -> list[list[Progress]]:
+        """`plan` (see `sources`) without the skipped records (and the states no record is left for)."""
+        return [kept for holders in plan if (kept := [r for r in holders if not self.skipped(r)])]
