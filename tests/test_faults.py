@@ -165,7 +165,10 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
     assert resumed["status"] == "ok" and resumed["loaded_state_from_peers"] is True
     finals = [summary(d) for d in dirs]
     assert len({s["params_sha256"] for s in finals}) == 1
-    assert rows[0][-1]["num_peers"] == 3  # the resumed group takes part again
+    # the resumed group takes part again (not necessarily in the last round: under load that one may tear, and the
+    # settle then gives every group its result, as the equal final models above show)
+    after = [r.get("num_peers") for r in rows[0] if r["time"] > paused[1]]
+    assert 3 in after, after
     assert "resumed from" in logs[2].read_text()
 
 
