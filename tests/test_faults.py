@@ -422,5 +422,5 @@ def test_a_group_that_dies_or_stops_with_a_round_in_flight_resumes_and_matches(
     assert len({s["params_sha256"] for s in finals}) == 1 and len({s["outer_steps"] for s in finals}) == 1, finals
     # the resumed group takes part again (not necessarily in the last round: under load that one may tear, and the
     # settle then gives both groups its result)
-    after = [row["num_peers"] for row in outer_rows(dirs[0])[before:]]
+    after = [row.get("num_peers") for row in outer_rows(dirs[0])[before:]]  # (a loaded state's row has none)
     assert 2 in after, after
