@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -67,12 +68,12 @@ def dht_peer(tmp_path: Path):
                   "--host-maddrs", "/ip4/127.0.0.1/tcp/0"])  # fmt: skip
     try:
         yield read_until(proc, r"--hv\.initial-peers (.+)").group(1).split()
-    finally:
+    finally:  # a clean stop is test_dht_identity_is_stable_and_stop_is_clean's; here, only cleanup (under load a
+        # stop once took over 10 s, which failed the test whose fixture this is)
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=10)
-        finally:
-            kill_group(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        kill_group(proc)
 
 
 def test_dht_identity_is_stable_and_stop_is_clean(tmp_path: Path) -> None:
