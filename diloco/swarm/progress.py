@@ -2,11 +2,12 @@
 swarm's state.
 
 Every group publishes one record (its rank 0 does, at start and after each outer step) under one DHT key per run,
-whatever its shape, with its world rank as the subkey. A group
-compares its own record with the live ones of the others (`sources`): the swarm's state is the one with the
-highest outer step; between groups at the same outer step, a state that came out of a full average beats one that
-did not (a lone or failed round), then the state more groups hold, then the lowest world rank. This order is the same for everyone, so groups that diverged (a
-round that succeeded for some and failed for others, or two halves of a split swarm) converge again on one state.
+whatever its shape, with its world rank as the subkey. A group compares its own record with the live ones of the
+others (`sources`): the swarm's state is the one with the highest outer step; between groups at the same outer
+step, a state that came out of a full average beats one that did not (a lone or failed round), then the state more
+groups hold, then the lowest world rank. This order is the same for everyone, so groups that diverged (a round that
+succeeded for some and failed for others, or two halves of a split swarm) converge again on one state. A state whose
+downloads this group refused too often is skipped (`Refused`).
 
 Plain Python: the DHT is any object with hivemind's `store` / `get`, so importing this costs no hivemind.
 """
