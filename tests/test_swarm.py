@@ -408,8 +408,11 @@ def test_matchmaking_closes_once_the_expected_groups_are_in(bootstrap):
     dhts = [start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in range(2)]
     averagers: list[SwarmAverager] = []
     try:
-        averagers = [SwarmAverager(dht, prefix="expect", tensors=peer_tensors(i), matchmaking_time=matchmaking,
-                                   averaging_timeout=10.0, target_group_size=4) for i, dht in enumerate(dhts)]  # fmt: skip
+        averagers = [
+            SwarmAverager(dht, prefix="expect", tensors=peer_tensors(i), matchmaking_time=matchmaking,
+                          averaging_timeout=10.0, target_group_size=4)
+            for i, dht in enumerate(dhts)
+        ]  # fmt: skip
 
         def round_of_both(index: int) -> list[RoundReport]:
             reports: list[RoundReport | None] = [None, None]

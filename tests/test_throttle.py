@@ -63,7 +63,8 @@ def test_a_quarter_core_limit_holds_a_busy_loop_to_a_quarter_core(busy: list[sub
 def test_children_forked_later_are_limited_too_and_nothing_is_left() -> None:
     """A parent added to the limit forks a busy child afterwards: both are in the cgroup; once they are
     stopped the cgroup is removed and no process of the test is left."""
-    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'while True: pass']); time.sleep(60)"
+    script = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'while True: pass']); "
+              "time.sleep(60)")
     with CpuLimit("test-children", 0.5) as limit:
         parent = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
         limit.add(parent.pid)

@@ -34,7 +34,8 @@ class Listener:
                  idle_wait: float | None = None):  # fmt: skip
         self._sock, self._timeout = sock, handshake_timeout
         self._registration_timeout = handshake_timeout if registration_timeout is None else registration_timeout
-        self._idle_wait = self._registration_timeout if idle_wait is None else min(idle_wait, self._registration_timeout)
+        registration = self._registration_timeout
+        self._idle_wait = registration if idle_wait is None else min(idle_wait, registration)
         self._busy = 0  # rounds this rank is in (``in_round``)
         self._rounds: dict[bytes, Round] = {}
         self._services: dict[bytes, Callable[[socket.socket], None]] = {}
