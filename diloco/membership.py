@@ -223,7 +223,7 @@ class DiLoCo:
             # proof that this group is the first: keep trying them until the deadline, unless their answers were
             # refused too often (a stranger's forged record would otherwise keep the swarm's first group out)
             refused_before = bool(seen)
-            seen = self.refused.prune(plan or seen)
+            seen = plan or self.refused.prune(seen)  # (`_plan` pruned `plan` already)
             if not seen:
                 if self.group.is_main and refused_before:
                     log.warning("the groups ahead sent only states this group refused: starting from its own state")
@@ -462,7 +462,7 @@ class DiLoCo:
         outer_before = self.outer_step
         for holders in plan:
             for record in holders:
-                before = self.rejected_states + self.swarm.rejected_states
+                before = self._refusals_here
                 got = self.swarm.download_state(record, self.group.rank)
                 meta = self._valid(got)
                 part = None if meta is None else self.digester.partial(got[1][0])
@@ -471,7 +471,7 @@ class DiLoCo:
                 # every rank got one state, and all of it: the ranks' parts add up to the digest it was served with
                 whole = all(s is not None for s in seen) and len(set(seen)) == 1
                 if not whole or self.digester.combine(parts) != seen[0][2]:
-                    self._refused(record, whole, self.rejected_states + self.swarm.rejected_states > before)
+                    self._refused(record, whole, self._refusals_here > before)
                     continue
                 self._load(*got)
                 self.loaded_from = record.world_rank
@@ -501,6 +501,11 @@ class DiLoCo:
             warn = log.warning if record.token not in self._warned else log.debug
             warn("could not load the state of worker group %d; trying the next", record.world_rank)
             self._warned.add(record.token)
+
+    @property
+    def _refusals_here(self) -> int:
+        """State answers this rank refused: misfits here, the rest in the swarm's transfer."""
+        return self.rejected_states + self.swarm.rejected_states
 
     def _valid(self, got: State | None) -> dict[str, Any] | None:
         """The metadata of a downloaded state that fits this rank's shard, else None."""
@@ -616,7 +621,7 @@ class DiLoCo:
     def summary(self) -> dict[str, Any]:
         """Collective (sums over the group's ranks): the outer steps, whether the swarm's state was loaded, and
         what was refused: records without the key's seal, state downloads, connections at their hello."""
-        refused = self.rejected_states + self.swarm.rejected_states
+        refused = self._refusals_here
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers,
                 "rejected_records": self.swarm.rejected_records,
                 "rejected_states": int(self.group.sum(float(refused))),
