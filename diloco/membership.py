@@ -3,9 +3,9 @@ of each outer step, and the end-of-run settle.
 
 `DiLoCo` is the `OuterLoop` of a group in a swarm. It runs the outer step (`diloco.outer.OuterOptimizer`) on the
 average of the groups' pseudo-gradients, and keeps every group on one state: before its first inner step and
-before each round a group compares its progress record with the others' (`diloco.swarm.progress.sources`) and
-downloads the outer state (parameters, momentum, outer step, and on joining the inner step count) from a group
-that is ahead or holds the swarm's state. So late joiners, resumed groups and groups whose round failed end
+before each round a group compares its progress record with the others' and downloads the outer state
+(parameters, momentum, outer step, and on joining the inner step count) from a group that is ahead or holds the
+swarm's state (`diloco.catchup`: which group to ask, and whether what came is that state). So late joiners, resumed groups and groups whose round failed end
 bit-identical with the others. After the last inner step every group waits (bounded) until the live groups hold
 one final state, so all export one model.
 
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from diloco.catchup import CatchUp
 from diloco.config import FieldError
 from diloco.fragments import Runs, fragment_of
 from diloco.inflight import InFlight
@@ -34,7 +35,7 @@ from diloco.pace import FixedSteps, Pace
 from diloco.screening import all_finite
 from diloco.swarm.digest import Digest, ShardDigest
 from diloco.swarm.fingerprint import ModelId, mismatch_error, rival_model
-from diloco.swarm.progress import Progress, Refused, sources
+from diloco.swarm.progress import Progress
 from diloco.swarm.status import DIGEST_CHARS, HEARTBEAT_S, Status
 
 log = logging.getLogger("diloco")
@@ -124,15 +125,13 @@ class DiLoCo:
         self.done = False
         self.loaded_from_peers = False
         self.downloads = 0
-        self.rejected_states = 0  # downloaded states that did not fit this rank's shard, or not their digest
-        self.refused = Refused()  # (the same on every rank: what the group refused together)
-        self._warned: set[str] = set()  # tokens of the groups whose state could not be loaded, warned about
         self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
         self.token = group.broadcast(uuid.uuid4().hex)
         self.peers = tuple(group.gather(swarm.peer_id))
         self.digester = digest or ShardDigest()
         self.digest = ""
         self._update_digest()
+        self.catchup = CatchUp(swarm, group, self.params, self.digester)
         self.sharding, self.model, self.transport = sharding, model, transport
         self.tokens_per_s: float | None = None  # of the group, from the training loop's last metrics row
         self.last_round: tuple[int, float] | None = None  # (num_peers, wall-clock end) of the last round
@@ -223,7 +222,7 @@ class DiLoCo:
             # proof that this group is the first: keep trying them until the deadline, unless their answers were
             # refused too often (a stranger's forged record would otherwise keep the swarm's first group out)
             refused_before = bool(seen)
-            seen = plan or self.refused.prune(seen)  # (`_plan` pruned `plan` already)
+            seen = plan or self.catchup.refused.prune(seen)  # (`_plan` pruned `plan` already)
             if not seen:
                 if self.group.is_main and refused_before:
                     log.warning("the groups ahead sent only states this group refused: starting from its own state")
@@ -440,9 +439,8 @@ class DiLoCo:
             self.swarm.publish(self._record())
 
     def _plan(self) -> list[list[Progress]]:
-        """Rank 0: the states to load, best first (see `sources`), but those refused too often (`Refused`)."""
-        plan = sources(self.swarm.records(), self._record(), lambda r: self.swarm.alive(r.peers[0]))
-        return self.refused.prune(plan)
+        """Rank 0: the states to load, best first (``CatchUp.plan``)."""
+        return self.catchup.plan(self._record())
 
     def _current_state(self) -> State:
         """This rank's outer state as served to other groups (called from the swarm's background thread)."""
@@ -457,69 +455,27 @@ class DiLoCo:
             return meta, self.params.export()
 
     def _load_from(self, plan: list[list[Progress]]) -> int | None:
-        """Collective: download the outer state from the first group of `plan` that sends every rank the same
-        outer step. Returns the inner step to continue from, or None when no group could."""
+        """Collective: load the outer state of the first group of `plan` that sends every rank the same state
+        (``CatchUp.fetch``). Returns the inner step to continue from, or None when no group could."""
         outer_before = self.outer_step
-        for holders in plan:
-            for record in holders:
-                before = self._refusals_here
-                got = self.swarm.download_state(record, self.group.rank)
-                meta = self._valid(got)
-                part = None if meta is None else self.digester.partial(got[1][0])
-                seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"], meta["digest"]))
-                parts = self.group.gather(part)
-                # every rank got one state, and all of it: the ranks' parts add up to the digest it was served with
-                whole = all(s is not None for s in seen) and len(set(seen)) == 1
-                if not whole or self.digester.combine(parts) != seen[0][2]:
-                    self._refused(record, whole, self._refusals_here > before)
-                    continue
-                self._load(*got)
-                self.loaded_from = record.world_rank
-                if self.group.is_main:
-                    log.info(
-                        "loaded the outer state of worker group %d: outer step %d, inner step %d",
-                        record.world_rank, meta["outer_step"], meta["step"],
-                    )  # fmt: skip
-                # a group that was behind adopts the inner step count; one that diverged at the same outer step
-                # keeps its own (it did the same number of inner steps). Never backwards: a source that finished
-                # the round this group failed may not have reached this group's next boundary yet. Under a token
-                # budget every group keeps its own count
-                ahead = meta["outer_step"] > outer_before and self.pace.adopts_step
-                step = max(meta["step"], self.step) if ahead else self.step
-                self._new_round(step)  # the model holds the loaded outer parameters: the inner steps since are gone
-                return step
-        return None
-
-    def _refused(self, record: Progress, whole: bool, refused_here: bool) -> None:
-        """Collective: a download from `record`'s group failed. An answer that came whole but does not add up to
-        its digest, or that a rank refused, counts against that state (`Refused`); one warning per group start."""
-        if self.group.sum(float(refused_here)) or whole:
-            self.refused.note(record)
-            if whole and self.group.is_main:
-                self.rejected_states += 1  # values that do not add up to the digest they were served with
-        if self.group.is_main:
-            warn = log.warning if record.token not in self._warned else log.debug
-            warn("could not load the state of worker group %d; trying the next", record.world_rank)
-            self._warned.add(record.token)
-
-    @property
-    def _refusals_here(self) -> int:
-        """State answers this rank refused: misfits here, the rest in the swarm's transfer."""
-        return self.rejected_states + self.swarm.rejected_states
-
-    def _valid(self, got: State | None) -> dict[str, Any] | None:
-        """The metadata of a downloaded state that fits this rank's shard, else None."""
-        if got is None:
+        found = self.catchup.fetch(plan)
+        if found is None:
             return None
-        meta, tensors = got
-        try:
-            typed = all(isinstance(meta[k], t) for k, t in (("outer_step", int), ("step", int), ("digest", str)))
-            if typed and self.params.fits(tensors):
-                return meta
-        except (IndexError, KeyError, TypeError, AttributeError, RuntimeError):
-            pass
-        self.rejected_states += 1  # an answer in full that is not a state of this model
-        return None
+        record, meta, tensors = found
+        self._load(meta, tensors)
+        self.loaded_from = record.world_rank
+        if self.group.is_main:
+            log.info(
+                "loaded the outer state of worker group %d: outer step %d, inner step %d",
+                record.world_rank, meta["outer_step"], meta["step"],
+            )  # fmt: skip
+        # a group that was behind adopts the inner step count; one that diverged at the same outer step keeps its
+        # own (it did the same number of inner steps). Never backwards: a source that finished the round this group
+        # failed may not have reached this group's next boundary yet. Under a token budget every group keeps its own
+        ahead = meta["outer_step"] > outer_before and self.pace.adopts_step
+        step = max(meta["step"], self.step) if ahead else self.step
+        self._new_round(step)  # the model holds the loaded outer parameters: the inner steps since are gone
+        return step
 
     def _load(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         with self.params.lock:
@@ -614,14 +570,14 @@ class DiLoCo:
         pending = [
             r for r in self.swarm.records()
             if r.world_rank != self.world_rank and r.settled and not (r.done and r.state == mine.state)
-            and not self.refused.skipped(r)  # a group whose answers this one keeps refusing is not waited for
+            and not self.catchup.refused.skipped(r)  # a group whose answers this one keeps refusing is not waited for
         ]  # fmt: skip
         return sorted(r.world_rank for r in pending if self.swarm.alive(r.peers[0]))
 
     def summary(self) -> dict[str, Any]:
         """Collective (sums over the group's ranks): the outer steps, whether the swarm's state was loaded, and
         what was refused: records without the key's seal, state downloads, connections at their hello."""
-        refused = self._refusals_here
+        refused = self.catchup.refusals_here
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers,
                 "rejected_records": self.swarm.rejected_records,
                 "rejected_states": int(self.group.sum(float(refused))),
