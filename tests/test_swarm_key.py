@@ -16,6 +16,7 @@ from diloco.swarm.layout import Shape, group_layout
 from diloco.swarm.listener import Listener, listen_socket
 from diloco.swarm.swarm_key import SealedStore, SwarmKey, keygen
 from tests.test_status import FakeDHT, record
+from tests.wiretap import Wiretap
 
 torch.set_num_threads(1)
 
@@ -111,3 +112,46 @@ def test_a_keyed_state_download_works_only_between_holders_of_the_key(tmp_path: 
         assert transfer.download(layout[0], layout, [endpoint], 2.0, key=key) is None
     finally:
         listener.close()
+
+
+def probes(tensor: torch.Tensor) -> list[bytes]:
+    """32 bytes from each MiB of `tensor`'s memory."""
+    flat = tensor.reshape(-1)
+    return [flat[at : at + 8].numpy().tobytes() for at in range(0, flat.numel() - 8, 2**18)]
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["open", "keyed"])
+def test_a_keyed_state_download_hides_the_state_and_refuses_a_bit_altered_on_the_path(
+    tmp_path: Path, keyed: bool
+) -> None:
+    """A state of 2 x 2.4 MB downloaded through a wiretap. Open, its values cross as they are, and a bit flipped on
+    the way comes through (only the caller's digest check would catch it); keyed, no 32 bytes of them cross, and
+    the flipped bit makes the download refused."""
+    key = SwarmKey.load(key_file(tmp_path)) if keyed else None
+    shapes = [(600, 1000)]
+    layout = group_layout(shapes, Shape("FULL_SHARD", 1))
+    state = [torch.randn(600_000), torch.randn(600_000)]
+    service = transfer.StateService(layout[0], lambda: ({"outer_step": 3}, [t.clone() for t in state]), 5.0, key)
+    listener = Listener(listen_socket("127.0.0.1", 0), 5.0).start()
+    listener.serve(service.magic, service)
+    taps = [Wiretap(), Wiretap(flip_back_at=3_000_000)]  # within the momentum's values
+    try:
+        for tap in taps:
+            endpoint = (["127.0.0.1"], tap.relay(listener._sock.getsockname()[1]))
+            refused: list[str] = []
+            got = transfer.download(layout[0], layout, [endpoint], 5.0, key=key, refused=refused.append)
+            seen = bytes(tap.seen)
+            if tap.flip_back_at is None:
+                assert got is not None and all(map(torch.equal, got[1], state)), refused
+                assert len(seen) > 2 * 4 * 600_000
+                crossed = [probe in seen for t in state for probe in probes(t)]
+                assert len(crossed) == 6 and set(crossed) == {not keyed}
+            elif keyed:
+                assert got is None and len(refused) == 1 and "seal" in refused[0], refused
+            else:
+                assert got is not None and torch.equal(got[1][0], state[0]) and not torch.equal(got[1][1], state[1])
+    finally:
+        for tap in taps:
+            tap.close()
+        listener.close()
+

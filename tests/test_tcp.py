@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,9 +16,11 @@ import torch
 from diloco.screening import all_finite, screen
 from diloco.swarm.codecs import WIRE_FORMATS
 from diloco.swarm import tcp
+from diloco.swarm.frames import LENGTH
 from diloco.swarm.layout import RankLayout, Schedule, Shape, flat_parts, group_layout, plan, plan_schedule
 from diloco.swarm.listener import Listener, listen_socket
 from diloco.swarm.tcp import FP16, RAW, Round, RoundFailed
+from tests.wiretap import Wiretap
 
 torch.set_num_threads(1)
 
@@ -32,14 +35,17 @@ def run_group(
     schedules: list[Schedule] | None = None,
     in_place: bool = False,
     aggregation: str = "mean",
+    sealed: bool = False,
+    relay: Callable[[int], int] | None = None,
 ) -> tuple[list[torch.Tensor], list[str | None], list[Round], float]:
     """One round of a group of ``len(vectors)`` peers (only ``members`` take part; the others are silent), with a
-    flat schedule unless ``schedules`` are given; `in_place`: each peer's output is its vector. Returns (outputs,
-    error of each member or None, rounds, seconds)."""
+    flat schedule unless ``schedules`` are given; `in_place`: each peer's output is its vector; `relay`: the port
+    to dial for a listener's port. Returns (outputs, error of each member or None, rounds, seconds)."""
     k = len(vectors)
     members = list(range(k)) if members is None else members
     listeners = [Listener(listen_socket("127.0.0.1", 0), timeout).start() for _ in range(k)]
     ports = [listener._sock.getsockname()[1] for listener in listeners]
+    ports = [relay(port) for port in ports] if relay is not None else ports
     endpoints = endpoints or [(["127.0.0.1"], port) for port in ports]
     group_id = os.urandom(32)
     outs = list(vectors) if in_place else [torch.full_like(v, float("nan")) for v in vectors]
@@ -47,7 +53,7 @@ def run_group(
     schedules = schedules or [None] * k
     rounds = [
         Round(v, o, group_id=group_id, index=i, endpoints=endpoints, weight=weights[i], codec=codec, timeout=timeout,
-              schedule=schedules[i], aggregation=aggregation)  # fmt: skip
+              schedule=schedules[i], aggregation=aggregation, sealed=sealed)  # fmt: skip
         for i, (v, o) in enumerate(zip(vectors, outs))
     ]
     errors: list[str | None] = [None] * k
@@ -294,9 +300,9 @@ def test_a_hostile_groupmates_frames_are_refused_and_the_reducer_goes_on(frame: 
         listener.register(round_)
     hostile = rounds[2]._connect(0)
     if frame == "length 2**40":
-        hostile.sendall(tcp.LENGTH.pack(2**40))
+        hostile.sendall(LENGTH.pack(2**40))
     elif frame == "short part":
-        hostile.sendall(tcp.LENGTH.pack(12) + b"\0" * 12)
+        hostile.sendall(LENGTH.pack(12) + b"\0" * 12)
     threads = [threading.Thread(target=lambda r=r: _raises(r.run)) for r in rounds[:2]]
     started = time.monotonic()
     for thread in threads:
@@ -311,6 +317,48 @@ def test_a_hostile_groupmates_frames_are_refused_and_the_reducer_goes_on(frame: 
     assert rounds[0].dropped == 1 and rounds[0].rejected == 0  # counted (a row's `dropped`), not as a bad value
     lo, hi = rounds[0]._bounds(rounds[0].schedule.parts[0][0])  # reducer 0's first part, averaged without peer 2
     assert torch.equal(outs[1][lo:hi], (vectors[0][lo:hi] + vectors[1][lo:hi]) / 2)
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["open", "sealed"])
+def test_a_sealed_round_hides_its_values_from_a_machine_on_the_path(sealed: bool):
+    """Every byte between three peers passes a wiretap. Open, the values and their average cross it as they are;
+    sealed (a keyed swarm), no 32 bytes of them do, and the peers still end with the very same mean."""
+    vectors = [randn(300_000, seed) for seed in range(3)]
+    tap = Wiretap()
+    try:
+        outs, errors, rounds, _ = run_group([v.clone() for v in vectors], sealed=sealed, relay=tap.relay)
+    finally:
+        tap.close()
+    assert errors == [None] * 3 and all(torch.equal(outs[0], out) for out in outs)
+    assert float((outs[0].double() - torch.stack(vectors).double().mean(0)).abs().max()) <= 1e-6
+    seen = bytes(tap.seen)
+    assert len(seen) >= 4 * 300_000 * 2  # (each peer sends about two thirds of its vector and gets as much back)
+    # 32 bytes at places of every reducer's span: each crosses the wire, but from the peer that reduces it
+    places = [1000, 150_000, 290_000]
+    crossed = [any(bytes(tcp._bytes_of(v[at : at + 8])) in seen for at in places) for v in vectors + outs[:1]]
+    assert crossed == [not sealed] * 4
+    if sealed:  # 16 bytes of tag per message, 16 of nonce per connection
+        assert all(r.bytes_sent > 4 * 300_000 * 2 / 3 for r in rounds)
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["open", "sealed"])
+def test_a_byte_altered_on_the_path_fails_a_sealed_round_and_slips_through_an_open_one(sealed: bool):
+    """The wiretap flips one bit of a part in every sender -> reducer connection. Sealed, every reducer drops the
+    senders whose part fails its seal and no peer ends with the whole average; open, the round ends "ok" with a
+    wrong value: the reason a keyed swarm seals."""
+    vectors = [randn(2**18, seed) for seed in range(2)]
+    tap = Wiretap(flip_at=tcp.HELLO.size + tcp.MAC_SIZE + 8 + 4000)  # past the hello and a length header
+    try:
+        outs, errors, rounds, _ = run_group([v.clone() for v in vectors], sealed=sealed, relay=tap.relay)
+    finally:
+        tap.close()
+    mean = (vectors[0] + vectors[1]) / 2
+    if sealed:
+        assert all(error is not None for error in errors), errors
+        assert sum(r.dropped for r in rounds) >= 1
+        assert any("seal" in reason for r in rounds for reason in r._banned.values()), [r._banned for r in rounds]
+    else:
+        assert errors == [None, None] and not torch.equal(outs[0], mean)
 
 
 def test_a_hello_replayed_from_an_earlier_round_is_refused():

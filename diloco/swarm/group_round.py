@@ -48,12 +48,14 @@ class Member:
 
 @dataclass(frozen=True)
 class RoundInfo:
-    """What matchmaking tells a group: the round's secret id, its groups in the order every group sees, and which
-    of them this group is."""
+    """What matchmaking tells a group: the round's secret id, its groups in the order every group sees, which of
+    them this group is, and whether the round's bytes are sealed (a keyed swarm: the id is then the round's secret
+    under the swarm key)."""
 
     group_id: bytes
     members: tuple[Member, ...]
     me: int
+    sealed: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def run_round(
     round_ = tcp.Round(
         vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints,
         weight=info.members[info.me].weight, codec=codec, timeout=timeout, schedule=schedule, connect=connect,
-        aggregation=aggregation,
+        aggregation=aggregation, sealed=info.sealed,
     )  # fmt: skip
     listener.register(round_)
     try:
@@ -265,7 +267,7 @@ class GroupRounds:
             return None, len(gathered), False
         if len(members) < 2:
             return None, len(members), True  # alone among strangers: as a round of one
-        return RoundInfo(group_id, members, me), len(members), True
+        return RoundInfo(group_id, members, me, sealed=self.key is not None), len(members), True
 
 
 def member_of(entry: object) -> Member:

@@ -12,7 +12,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from diloco.swarm.tcp import HELLO, MAC_SIZE, MAGIC, Round, close_socket, recv_exact
+from diloco.swarm.frames import recv_exact
+from diloco.swarm.tcp import HELLO, MAC_SIZE, MAGIC, Round, close_socket
 
 logger = logging.getLogger(__name__)
 

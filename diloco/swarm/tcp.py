@@ -16,12 +16,17 @@ comes from the one rank of each group that exchanges it.
 Wire protocol, one TCP connection per (sender, reducer) pair, opened by the sender:
 
 * hello, sender -> reducer: ``HELLO`` fields, then HMAC-SHA256 of them keyed with the group id;
-* ack, reducer -> sender: HMAC-SHA256 of ``b"ack" + hello``, same key;
-* parts, sender -> reducer: per part of the reducer's span, its byte length (u64) and its encoding;
-* averages, reducer -> sender: per part, length and encoded average; a reducer that bans the sender closes early.
+* ack, reducer -> sender: HMAC-SHA256 of ``b"ack" + hello``, same key; sealed, a random nonce first, then
+  HMAC-SHA256 of ``b"ack" + hello + nonce``;
+* parts, sender -> reducer: per part of the reducer's span, its encoding as one message (``diloco.swarm.frames``:
+  its byte length (u64) and its bytes; sealed, AES-256-GCM under the connection's keys);
+* averages, reducer -> sender: per part, its encoded average as one message; a reducer that bans the sender closes
+  early.
 
-Only the group knows its id (matchmaking hands it out over libp2p), so the HMACs keep strangers out; the tensor
-bytes themselves travel unencrypted.
+Only the group knows its id (matchmaking hands it out over libp2p), so the HMACs keep strangers out. In an open
+swarm the tensor bytes travel unencrypted; in a keyed one the group id is the round's secret
+(``SwarmKey.round_secret``) and every part and average is sealed, so a machine on the path can neither read them nor
+alter them unseen.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import socket
 import struct
 import threading
@@ -40,6 +46,7 @@ import torch
 
 from diloco.aggregation import Aggregation, aggregate
 from diloco.screening import MAX_NORM_RATIO, part_norm, screen
+from diloco.swarm.frames import NONCE_SIZE, Frames, bytes_of, recv_exact, seal_keys
 from diloco.swarm.layout import Part, Schedule, flat_schedule
 
 logger = logging.getLogger(__name__)
@@ -49,7 +56,6 @@ MAGIC = b"DLB1"
 # schedule's digest, codec name, sender's weight
 HELLO = struct.Struct("!4s16sHHH16s8sd")
 MAC_SIZE = 32
-LENGTH = struct.Struct("!Q")
 WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of its slowest reply: bounds memory
 
 Endpoint = tuple[Sequence[str], int]  # the hosts a rank's listener may be reached at, and its port
@@ -87,8 +93,7 @@ class Codec:
     raw: bool = False
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.numpy()).cast("B")  # the array, and so the view, keeps the tensor alive
+_bytes_of = bytes_of  # the array, and so the view, keeps the tensor alive
 
 
 FP16_MAX = 65504.0
@@ -114,21 +119,6 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for tensor in tensors:
         tensor.view(-1).copy_(flat[offset : offset + tensor.numel()])
         offset += tensor.numel()
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        received = sock.recv_into(view)
-        if received == 0:
-            raise ConnectionError("connection closed by the peer")
-        view = view[received:]
-
-
-def _recv_length(sock: socket.socket) -> int:
-    """The length header of the next message."""
-    header = bytearray(LENGTH.size)
-    recv_exact(sock, memoryview(header))
-    return LENGTH.unpack(header)[0]
 
 
 def _mac(key: bytes, data: bytes) -> bytes:
@@ -177,6 +167,8 @@ class Round:
     :param schedule: who reduces and sends which parts, as this peer sees it; None: every peer holds the whole
         vector (``flat_schedule``).
     :param aggregation: how this peer, as reducer, combines the screened contributions (``diloco.aggregation``).
+    :param sealed: seal every part and average (``diloco.swarm.frames``) under keys derived from `group_id`, which
+        must then be a secret of the round's members alone (``SwarmKey.round_secret``); every peer of a round alike.
     """
 
     def __init__(
@@ -194,8 +186,11 @@ class Round:
         schedule: Schedule | None = None,
         connect: Connect = connect,
         aggregation: Aggregation = "mean",
+        sealed: bool = False,
     ):
         self.vector, self.out, self.group_id, self.index = vector, out, group_id, index
+        self.sealed = sealed
+        self._keys: dict[int, tuple[bytes, bytes] | None] = {}  # per reducer: the keys of our connection to it
         self.aggregation = aggregation
         self.connector = connect
         self.endpoints, self.codec, self.timeout, self.max_norm_ratio = endpoints, codec, timeout, max_norm_ratio
@@ -295,11 +290,16 @@ class Round:
             self._weights[sender] = weight
             self._sockets.append(sock)
         sock.settimeout(self.timeout)
-        sock.sendall(_mac(self.group_id, b"ack" + hello))
+        nonce = os.urandom(NONCE_SIZE) if self.sealed else b""
+        sock.sendall(nonce + _mac(self.group_id, b"ack" + hello + nonce))
+        frames = Frames(sock)
+        if self.sealed:  # we answer: the second key is ours to send under
+            to_us, to_sender = seal_keys(self.group_id, hello + nonce)
+            frames = Frames(sock, send_key=to_sender, receive_key=to_us)
         with self._cv:
-            self.bytes_sent += MAC_SIZE
-            self._threads.append(self._thread(self._read_parts, sock, sender))
-            self._threads.append(self._thread(self._write_averages, sock, sender))
+            self.bytes_sent += len(nonce) + MAC_SIZE
+            self._threads.append(self._thread(self._read_parts, frames, sender))
+            self._threads.append(self._thread(self._write_averages, frames, sender))
 
     # --------------------------------------------------------------------------------------------- reducer side
 
@@ -389,7 +389,7 @@ class Round:
             self._delivered[sender] = self._place[q][sender] + 1
             self._cv.notify_all()
 
-    def _read_parts(self, sock: socket.socket, sender: int) -> None:
+    def _read_parts(self, frames: Frames, sender: int) -> None:
         span = self.schedule.parts[self.index]
         try:
             for q in self._sent_by[sender]:
@@ -398,8 +398,11 @@ class Round:
                     self._cv.wait_for(lambda: self._aborted or sender in self._banned or q - self._reduced < WINDOW)
                     if self._aborted or sender in self._banned:
                         return
-                data = self._receive(sock, self.codec.max_bytes(part.numel))
-                values = self.codec.decode(data, part.numel)
+                data = self._receive(frames, self.codec.max_bytes(part.numel))
+                try:
+                    values = self.codec.decode(data, part.numel)
+                except (ValueError, RuntimeError) as e:  # (torch's words for a buffer too short)
+                    raise ValueError(f"part {q}: {data.nbytes} bytes do not decode to {part.numel} values") from e
                 if values.numel() != part.numel:
                     raise ValueError(f"part {q} decodes to {values.numel()} values, {part.numel} expected")
                 norm = self._local(part_norm, values)
@@ -411,7 +414,7 @@ class Round:
                 if not self._aborted:
                     self._ban(sender, f"its parts stopped: {type(e).__name__}: {e}")
 
-    def _write_averages(self, sock: socket.socket, sender: int) -> None:
+    def _write_averages(self, frames: Frames, sender: int) -> None:
         try:
             for i, q in enumerate(self._sent_by[sender]):
                 with self._cv:
@@ -419,7 +422,7 @@ class Round:
                     if self._aborted or sender in self._banned:
                         return
                     encoded = self._results[q][1]
-                self._send(sock, encoded)
+                self._send(frames, encoded)
                 with self._cv:
                     self._replied[sender] = i + 1
                     self._release()
@@ -429,7 +432,7 @@ class Round:
                 if not self._aborted:
                     self._ban(sender, f"its averages could not be sent: {type(e).__name__}: {e}")
         finally:
-            close_socket(sock)  # a banned sender sees its averages end short: its round fails
+            close_socket(frames.sock)  # a banned sender sees its averages end short: its round fails
 
     def _release(self) -> int:
         """Forget the averages every live sender of theirs has been sent (call with the lock held); returns how many
@@ -455,10 +458,12 @@ class Round:
         sock = None
         try:
             sock = self._connect(reducer)
-            receiver = self._thread(self._read_averages, sock, reducer)
+            keys = self._keys[reducer]
+            frames = Frames(sock) if keys is None else Frames(sock, send_key=keys[0], receive_key=keys[1])
+            receiver = self._thread(self._read_averages, frames, reducer)
             for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
-                self._send(sock, self.codec.encode(self.vector[lo:hi]))
+                self._send(frames, self.codec.encode(self.vector[lo:hi]))
             receiver.join()
         except Exception as e:  # OSError mostly; anything else must fail the round too, not just this thread
             self._fail(f"reducer #{reducer}: {type(e).__name__}: {e}")
@@ -466,20 +471,20 @@ class Round:
             if sock is not None:
                 close_socket(sock)
 
-    def _read_averages(self, sock: socket.socket, reducer: int) -> None:
+    def _read_averages(self, frames: Frames, reducer: int) -> None:
         try:
             for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
                 if self.codec.raw:  # straight into the output: no copy
-                    self._receive_into(sock, _bytes_of(self.out[lo:hi]))
+                    self._receive_into(frames, _bytes_of(self.out[lo:hi]))
                 else:
-                    data = self._receive(sock, self.codec.max_bytes(hi - lo))
+                    data = self._receive(frames, self.codec.max_bytes(hi - lo))
                     self.out[lo:hi].copy_(self.codec.decode(data, hi - lo))
             with self._cv:
                 self._complete.add(reducer)
         except (OSError, ValueError, RuntimeError) as e:
             self._fail(f"averages of reducer #{reducer}: {type(e).__name__}: {e}")
-            close_socket(sock)  # stops our sending thread too
+            close_socket(frames.sock)  # stops our sending thread too
 
     def _connect(self, reducer: int) -> socket.socket:
         """A connection to ``reducer`` past the handshake."""
@@ -499,16 +504,18 @@ class Round:
         hello = fields + _mac(self.group_id, fields)
         try:
             sock.sendall(hello)
-            ack = bytearray(MAC_SIZE)
+            ack = bytearray((NONCE_SIZE if self.sealed else 0) + MAC_SIZE)
             recv_exact(sock, memoryview(ack))
-            if not hmac.compare_digest(bytes(ack), _mac(self.group_id, b"ack" + hello)):
+            nonce, mac = bytes(ack[:-MAC_SIZE]), bytes(ack[-MAC_SIZE:])
+            if not hmac.compare_digest(mac, _mac(self.group_id, b"ack" + hello + nonce)):
                 raise ConnectionError("the peer answered with a wrong MAC")
         except OSError:
             close_socket(sock)
             raise
         with self._cv:
+            self._keys[reducer] = seal_keys(self.group_id, hello + nonce) if self.sealed else None
             self.bytes_sent += len(hello)
-            self.bytes_received += MAC_SIZE
+            self.bytes_received += len(ack)
         return sock
 
     # ------------------------------------------------------------------------------------------------- helpers
@@ -519,30 +526,21 @@ class Round:
         assert part.local is not None, "a part this peer does not take part in"
         return part.local, part.local + part.numel
 
-    def _send(self, sock: socket.socket, data) -> None:
-        length = memoryview(data).nbytes
-        sock.sendall(LENGTH.pack(length))
-        sock.sendall(data)
+    def _send(self, frames: Frames, data) -> None:
+        sent = frames.send(data)
         with self._cv:
-            self.bytes_sent += LENGTH.size + length
+            self.bytes_sent += sent
 
-    def _receive(self, sock: socket.socket, max_bytes: int) -> memoryview:
-        length = _recv_length(sock)
-        if length > max_bytes:
-            raise ValueError(f"a message of {length} bytes, at most {max_bytes} expected")
-        data = torch.empty(length, dtype=torch.uint8)  # not bytearray: no zero-filling pass
-        recv_exact(sock, _bytes_of(data))
+    def _receive(self, frames: Frames, max_bytes: int) -> memoryview:
+        data = frames.receive(max_bytes)
         with self._cv:
-            self.bytes_received += LENGTH.size + length
-        return _bytes_of(data)
+            self.bytes_received += frames.overhead + data.nbytes
+        return data
 
-    def _receive_into(self, sock: socket.socket, view: memoryview) -> None:
-        length = _recv_length(sock)
-        if length != view.nbytes:
-            raise ValueError(f"a message of {length} bytes, {view.nbytes} expected")
-        recv_exact(sock, view)
+    def _receive_into(self, frames: Frames, view: memoryview) -> None:
+        frames.receive_into(view)
         with self._cv:
-            self.bytes_received += LENGTH.size + length
+            self.bytes_received += frames.overhead + view.nbytes
 
     def _local(self, compute: Callable, *args):
         """``compute(*args)``; a failure of this process (not of the data) fails the round here and stops it, so

@@ -18,9 +18,11 @@ Wire protocol, one connection per (downloading rank, source rank), opened by the
 
 In an open swarm anyone who reaches the listener may download the state, as with hivemind's own state download.
 With a swarm key (``diloco.swarm.swarm_key``) the request opens with ``KEYED_MAGIC`` and a random nonce, and ends
-with a MAC of nonce and runs; the answer's metadata is followed by a MAC of nonce and metadata. So only key holders
-download, only from key holders, and the caller's digest check then covers the values (the digest is in the
-authenticated metadata).
+with a MAC of nonce and runs. The answer is the source's own random nonce, then sealed messages
+(``diloco.swarm.frames``) under a key derived from the swarm key and both nonces: the metadata, the number of
+tensors, and the values in messages of at most ``CHUNK`` bytes. So only key holders download, only from key
+holders, nobody on the path reads or alters the state, and the caller's digest check still proves the ranks got
+one state whole.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ import torch
 from diloco.swarm.layout import RankLayout
 from diloco.swarm.swarm_key import SwarmKey
 from diloco.swarm import tcp
-from diloco.swarm.tcp import Endpoint, recv_exact
+from diloco.swarm.frames import Frames, bytes_of, recv_exact, seal_keys
+from diloco.swarm.tcp import Endpoint
 
 log = logging.getLogger("diloco")
 
 MAGIC = b"DLS1"
-KEYED_MAGIC = b"DLK1"
+KEYED_MAGIC = b"DLK2"  # (DLK1: before the answers were sealed)
 NONCE_BYTES = 16
+CHUNK = 2**20  # bytes of values per sealed message
 COUNT = struct.Struct("!I")
 RUN = struct.Struct("!QQ")
 TENSORS = struct.Struct("!B")
@@ -108,12 +112,20 @@ class StateService:
         places = [(self.local(start, stop), stop - start) for start, stop in asked]
         meta, tensors = self.provider()
         header = json.dumps(meta).encode()
-        seal = self.key.mac("state-meta", nonce, header) if self.key is not None else b""
-        conn.sendall(COUNT.pack(len(header)) + header + seal + TENSORS.pack(len(tensors)))
-        for tensor in tensors:
-            flat = tensor.reshape(-1)
-            for local, numel in places:
-                conn.sendall(memoryview(flat[local : local + numel].numpy()).cast("B"))
+        values = (bytes_of(tensor.reshape(-1)[local : local + numel]) for tensor in tensors for local, numel in places)
+        if self.key is None:
+            conn.sendall(COUNT.pack(len(header)) + header + TENSORS.pack(len(tensors)))
+            for view in values:
+                conn.sendall(view)
+            return
+        ours = os.urandom(NONCE_BYTES)
+        conn.sendall(ours)
+        frames = Frames(conn, send_key=_answer_key(self.key, nonce, ours))
+        frames.send(header)
+        frames.send(TENSORS.pack(len(tensors)))
+        for view in values:
+            for at in range(0, view.nbytes, CHUNK):
+                frames.send(view[at : at + CHUNK])
 
 
 def download(
@@ -173,22 +185,40 @@ def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callab
             nonce = os.urandom(NONCE_BYTES)
             request = KEYED_MAGIC + nonce + asked + key.mac("state-ask", nonce, asked)
         sock.sendall(request)
-        (length,) = COUNT.unpack(_receive(sock, COUNT.size))
-        if length > MAX_META_BYTES:
-            raise ValueError(f"metadata of {length} bytes")
-        header = bytes(_receive(sock, length))
-        if key is not None and not key.check(bytes(_receive(sock, tcp.MAC_SIZE)), "state-meta", nonce, header):
-            raise ValueError("a state answer without this swarm's key")
-        meta = json.loads(header.decode())
-        if not isinstance(meta, dict):
-            raise ValueError("metadata that is not an object")
-        (count,) = TENSORS.unpack(_receive(sock, TENSORS.size))
+        if key is None:
+            (length,) = COUNT.unpack(_receive(sock, COUNT.size))
+            if length > MAX_META_BYTES:
+                raise ValueError(f"metadata of {length} bytes")
+            meta = _meta(bytes(_receive(sock, length)))
+            (count,) = TENSORS.unpack(_receive(sock, TENSORS.size))
+            for tensor in buffers(count):
+                for start, stop, local in runs:
+                    recv_exact(sock, bytes_of(tensor[local : local + stop - start]))
+            return meta
+        # a source without the key fails the first seal: "a message that fails its seal"
+        frames = Frames(sock, receive_key=_answer_key(key, nonce, bytes(_receive(sock, NONCE_BYTES))))
+        meta = _meta(bytes(frames.receive(MAX_META_BYTES)))
+        (count,) = TENSORS.unpack(frames.receive(TENSORS.size))
         for tensor in buffers(count):
             for start, stop, local in runs:
-                recv_exact(sock, memoryview(tensor[local : local + stop - start].numpy()).cast("B"))
+                view = bytes_of(tensor[local : local + stop - start])
+                for at in range(0, view.nbytes, CHUNK):
+                    frames.receive_into(view[at : at + CHUNK])
         return meta
     finally:
         sock.close()
+
+
+def _answer_key(key: SwarmKey, asked: bytes, answered: bytes) -> bytes:
+    """The key a keyed answer is sealed under: the request's nonce and the answer's make it fresh."""
+    return seal_keys(key.mac("state-seal"), asked + answered)[1]
+
+
+def _meta(header: bytes) -> dict[str, Any]:
+    meta = json.loads(header.decode())
+    if not isinstance(meta, dict):
+        raise ValueError("metadata that is not an object")
+    return meta
 
 
 def _receive(sock: socket.socket, size: int) -> memoryview:
