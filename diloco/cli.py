@@ -231,6 +231,8 @@ def _bench(name: str, quick: bool, out: Path, doc: Path, **options: Any) -> int:
 _QUICK = Parameter(help="Tiny model and few steps: about a minute on 2 idle CPU cores.")
 _OUT = Parameter(help="Folder for the result JSON (strategies.json, overhead-quick.json, ...).")
 _DOC = Parameter(help="Markdown file the dated table is appended to.")
+_ARMS = Parameter(help="Only these arms, comma-separated (default: all of tcp, p2pd, groups, groups-p2pd, "
+                  "groups-keyed); the JSON is then allreduce-<arms>.json.")  # fmt: skip
 _DATA = Parameter(help="Text to train and evaluate on: a .txt, .jsonl or .parquet file, byte-tokenized, its last "
                   "10% held out (e.g. tinyshakespeare.txt). Required.")  # fmt: skip
 _STUDY = Parameter(help="defaults: k = 2, 4, 8 groups at H = 25, no outer flags against DDP and the trials of "
@@ -314,8 +316,19 @@ def _bench_command(name: str) -> Callable[..., int]:
             return _bench(name, quick, out, doc)
         return _bench(name, quick, out, doc, model=_bench_model(model))
 
+    def with_arms(
+        *,
+        arms: Annotated[str | None, _ARMS] = None,
+        quick: Annotated[bool, _QUICK] = False,
+        out: Annotated[Path, _OUT] = BENCH_OUT,
+        doc: Annotated[Path, _DOC] = BENCH_DOC,
+    ) -> int:
+        if arms is None:
+            return _bench(name, quick, out, doc)
+        return _bench(name, quick, out, doc, arms=_arm_list(arms))
+
     readers = {"convergence": with_study, "compression": with_data, "poison": with_data, "wan": with_data}
-    chosen = (readers | {"strategies": with_model}).get(name, command)
+    chosen = (readers | {"strategies": with_model, "allreduce": with_arms}).get(name, command)
     chosen.__doc__ = BENCH_HELP[name]
     return chosen
 
@@ -325,6 +338,17 @@ def _data_file(bench: str, data: Path | None) -> Path:
     if data is None or not data.is_file():
         raise UsageError(f"--data {data}: no such file" if data else f"bench {bench} needs --data FILE (a text file)")
     return data
+
+
+def _arm_list(arms: str) -> list[str]:
+    """--arms of `bench allreduce` as a list, or a usage error naming the flag (here, before torch)."""
+    from diloco.bench.allreduce_report import ARMS
+
+    chosen = [arm.strip() for arm in arms.split(",") if arm.strip()]
+    unknown = [arm for arm in chosen if arm not in ARMS]
+    if unknown or not chosen:
+        raise UsageError(f"--arms {arms}: not a comma-separated list of {', '.join(ARMS)}")
+    return list(dict.fromkeys(chosen))
 
 
 def _bench_model(model: str) -> str | Path:

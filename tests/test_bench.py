@@ -236,10 +236,18 @@ def test_bench_package_needs_no_checkout() -> None:
 
 
 def test_bad_bench_is_one_line(tmp_path: Path) -> None:
-    for args in (["bench", "nope"], ["bench", "strategies", "--bogus"]):
+    for args in (["bench", "nope"], ["bench", "strategies", "--bogus"], ["bench", "allreduce", "--arms", "groups,x"]):
         result = run_cmd([str(DILOCO), *args], timeout=60)
         assert result.returncode == 2, result.output
         assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert "--arms groups,x" in result.stderr
+
+
+def test_a_run_of_some_allreduce_arms_writes_its_own_json() -> None:
+    from diloco.bench import allreduce
+
+    assert allreduce.stem(False) == "allreduce" and allreduce.stem(True) == "allreduce-quick"
+    assert allreduce.stem(False, ["groups", "groups-keyed"]) == "allreduce-groups+groups-keyed"
 
 
 def test_a_stop_signal_raises_once_after_a_shielded_section() -> None:

@@ -54,12 +54,13 @@ def namespaces() -> set[str]:
 
 def expected_arms() -> list[str]:
     """Both transports once SwarmAverager has the parameter, hivemind's p2pd path alone before; and the trainer's
-    rounds of whole groups once there are any, over p2pd too once they can be."""
+    rounds of whole groups once there are any, over p2pd too once they can be, and keyed once rounds are sealed."""
     from diloco.swarm.averager import SwarmAverager
 
     arms = ["tcp", "p2pd"] if "transport" in inspect.signature(SwarmAverager).parameters else ["p2pd"]
     arms += ["groups"] if importlib.util.find_spec("diloco.swarm.group_round") else []
-    return arms + (["groups-p2pd"] if importlib.util.find_spec("diloco.swarm.tunnel") else [])
+    arms += ["groups-p2pd"] if importlib.util.find_spec("diloco.swarm.tunnel") else []
+    return arms + (["groups-keyed"] if importlib.util.find_spec("diloco.swarm.frames") else [])
 
 
 def run_quick(tmp_path: Path, mark: str) -> tuple[dict, str, int]:
@@ -88,7 +89,7 @@ def check_swarm(row: dict, peers: int, rounds: int) -> None:
             assert len(reports) == peers
             for report in reports:
                 assert report["ok"] and report["num_peers"] == peers, report
-                carrier = {"groups": "tcp", "groups-p2pd": "p2pd"}.get(transport, transport)  # what carried them
+                carrier = {"groups-p2pd": "p2pd"}.get(transport, "tcp" if "groups" in transport else transport)
                 assert report.get("transport", carrier) == carrier, report
                 assert 0 < report["allreduce_s"] <= report["round_s"], report
                 # each peer sends (k-1)/k of its values and the average of its 1/k to k-1 peers, receives as much
@@ -155,10 +156,12 @@ def test_allreduce_quick(tmp_path: Path) -> None:
     assert f"| 0.25M | 1 | 2 | {tcp} | {hv['median_s']:.2f} | {hv['mb_s']:.0f} |" in doc
     assert "| parameters | peers | transport | round s | averager CPU s | p2pd CPU s |" in doc
     if "groups-p2pd" in arms:  # the trainer's path, over tcp and p2pd: columns after p2pd's, in both tables
+        keyed = "diloco groups keyed s | diloco groups keyed MB/s per peer | " if "groups-keyed" in arms else ""
         assert ("hivemind p2pd MB/s per peer | diloco groups s | diloco groups MB/s per peer | diloco groups p2pd s | "
-                "diloco groups p2pd MB/s per peer | gloo s |") in doc
-        assert ("| ratio | diloco groups s | ratio | diloco groups p2pd s | ratio | gloo s | gloo ratio | "
-                "kernel MB out tcp / p2pd / groups / groups-p2pd |") in doc
+                f"diloco groups p2pd MB/s per peer | {keyed}gloo s |") in doc
+        assert ("| ratio | diloco groups s | ratio | diloco groups p2pd s | ratio | ") in doc
+        keyed = " / groups-keyed" if "groups-keyed" in arms else ""
+        assert f"| gloo s | gloo ratio | kernel MB out tcp / p2pd / groups / groups-p2pd{keyed} |" in doc
     assert "| parameters | peers | required MB out | ideal s | diloco tcp s | ratio | hivemind p2pd s |" in doc
     assert "netem qdisc is missing" in doc and "- quick: payloads this small" in doc
     for transport in arms:

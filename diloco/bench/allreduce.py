@@ -48,7 +48,7 @@ from diloco.bench import BenchError, netns
 from diloco.bench.allreduce_report import ARMS, CARRIER, markdown
 from diloco.bench.allreduce_worker import AVERAGING_TIMEOUT_S, MATCHMAKING_S
 
-__all__ = ["markdown", "measure"]  # `diloco.bench.run` calls both on this module
+__all__ = ["markdown", "measure", "stem"]  # `diloco.bench.run` calls them on this module
 
 log = logging.getLogger("diloco")
 
@@ -473,11 +473,16 @@ def shaped(p: Plan, arms: list[str], at: Place) -> dict[str, Any]:
             "tcp_stream": tcp, "p2pd_stream": p2pd, "rows": rows}  # fmt: skip
 
 
-def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
+def stem(quick: bool, arms: list[str] | None = None) -> str:
+    """The JSON's name: a run of some arms only does not replace the run of all."""
+    return "allreduce" + ("-" + "+".join(arms) if arms else "") + ("-quick" if quick else "")
+
+
+def measure(quick: bool, work_dir: Path, info: dict[str, Any], arms: list[str] | None = None) -> dict[str, Any]:
     """Loopback arms for every size and group size, then the shaped-link arms (the workers of both start
-    together). Returns the result document."""
+    together). `arms`: those of ``ARMS`` to run (default all). Returns the result document."""
     p = plan(quick)
-    arms = list(ARMS)  # every SwarmAverager transport, and the trainer's rounds of whole groups
+    arms = arms or list(ARMS)  # every SwarmAverager transport, and the trainer's rounds of whole groups
     no_netns = netns.available()
     if no_netns:  # a machine without `ip netns` / `tc` (a lent GPU box): loopback only, and the doc says why
         log.warning("bench allreduce: loopback only, the shaped-link arms need network namespaces: %s", no_netns)

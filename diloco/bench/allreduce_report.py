@@ -9,9 +9,12 @@ from typing import Any
 
 from diloco.bench import section_head
 
-# SwarmAverager transport -> name in the tables; "groups": the trainer's rounds of whole groups over tcp
-ARMS = {"tcp": "diloco tcp", "p2pd": "hivemind p2pd", "groups": "diloco groups", "groups-p2pd": "diloco groups p2pd"}
-CARRIER = {"groups": "tcp", "groups-p2pd": "p2pd"}  # what carries an arm's bytes, where it is not the arm's name
+# SwarmAverager transport -> name in the tables; "groups": the trainer's rounds of whole groups over tcp;
+# "groups-keyed": the same in a keyed swarm (every part and average sealed)
+ARMS = {"tcp": "diloco tcp", "p2pd": "hivemind p2pd", "groups": "diloco groups", "groups-p2pd": "diloco groups p2pd",
+        "groups-keyed": "diloco groups keyed"}  # fmt: skip
+# what carries an arm's bytes, where it is not the arm's name
+CARRIER = {"groups": "tcp", "groups-p2pd": "p2pd", "groups-keyed": "tcp"}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -33,6 +36,9 @@ def markdown(result: dict[str, Any]) -> str:
         *(["- diloco groups p2pd: the same rounds over `--hv.transport p2pd` (since 2026-11-24): every connection a "
            "libp2p stream through both peers' p2pd daemons, bridged to a socket pair at each end (`swarm.tunnel`)"]
           if "groups-p2pd" in result["arms"] else []),  # fmt: skip
+        *(["- diloco groups keyed: the same rounds over tcp in a keyed swarm (`--hv.swarm-key`, since 2026-11-25): "
+           "signed announcements, and every part and average sealed with AES-256-GCM (`swarm.frames`)"]
+          if "groups-keyed" in result["arms"] else []),  # fmt: skip
         "- gloo: `torch.distributed.all_reduce` of the same tensor with k ranks, slowest rank, best call; socket / "
         "p2pd stream: the payload's bytes one way through one TCP connection / one libp2p stream between two p2pd "
         "daemons, best round",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -172,9 +173,10 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
             # of what the case holds
             pss_before_mb = procs.tree_pss_mb(os.getpid())
             tensor = torch.randn(size, generator=torch.Generator().manual_seed(index))
-            if transport in ("groups", "groups-p2pd"):
-                over = "tcp" if transport == "groups" else "p2pd"
-                with whole_group(dht, f"{prefix}-{transport}-{size}", ip, size, k, over) as rounds:
+            if transport.startswith("groups"):
+                over = "p2pd" if transport == "groups-p2pd" else "tcp"
+                keyed = transport == "groups-keyed"
+                with whole_group(dht, f"{prefix}-{transport}-{size}", ip, size, k, over, keyed) as rounds:
                     emit("READY", {"size": size, "transport": transport, "pss_before_mb": pss_before_mb})
                     average_rounds(lambda i: rounds.average([tensor], i, 1.0, lambda: False), tensor)
                 continue
@@ -191,10 +193,12 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
 
 
 @contextlib.contextmanager
-def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport: str) -> Iterator[GroupRounds]:
+def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport: str, keyed: bool = False
+                ) -> Iterator[GroupRounds]:  # fmt: skip
     """The rounds of a 1-rank worker group as ``swarm.join`` sets them up: a ``match_only`` averager finds the
     round's groups, a listener in this process carries the round (its timeouts the trainer's), reached over TCP or,
-    with `transport` "p2pd", over libp2p streams through this peer's daemon (``tunnel``)."""
+    with `transport` "p2pd", over libp2p streams through this peer's daemon (``tunnel``). `keyed`: in a keyed
+    swarm, every peer's key made from `prefix` (a bench's key, no secret)."""
     import torch
 
     from diloco.swarm import IDLE_WAIT_S, tcp
@@ -203,6 +207,7 @@ def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport:
     from diloco.swarm.group_round import GroupRounds
     from diloco.swarm.layout import Shape
     from diloco.swarm.listener import Listener, listen_socket
+    from diloco.swarm.swarm_key import SwarmKey
     from diloco.swarm.tunnel import Tunnel
 
     matcher = SwarmAverager(
@@ -223,6 +228,7 @@ def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport:
             matcher, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[(size,)], endpoints=[endpoint],
             broadcast=lambda found: found, listener=listener, codec=WIRE_FORMATS["none"].tcp,
             timeout=AVERAGING_TIMEOUT_S / 4, replicas=None, transport=transport, connect=connect, tunnel=tunnel,
+            key=SwarmKey(hashlib.sha256(prefix.encode()).digest()) if keyed else None,
         )  # fmt: skip
     finally:
         if tunnel is not None:
