@@ -277,7 +277,8 @@ class HvConfig(_Strict):
         world rank still names its run folder."""
         if self.galaxy_size != 1:
             return []
-        return [name for name in type(self).model_fields if name in self.model_fields_set - {"galaxy_size", "world_rank"}]
+        given = self.model_fields_set - {"galaxy_size", "world_rank"}
+        return [name for name in type(self).model_fields if name in given]
 
     @model_validator(mode="after")
     def _one_pace(self) -> HvConfig:

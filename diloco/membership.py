@@ -5,8 +5,8 @@ of each outer step, and the end-of-run settle.
 average of the groups' pseudo-gradients, and keeps every group on one state: before its first inner step and
 before each round a group compares its progress record with the others' and downloads the outer state
 (parameters, momentum, outer step, and on joining the inner step count) from a group that is ahead or holds the
-swarm's state (`diloco.catchup`: which group to ask, and whether what came is that state). So late joiners, resumed groups and groups whose round failed end
-bit-identical with the others. After the last inner step every group waits (bounded) until the live groups hold
+swarm's state (`diloco.catchup`: which group to ask, and whether what came is that state). So late joiners,
+resumed groups and groups whose round failed end bit-identical with the others. After the last inner step every group waits (bounded) until the live groups hold
 one final state, so all export one model.
 
 It reaches the other groups only through the `Swarm` protocol (`diloco.links`; `diloco.swarm.peer.SwarmPeer` in

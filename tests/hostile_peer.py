@@ -6,7 +6,11 @@ matchmakes for the group) and, in every round, sends
   scaled copy of the honest pseudo-gradient, under the norm screen's 100x. It reduces its own spans honestly,
   with the swarm's ``--hv.aggregation`` (a hostile reducer is another attack);
 - ``frame``: nothing: to each reducer it sends, past the handshake, a length header claiming 2**40 bytes and
-  then waits; its own span it reduces honestly (its contribution there: zeros).
+  then waits; its own span it reduces honestly (its contribution there: zeros);
+- ``frames``: a bad connection to each reducer, another in each round it is matched in, in turn (``FRAMES``):
+  the 2**40-byte header; ``short``: a part of 12 bytes; ``slowloris``: the handshake, then nothing, holding the
+  connection open; ``replay``: the hello it sent that reducer in an earlier round, replayed as recorded, then its
+  parts as then. Its own span it reduces honestly.
 
 or, taking part in no round:
 
@@ -41,10 +45,49 @@ from diloco.swarm import transfer
 from diloco.swarm.layout import Shape
 from diloco.swarm.listener import Listener, listen_socket
 from diloco.swarm.progress import Progress, progress_key, publish
-from diloco.swarm.tcp import LENGTH, Round, recv_exact
+from diloco.swarm.frames import LENGTH, recv_exact
+from diloco.swarm.tcp import HELLO, MAGIC, Round, _mac
 
 MATCHMAKING_S = 8  # as the honest groups of the test: long enough under load for all three to gather
 AVERAGING_S = 15
+
+
+FRAMES = ("huge", "short", "slowloris", "replay")
+hellos: dict[int, bytes] = {}  # reducer index -> the hello this peer sent it last (what `replay` replays)
+bad_frame = ["huge"]  # the attack of this round's connections
+
+
+def bad_frames(self: Round, reducer: int) -> None:
+    """In place of ``Round._exchange``: the connection ``bad_frame[0]`` says to `reducer`, and no honest part."""
+    attack, old = bad_frame[0], hellos.get(reducer)
+    fields = HELLO.pack(MAGIC, self.tag, self.index, reducer, self.k, self.digest, self.codec.name.encode(), 1.0)
+    hellos[reducer] = fields + _mac(self.group_id, fields)  # this round's, for a later replay
+    try:
+        if attack == "replay" and old is not None:
+            sock = socket.create_connection(tuple_of(self.endpoints[reducer]), timeout=5)
+            sock.sendall(old + LENGTH.pack(4 * 2**18) + bytes(4 * 2**18))  # an earlier round's opening, as sent
+            sock.settimeout(self.timeout + 2.0)
+            try:
+                answer = sock.recv(1)  # b"": dropped
+            except TimeoutError:  # held while the listener waits for a round of that tag to start
+                answer = b""
+            print(f"replay to reducer #{reducer}: {'answered' if answer else 'unanswered'}", flush=True)
+        else:
+            sock = self._connect(reducer)
+            if attack == "huge":
+                sock.sendall(LENGTH.pack(2**40))
+            elif attack == "short":
+                sock.sendall(LENGTH.pack(12) + bytes(12))
+        time.sleep(self.timeout + 2.0)  # slowloris: silent past the reducer's patience; the others: hang up late
+        sock.close()
+    except OSError:
+        pass
+    self._fail(f"reducer #{reducer}: sent it a bad connection ({attack})")
+
+
+def tuple_of(endpoint) -> tuple[str, int]:
+    hosts, port = endpoint
+    return hosts[0], port
 
 
 def huge_frames(self: Round, reducer: int) -> None:
@@ -132,6 +175,8 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
     last = torch.zeros(size)  # the swarm's last average, as it came back
     if attack == "frame":
         Round._exchange = huge_frames
+    elif attack == "frames":
+        Round._exchange = bad_frames
     try:
         rendezvous(dht, f"{prefix}-members", str(world_rank), galaxy, 60)
         for round_index in range(1, rounds + 1):
@@ -142,7 +187,9 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
             report = group.average([sent], round_index, 1.0, lambda: False)  # in place: `sent` holds the average
             if report.ok and report.num_peers > 1:
                 last = sent
-            print(f"round {round_index}: ok={report.ok} num_peers={report.num_peers}", flush=True)
+            print(f"round {round_index}: ok={report.ok} num_peers={report.num_peers} {bad_frame[0]}", flush=True)
+            if attack == "frames" and report.num_peers > 1:  # the next attack in a round with the swarm
+                bad_frame[0] = FRAMES[(FRAMES.index(bad_frame[0]) + 1) % len(FRAMES)]
     finally:
         listener.close()
         averager.shutdown()

@@ -252,25 +252,36 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
     assert "ok=False" in logs[2].read_text()  # the poisoned peer's own rounds fail
 
 
-def test_a_peer_that_sends_a_huge_length_header_is_dropped_and_counted(tmp_path: Path, dht_peer: list[str]) -> None:
-    """A third peer joins every round and, past the handshake, tells each reducer its part is 2**40 bytes long:
-    the honest groups' reducers drop it at once (nothing of that size is allocated), count it in their rows'
-    `dropped`, average their spans without it, and the honest groups end on one model."""
+def test_a_peer_that_sends_bad_frames_is_dropped_and_counted(tmp_path: Path, dht_peer: list[str]) -> None:
+    """A third peer joins the rounds and, in each round it is matched with the honest groups, opens another bad
+    connection to every reducer (``tests.hostile_peer``'s ``frames``): a length header claiming 2**40 bytes, a part
+    of 12 bytes, a handshake and then silence (slowloris), and the hello of an earlier round replayed as recorded.
+    The honest reducers drop it (at once, or after their timeout; nothing of the claimed size is allocated) and say
+    why, refuse the replay at its hello, count both (`dropped` in the rows, `refused_connections` in the summary),
+    average their spans without it, and the honest groups end on one model."""
     dirs = [tmp_path / f"w{i}" for i in range(2)]
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
-    steps = ["--max-steps", "30", "--hv.run-id", "frames", "--hv.matchmaking-time", "8"]
+    steps = ["--max-steps", "60", "--hv.run-id", "frames", "--hv.matchmaking-time", "8"]
     procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
-    procs.append(start_hostile(["frame", "frames", "3", "2", "6", "mean"], dht_peer, logs[2]))
+    procs.append(start_hostile(["frames", "frames", "3", "2", "10", "mean"], dht_peer, logs[2]))
     try:
-        finish(procs[:2], logs[:2], timeout=300)
+        finish(procs[:2], logs[:2], timeout=420)
         procs[2].wait(timeout=120)
     finally:
         kill_group(procs[2])
+    hostile = logs[2].read_text()
+    met = [line.split()[-1] for line in hostile.splitlines() if line.startswith("round ") and "num_peers=3" in line]
+    assert set(met) >= {"huge", "short", "slowloris", "replay"}, hostile[-3000:]
     rows = [outer_rows(d) for d in dirs]
     hit = [r for r in rows[0] + rows[1] if r.get("num_peers") == 3 and r.get("dropped", 0) >= 1]
-    assert len(hit) >= 2, [(r.get("num_peers"), r.get("dropped")) for r in rows[0] + rows[1]]
-    assert all(r.get("rejected", 0) == 0 for r in hit)  # a frame, not a value: not `rejected`
-    assert "left out of our span" in logs[0].read_text() + logs[1].read_text()
+    assert len(hit) >= 4, [(r.get("num_peers"), r.get("dropped")) for r in rows[0] + rows[1]]
+    assert all(r.get("rejected", 0) == 0 for r in hit)  # frames, not values: not `rejected`
+    said = logs[0].read_text() + logs[1].read_text()
+    reasons = ("a message of 1099511627776 bytes", "12 bytes do not decode to", "of our span within")
+    assert [why for why in reasons if why not in said] == []
+    # a replayed hello names a round that is over: dropped unanswered and counted, as a late groupmate's would be
+    assert "unanswered" in hostile and ": answered" not in hostile
+    assert sum(summary(d)["refused_connections"] for d in dirs) >= 1
     assert len({summary(d)["params_sha256"] for d in dirs}) == 1
     assert all(summary(d)["status"] == "ok" for d in dirs)
 
