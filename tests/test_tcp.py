@@ -16,7 +16,7 @@ import torch
 from diloco.screening import all_finite, screen
 from diloco.swarm.codecs import WIRE_FORMATS
 from diloco.swarm import tcp
-from diloco.swarm.frames import LENGTH
+from diloco.swarm.frames import LENGTH, Frames, seal_keys
 from diloco.swarm.layout import RankLayout, Schedule, Shape, flat_parts, group_layout, plan, plan_schedule
 from diloco.swarm.listener import Listener, listen_socket
 from diloco.swarm.tcp import FP16, RAW, Round, RoundFailed
@@ -472,3 +472,35 @@ def test_a_local_failure_fails_the_round_instead_of_blaming_the_sender(monkeypat
     assert all(error is not None for error in errors), errors  # nobody reports ok with half an average
     failing = [r for r, error in zip(rounds, errors) if "Invalid thread pool" in error]
     assert len(failing) == 1 and failing[0]._banned == {}, errors  # it did not blame its groupmate
+
+
+def test_a_sealed_message_replayed_or_sealed_under_another_key_fails_its_seal():
+    """Over a socket pair: sealed messages arrive in order; the same sealed bytes sent again (a replay within the
+    connection) fail, as does a message sealed under another key, and a header claiming more than asked."""
+    a, b = socket.socketpair()
+    try:
+        keys = seal_keys(os.urandom(32), b"hello")
+        sender, receiver = Frames(a, send_key=keys[0]), Frames(b, receive_key=keys[0])
+        assert sender.send(b"first") == 8 + 5 + 16 and bytes(receiver.receive(5)) == b"first"
+        recorded = LENGTH.pack(5 + 16) + bytes(_seal_of(keys[0], b"again", 1))
+        a.sendall(recorded)
+        assert bytes(receiver.receive(5)) == b"again"
+        a.sendall(recorded)  # the same bytes once more: its nonce (count 1) is behind the receiver's (2)
+        with pytest.raises(ValueError, match="fails its seal"):
+            receiver.receive(5)
+        other = Frames(a, send_key=seal_keys(os.urandom(32), b"hello")[0])
+        other.send(b"stranger")
+        with pytest.raises(ValueError, match="fails its seal"):
+            Frames(b, receive_key=keys[0]).receive(8)
+        a.sendall(LENGTH.pack(2**40))
+        with pytest.raises(ValueError, match="at most 8 expected"):
+            receiver.receive(8)
+    finally:
+        a.close()
+        b.close()
+
+
+def _seal_of(key: bytes, data: bytes, count: int) -> bytes:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(key).encrypt(count.to_bytes(12, "big"), data, None)
