@@ -248,6 +248,9 @@ def test_a_run_of_some_allreduce_arms_writes_its_own_json() -> None:
 
     assert allreduce.stem(False) == "allreduce" and allreduce.stem(True) == "allreduce-quick"
     assert allreduce.stem(False, ["groups", "groups-keyed"]) == "allreduce-groups+groups-keyed"
+    out, doc = Path("docs/bench"), Path("docs/benchmarks.md")
+    line = benches.command_line("allreduce", False, out, doc, (out, doc), {"arms": ["groups", "groups-keyed"]})
+    assert line == "diloco bench allreduce --arms groups,groups-keyed"
 
 
 def test_a_stop_signal_raises_once_after_a_shielded_section() -> None:

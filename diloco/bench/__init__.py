@@ -179,7 +179,7 @@ def command_line(
     """The `diloco bench` command that reproduces this result (`options`: the bench's own flags)."""
     parts = ["diloco", "bench", name, *(["--quick"] if quick else [])]
     for key, value in (options or {}).items():
-        parts += ["--" + key.replace("_", "-"), str(value)]
+        parts += ["--" + key.replace("_", "-"), ",".join(value) if isinstance(value, list) else str(value)]
     if out != defaults[0]:
         parts += ["--out", str(out)]
     if doc != defaults[1]:

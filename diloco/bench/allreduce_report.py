@@ -91,8 +91,10 @@ def cells(row: dict[str, Any], transport: str, *keys: str) -> list[str]:
 
 
 def table_arms(arms: list[str]) -> list[str]:
-    """The transports that get columns: tcp and p2pd always ("–" when not measured), then any other measured."""
-    return ["tcp", "p2pd", *(t for t in arms if t not in ("tcp", "p2pd"))]
+    """The transports that get columns: tcp and p2pd ("–" when not measured: tcp before it existed), then any other
+    measured; a run of some arms only (``--arms``) that left hivemind's p2pd out gets columns for its arms alone."""
+    base = ["tcp", "p2pd"] if "p2pd" in arms else []
+    return [*base, *(t for t in arms if t not in base)]
 
 
 def loopback_table(rows: list[dict[str, Any]], arms: list[str]) -> list[str]:
