@@ -16,7 +16,7 @@ import torch
 from diloco.screening import all_finite, screen
 from diloco.swarm.codecs import WIRE_FORMATS
 from diloco.swarm import tcp
-from diloco.swarm.frames import LENGTH, Frames, seal_keys
+from diloco.swarm.frames import LENGTH, Frames, bytes_of, seal_keys
 from diloco.swarm.layout import RankLayout, Schedule, Shape, flat_parts, group_layout, plan, plan_schedule
 from diloco.swarm.listener import Listener, listen_socket
 from diloco.swarm.tcp import FP16, RAW, Round, RoundFailed
@@ -335,7 +335,7 @@ def test_a_sealed_round_hides_its_values_from_a_machine_on_the_path(sealed: bool
     assert len(seen) >= 4 * 300_000 * 2  # (each peer sends about two thirds of its vector and gets as much back)
     # 32 bytes at places of every reducer's span: each crosses the wire, but from the peer that reduces it
     places = [1000, 150_000, 290_000]
-    crossed = [any(bytes(tcp._bytes_of(v[at : at + 8])) in seen for at in places) for v in vectors + outs[:1]]
+    crossed = [any(bytes(bytes_of(v[at : at + 8])) in seen for at in places) for v in vectors + outs[:1]]
     assert crossed == [not sealed] * 4
     if sealed:  # 16 bytes of tag per message, 16 of nonce per connection
         assert all(r.bytes_sent > 4 * 300_000 * 2 / 3 for r in rounds)

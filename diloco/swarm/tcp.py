@@ -93,17 +93,14 @@ class Codec:
     raw: bool = False
 
 
-_bytes_of = bytes_of  # the array, and so the view, keeps the tensor alive
-
-
 FP16_MAX = 65504.0
 
 RAW = Codec(
-    "none", 2**18, encode=_bytes_of, decode=lambda data, n: torch.frombuffer(data, dtype=torch.float32, count=n),
+    "none", 2**18, encode=bytes_of, decode=lambda data, n: torch.frombuffer(data, dtype=torch.float32, count=n),
     max_bytes=lambda n: 4 * n, raw=True,
 )  # fmt: skip
 FP16 = Codec(
-    "fp16", 2**18, encode=lambda part: _bytes_of(part.clamp(-FP16_MAX, FP16_MAX).half()),
+    "fp16", 2**18, encode=lambda part: bytes_of(part.clamp(-FP16_MAX, FP16_MAX).half()),
     decode=lambda data, n: torch.frombuffer(data, dtype=torch.float16, count=n).float(), max_bytes=lambda n: 2 * n,
 )  # fmt: skip
 
@@ -119,6 +116,11 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for tensor in tensors:
         tensor.view(-1).copy_(flat[offset : offset + tensor.numel()])
         offset += tensor.numel()
+
+
+def _frames(sock: socket.socket, keys: tuple[bytes, bytes] | None) -> Frames:
+    """The messages of a round's connection: sealed under (send key, receive key), or plain without keys."""
+    return Frames(sock) if keys is None else Frames(sock, send_key=keys[0], receive_key=keys[1])
 
 
 def _mac(key: bytes, data: bytes) -> bytes:
@@ -292,10 +294,8 @@ class Round:
         sock.settimeout(self.timeout)
         nonce = os.urandom(NONCE_SIZE) if self.sealed else b""
         sock.sendall(nonce + _mac(self.group_id, b"ack" + hello + nonce))
-        frames = Frames(sock)
-        if self.sealed:  # we answer: the second key is ours to send under
-            to_us, to_sender = seal_keys(self.group_id, hello + nonce)
-            frames = Frames(sock, send_key=to_sender, receive_key=to_us)
+        # we answer: the second key of the pair is ours to send under
+        frames = _frames(sock, seal_keys(self.group_id, hello + nonce)[::-1] if self.sealed else None)
         with self._cv:
             self.bytes_sent += len(nonce) + MAC_SIZE
             self._threads.append(self._thread(self._read_parts, frames, sender))
@@ -458,8 +458,7 @@ class Round:
         sock = None
         try:
             sock = self._connect(reducer)
-            keys = self._keys[reducer]
-            frames = Frames(sock) if keys is None else Frames(sock, send_key=keys[0], receive_key=keys[1])
+            frames = _frames(sock, self._keys[reducer])
             receiver = self._thread(self._read_averages, frames, reducer)
             for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
@@ -476,7 +475,7 @@ class Round:
             for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
                 if self.codec.raw:  # straight into the output: no copy
-                    self._receive_into(frames, _bytes_of(self.out[lo:hi]))
+                    self._receive_into(frames, bytes_of(self.out[lo:hi]))
                 else:
                     data = self._receive(frames, self.codec.max_bytes(hi - lo))
                     self.out[lo:hi].copy_(self.codec.decode(data, hi - lo))
