@@ -204,7 +204,9 @@ def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Pat
     """Under DDP and ZERO1 every rank's local shards are the whole model (as under NO_SHARD): the replicas of a
     group each exchange a slice of it and pass each other the averages, and both groups end on one model."""
     ddp, zero1 = ["--sharding-strategy", "DDP"], ["--sharding-strategy", "ZERO1"]
-    assert_trained_together(train_two_groups(tmp_path, dht_peer, 8, ddp, zero1), groups=2, outer_steps=2)
+    # three rounds: under CI's load the first round once failed and the next one became a catch-up, which left
+    # two rounds with none that both groups averaged in
+    assert_trained_together(train_two_groups(tmp_path, dht_peer, 12, ddp, zero1), groups=2, outer_steps=3)
 
 
 def test_launch_three_groups_with_fp16(tmp_path: Path) -> None:
