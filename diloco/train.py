@@ -11,6 +11,7 @@ if __name__ == "__main__":  # `python -m diloco.train`: check the flags before t
 
     train_entry()  # never returns; it imports this module as `diloco.train` once the flags are valid
 
+import faulthandler
 import logging
 import math
 import signal
@@ -52,6 +53,8 @@ class StopRequest:
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
+        # `kill -USR1 <rank>`: every thread's stack to stderr, for a rank that seems stuck (it goes on running)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def _handle(self, signum: int, frame: object) -> None:
         now = time.monotonic()

@@ -289,15 +289,23 @@ def test_sigterm_stops_with_checkpoint_and_summary(run_dir: Path) -> None:
         while not (run_dir / "metrics.jsonl").exists() or len(metrics(run_dir)) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
             time.sleep(0.2)
+        # SIGUSR1 to a rank: its threads' stacks on stderr (for a rank that seems stuck), and it trains on
+        psutil.Process(proc.pid).children()[0].send_signal(signal.SIGUSR1)
+        dumped = len(metrics(run_dir))
+        while len(metrics(run_dir)) < dumped + 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)  # to torchrun only; it forwards to its ranks
         stopped = time.monotonic()
-        proc.communicate(timeout=30)
+        output = proc.communicate(timeout=30)[0]
         assert time.monotonic() - stopped < 15
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    assert re.search(r"Current thread 0x[0-9a-f]+ .*most recent call first", output), output[-3000:]
+    assert 'in train_loop' in output, output[-3000:]
     done = summary(run_dir)
-    assert done["status"] == "interrupted" and 3 <= done["steps"] < 100000
+    assert done["status"] == "interrupted" and 5 <= done["steps"] < 100000
     assert (run_dir / "ckpt" / f"step-{done['steps']}" / "meta.json").is_file()
     assert run_cmd(["pgrep", "-s", str(proc.pid)]).stdout == ""  # nothing of its session is left
 
