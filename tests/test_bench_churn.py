@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from diloco.bench.churn import Life, churn_setup, schedule
-from diloco.bench.churn_report import divergences, life_figures, rss_growth
+from diloco.bench.churn_report import by_end, divergences, life_figures, rss_growth
 
 
 def test_the_schedule_is_seeded_and_long_enough() -> None:
@@ -57,6 +57,21 @@ def test_throughput_counts_what_a_round_took_in_and_the_time_until_the_kill(tmp_
     assert ended["live_s"] == pytest.approx(2.0)  # an exit: until its last round
 
 
+def test_throughput_is_split_by_how_each_life_ended() -> None:
+    """Killed lives trained steps after their last round that no round took: their rate falls below the
+    survivors', which is where churn's cost shows."""
+    lives = [
+        {"end": "exit", "live_s": 100.0, "committed_tokens": 100 * 10, "inner_steps": 102},
+        {"end": "exit", "live_s": 100.0, "committed_tokens": 90 * 10, "inner_steps": 90},
+        {"end": "kill-9", "live_s": 10.0, "committed_tokens": 5 * 10, "inner_steps": 8},
+    ]
+    split = by_end(lives, tokens_per_step=10, baseline_tokens_per_s=10.0)
+    assert split["exit"]["lives"] == 2 and split["exit"]["uncounted_steps"] == 2
+    assert split["exit"]["tokens_per_s"] == pytest.approx(9.5) and split["exit"]["retained"] == pytest.approx(0.95)
+    assert split["kill-9"]["retained"] == pytest.approx(0.5) and split["kill-9"]["uncounted_steps"] == 3
+    assert by_end(lives, 10, None)["exit"]["retained"] is None
+
+
 def test_rss_growth_is_the_end_against_the_sample_nearest_the_reference() -> None:
     samples = [(0.0, 100.0), (290.0, 200.0), (310.0, 400.0), (900.0, 230.0)]
     growth = rss_growth(samples, reference_s=300.0)
@@ -76,7 +91,8 @@ def test_churn_quick(tmp_path: Path) -> None:
     assert {e["action"] for e in data["events"]} & {"kill-9", "sigterm"}
     assert {e["action"] for e in data["events"]} & {"restart", "fresh"}
     assert soak["divergences"] == 0 and soak["rounds_named"] >= 10
-    assert soak["hangs"] == [] and soak["orphans"] == [] and data["baseline"]["hangs"] == []
+    hangs = soak["hangs"] + data["baseline"]["hangs"]
+    assert hangs == [] and soak["orphans"] == [], "\n".join(f"{h['what']}:\n" + "\n".join(h["log_tail"]) for h in hangs)
     assert soak["one_final_model"] and data["baseline"]["one_final_model"]
     assert len({g["params_sha256"] for g in soak["groups"]}) == 1
     churned = [x for x in soak["lives"] if x["group"] == 2]

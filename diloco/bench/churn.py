@@ -2,7 +2,7 @@
 schedule for 30 minutes, against the same swarm without churn.
 
 Four worker groups of mixed shapes (three of one rank, one of two ranks, FULL_SHARD under torchrun; `--quick`:
-three groups of one rank for two minutes) train the 1.1M-parameter byte llama on tinyshakespeare, bootstrapping
+three groups of one rank for about a minute) train the 1.1M-parameter byte llama on tinyshakespeare, bootstrapping
 from one `diloco dht`. Each group runs in a cgroup of its own holding it to CORES of a core (`diloco.throttle`;
 everything the group runs, its DHT and averager included), so a group's speed does not depend on how many others
 are alive on this 2-core machine; a (re)started group starts up unthrottled and gets its quota once it has joined
@@ -92,7 +92,7 @@ class ChurnSetup:
 def churn_setup(quick: bool) -> ChurnSetup:
     if quick:
         return ChurnSetup(ranks=(1, 1, 1), long_lived=2, seq_length=64, batch=4, local_steps=5, baseline_rounds=3,
-                          soak_s=100.0, min_events=4, gap_s=(10.0, 20.0), tail_s=50.0, matchmaking_s=3.0,
+                          soak_s=40.0, min_events=4, gap_s=(8.0, 14.0), tail_s=30.0, matchmaking_s=3.0,
                           averaging_timeout_s=15.0, cores=(0.5, 0.5, 0.5), start_timeout_s=150.0,
                           rss_reference_s=30.0)  # fmt: skip
     return ChurnSetup(ranks=(1, 1, 1, 2), long_lived=2, seq_length=64, batch=4, local_steps=20, baseline_rounds=10,
@@ -273,7 +273,8 @@ class Swarm:
 
     def _hang(self, life: Life, what: str) -> None:
         life.hung = True
-        self.hangs.append({"group": life.group, "life": life.index, "what": what, "at": time.time()})
+        self.hangs.append({"group": life.group, "life": life.index, "what": what, "at": time.time(),
+                           "log_tail": stacks_and_tail(life)})  # fmt: skip
         log.warning("churn: group %d (life %d) hangs: %s", life.group, life.index, what)
 
     def _check_orphans(self) -> None:
@@ -322,6 +323,19 @@ class Swarm:
 
 
 # ---------------------------------------------------------------- the phases
+
+
+def stacks_and_tail(life: Life, lines: int = 60) -> list[str]:
+    """The end of a hung trainer's log, after asking its ranks for their threads' stacks (SIGUSR1, which the
+    trainer answers on stderr and goes on): where it is stuck, for the report."""
+    for proc in procs.family(life.proc.pid):
+        with contextlib.suppress(psutil.Error):
+            if "diloco.train" in proc.cmdline():
+                proc.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
+    with contextlib.suppress(OSError):
+        return life.log_path.read_text(errors="replace").splitlines()[-lines:]
+    return []
 
 
 def run_baseline(setup: ChurnSetup, stack: ExitStack, work_dir: Path, model: Path, peers: list[str]) -> Swarm:

@@ -119,6 +119,26 @@ def phase(swarm: Swarm, tokens_per_step: int) -> dict[str, Any]:
     }
 
 
+def by_end(lives: list[dict[str, Any]], tokens_per_step: int, baseline_tokens_per_s: float | None) -> dict[str, Any]:
+    """The soak's throughput split by how each life ended (exit: ran to the end; kill-9; sigterm), each against the
+    baseline: where churn costs throughput. A killed or stopped life's steps after its last round are never
+    averaged (the swarm moved on), yet its time up to its end counts."""
+    split: dict[str, Any] = {}
+    for life in lives:
+        end = life["end"] or "running"
+        kind = split.setdefault(end, {"lives": 0, "live_s": 0.0, "committed_tokens": 0, "uncounted_steps": 0})
+        kind["lives"] += 1
+        kind["live_s"] += life["live_s"]
+        kind["committed_tokens"] += life["committed_tokens"]
+        kind["uncounted_steps"] += life["inner_steps"] - life["committed_tokens"] // tokens_per_step
+    for kind in split.values():
+        kind["live_s"] = round(kind["live_s"], 1)
+        kind["tokens_per_s"] = kind["committed_tokens"] / kind["live_s"] if kind["live_s"] else None
+        kind["retained"] = (kind["tokens_per_s"] / baseline_tokens_per_s
+                            if kind["tokens_per_s"] and baseline_tokens_per_s else None)  # fmt: skip
+    return split
+
+
 def rss_growth(samples: list[list[float]] | list[tuple[float, float]], reference_s: float) -> dict[str, Any] | None:
     """The last sample against the one nearest `reference_s` into the soak."""
     if len(samples) < 2:
@@ -157,6 +177,7 @@ def analyse(setup: ChurnSetup, baseline: Swarm, soak: Swarm, events: list[dict[s
         "baseline": base,
         "soak": churn,
         "throughput_retained": retained,
+        "retained_by_end": by_end(churn["lives"], setup.tokens_per_step, base["tokens_per_s"]),
         "rss_growth": rss,
         "targets": {"throughput_retained": RETAINED_TARGET, "rss_growth": RSS_GROWTH_TARGET,
                     "events": setup.min_events},  # fmt: skip
@@ -208,6 +229,12 @@ def markdown(result: dict[str, Any]) -> str:
         f"{'–' if retained is None else f'{retained:.3f}'}; target ≥ {result['targets']['throughput_retained']}: "
         f"{_met(v['throughput_retained'])}",
     ]
+    words = {"exit": "ran to the end", "kill-9": "were killed (kill -9)", "sigterm": "were stopped (SIGTERM)"}
+    for end, kind in result.get("retained_by_end", {}).items():  # (absent from results before 2026-11-25)
+        rate = "–" if kind["tokens_per_s"] is None else f"{kind['tokens_per_s']:.0f} tokens/s"
+        share = "" if kind["retained"] is None else f" ({kind['retained']:.3f} of the baseline)"
+        lines.append(f"  - lives that {words.get(end, end)}: {kind['lives']}, {kind['live_s']:.0f} group-s, "
+                     f"{rate}{share}; {kind['uncounted_steps']} steps outside their counted rounds")  # fmt: skip
     for g, r in result["rss_growth"].items():
         if r is None:
             lines.append(f"- RSS of group {g}: too few samples")
