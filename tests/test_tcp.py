@@ -383,6 +383,31 @@ def test_a_hello_replayed_from_an_earlier_round_is_refused():
         listener.close()
 
 
+def test_a_hello_for_a_round_that_ended_here_is_dropped_at_once():
+    """A replayed (or late) hello for a round this rank already left is dropped at once, even while the rank is in
+    another round, when a hello for a round not registered yet waits the registration timeout: a replay costs the
+    listener no thread for that long."""
+    listener = Listener(listen_socket("127.0.0.1", 0), 2.0, registration_timeout=30.0).start()
+    endpoints = [(["127.0.0.1"], 1), (["127.0.0.1"], listener._sock.getsockname()[1])]
+    vector = randn(1000, 0)
+    ended = Round(vector, vector.clone(), group_id=os.urandom(32), index=1, endpoints=endpoints, weight=1.0,
+                  codec=RAW, timeout=2.0)  # fmt: skip
+    listener.register(ended)
+    listener.unregister(ended)
+    fields = tcp.HELLO.pack(tcp.MAGIC, ended.tag, 0, 1, 2, ended.digest, b"none", 1.0)
+    try:
+        with listener.in_round():
+            started = time.monotonic()
+            replay = socket.create_connection(("127.0.0.1", endpoints[1][1]))
+            replay.sendall(fields + tcp._mac(ended.group_id, fields))
+            replay.settimeout(10)
+            assert replay.recv(1) == b""  # dropped without an answer
+            replay.close()
+            assert time.monotonic() - started < 5.0 and listener.refused == 1
+    finally:
+        listener.close()
+
+
 def test_strangers_and_wrong_hosts_are_refused_and_the_round_goes_on():
     """A connection with a wrong MAC is dropped; an endpoint whose first host answers on that port but is not the
     peer (say, another machine's loopback) fails the handshake there and is reached through its next host."""

@@ -5,6 +5,7 @@ downloads of ``diloco.swarm.transfer``). Connections that arrive otherwise (the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import socket
@@ -16,6 +17,8 @@ from diloco.swarm.frames import recv_exact
 from diloco.swarm.tcp import HELLO, MAC_SIZE, MAGIC, Round, close_socket
 
 logger = logging.getLogger(__name__)
+
+ENDED_KEPT = 256  # rounds a listener remembers having left (a few per outer step, fragments and retries included)
 
 
 class Listener:
@@ -43,6 +46,9 @@ class Listener:
         self._cv = threading.Condition()
         self._closed = False
         self.refused = 0  # connections dropped at their hello: strangers, bad MACs, replays, late senders
+        # tags of the last rounds this rank left: a hello for one of them (a late groupmate, a replay) is dropped at
+        # once instead of holding a thread for the registration timeout
+        self._ended: collections.deque[bytes] = collections.deque(maxlen=ENDED_KEPT)
         self._warned = False
 
     def start(self) -> Listener:
@@ -79,6 +85,7 @@ class Listener:
     def unregister(self, round_: Round) -> None:
         with self._cv:
             self._rounds.pop(round_.tag, None)
+            self._ended.append(round_.tag)
 
     def close(self) -> None:
         with self._cv:
@@ -113,7 +120,7 @@ class Listener:
                 raise ConnectionError("not a butterfly connection")
             with self._cv:
                 started = time.monotonic()
-                while tag not in self._rounds and not self._closed:
+                while tag not in self._rounds and tag not in self._ended and not self._closed:
                     wait = self._registration_timeout if self._busy else self._idle_wait
                     left = started + wait - time.monotonic()
                     if left <= 0:
@@ -121,7 +128,7 @@ class Listener:
                     self._cv.wait(left)  # woken by a registration, by close, or by this rank entering a round
                 round_ = self._rounds.get(tag)
             if round_ is None:
-                raise _NoRound("no round with this tag")
+                raise _NoRound("a round that ended here" if tag in self._ended else "no round with this tag")
             round_.attach(conn, bytes(hello))
         except Exception as e:  # a stranger, a late or duplicate sender: drop the connection, never the process
             with self._cv:
