@@ -3,13 +3,17 @@ restarts on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from diloco.bench.churn import Life, churn_setup, schedule
+from diloco.bench.churn import Life, churn_setup, schedule, stacks_and_tail
 from diloco.bench.churn_report import by_end, divergences, life_figures, rss_growth
 
 
@@ -55,6 +59,37 @@ def test_throughput_counts_what_a_round_took_in_and_the_time_until_the_kill(tmp_
     assert killed["rounds"] == {"ok": 2, "alone": 0, "failed": 0}
     ended = life_figures(life(tmp_path, 0, rows), tokens_per_step=10)
     assert ended["live_s"] == pytest.approx(2.0)  # an exit: until its last round
+
+
+# a rank: dumps its stacks on SIGUSR1 (as diloco.train does) and sleeps; the launcher: starts one and waits
+RANK = ("import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+        "print('rank up', flush=True); time.sleep(60)")  # fmt: skip
+LAUNCHER = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {RANK!r}, '-m', 'diloco.train'])"
+
+
+def test_a_hang_record_holds_the_ranks_stacks_and_leaves_the_launcher_alone(tmp_path: Path) -> None:
+    """SIGUSR1 goes to the ranks (their stacks land in the life's log), not to a torchrun-like launcher, whose
+    command names diloco.train too and which the signal would end."""
+    log_path = tmp_path / "life0.log"
+    with log_path.open("w") as log:
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, "-m", "torch.distributed.run", "-m",
+                                     "diloco.train"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    started = [psutil.Process(launcher.pid)]
+    try:
+        deadline = time.monotonic() + 30
+        while "rank up" not in log_path.read_text():
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.1)
+        started += started[0].children()
+        hung = Life(2, 0, "fresh", tmp_path, log_path, launcher, time.time())
+        tail = stacks_and_tail(hung)
+        assert any("most recent call first" in line for line in tail), tail
+        assert launcher.poll() is None  # still running: the bench kills it itself when it must
+    finally:
+        for proc in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        launcher.wait()
 
 
 def test_throughput_is_split_by_how_each_life_ended() -> None:

@@ -330,7 +330,8 @@ def stacks_and_tail(life: Life, lines: int = 60) -> list[str]:
     trainer answers on stderr and goes on): where it is stuck, for the report."""
     for proc in procs.family(life.proc.pid):
         with contextlib.suppress(psutil.Error):
-            if "diloco.train" in proc.cmdline():
+            command = proc.cmdline()  # a rank, not torchrun (whose command names diloco.train too; USR1 ends it)
+            if "diloco.train" in command and "torch.distributed.run" not in command:
                 proc.send_signal(signal.SIGUSR1)
     time.sleep(1.0)
     with contextlib.suppress(OSError):
