@@ -361,6 +361,16 @@ def test_a_byte_altered_on_the_path_fails_a_sealed_round_and_slips_through_an_op
         assert errors == [None, None] and not torch.equal(outs[0], mean)
 
 
+def replay_hello(port: int, recorded: Round, tag: bytes, wait_s: float) -> bytes:
+    """Send peer 0's hello to peer 1 of `recorded` (MAC under its group id) with `tag`; the first byte answered
+    within `wait_s` (b"": the connection was closed unanswered)."""
+    fields = tcp.HELLO.pack(tcp.MAGIC, tag, 0, 1, 2, recorded.digest, b"none", 1.0)
+    with socket.create_connection(("127.0.0.1", port)) as replay:
+        replay.sendall(fields + tcp._mac(recorded.group_id, fields))
+        replay.settimeout(wait_s)
+        return replay.recv(1)
+
+
 def test_a_hello_replayed_from_an_earlier_round_is_refused():
     """A groupmate's hello of round A, recorded and replayed to the same peer during round B (another group id):
     it names a round that is not there, or carries the MAC of another key, and is dropped unanswered."""
@@ -372,12 +382,7 @@ def test_a_hello_replayed_from_an_earlier_round_is_refused():
     listener.register(new)
     try:
         for tag in (old.tag, new.tag):  # as recorded; and with the tag patched to the new round's
-            fields = tcp.HELLO.pack(tcp.MAGIC, tag, 0, 1, 2, old.digest, b"none", 1.0)
-            replay = socket.create_connection(("127.0.0.1", endpoints[1][1]))
-            replay.sendall(fields + tcp._mac(old.group_id, fields))
-            replay.settimeout(5)
-            assert replay.recv(1) == b""  # dropped without an answer
-            replay.close()
+            assert replay_hello(endpoints[1][1], old, tag, wait_s=5) == b""  # dropped without an answer
         assert not new._attached and listener.refused == 2  # counted (summary.json's `refused_connections`)
     finally:
         listener.close()
@@ -394,15 +399,10 @@ def test_a_hello_for_a_round_that_ended_here_is_dropped_at_once():
                   codec=RAW, timeout=2.0)  # fmt: skip
     listener.register(ended)
     listener.unregister(ended)
-    fields = tcp.HELLO.pack(tcp.MAGIC, ended.tag, 0, 1, 2, ended.digest, b"none", 1.0)
     try:
         with listener.in_round():
             started = time.monotonic()
-            replay = socket.create_connection(("127.0.0.1", endpoints[1][1]))
-            replay.sendall(fields + tcp._mac(ended.group_id, fields))
-            replay.settimeout(10)
-            assert replay.recv(1) == b""  # dropped without an answer
-            replay.close()
+            assert replay_hello(endpoints[1][1], ended, ended.tag, wait_s=10) == b""  # dropped without an answer
             assert time.monotonic() - started < 5.0 and listener.refused == 1
     finally:
         listener.close()
