@@ -146,7 +146,8 @@ class HvConfig(_Strict):
         1,
         ge=1,
         description="Streaming DiLoCo: average the model in F fragments of whole decoder layers, one every H/F "
-        "inner steps (each still once per H steps): 1/F of the bytes on the wire at a time. 1: the whole model.",
+        "inner steps (each still once per H steps; with --hv.target-tokens N, every N/F tokens of the swarm): 1/F "
+        "of the bytes on the wire at a time. 1: the whole model.",
     )
     fragment_layout: FragmentLayout = Field(
         "strided",
@@ -268,6 +269,20 @@ class HvConfig(_Strict):
             auto.warmup if self.outer_lr_warmup == "auto" else self.outer_lr_warmup,
         )
 
+    def check_overlap(self, tokens_per_step: int) -> None:
+        """Under --hv.target-tokens, refuse an overlap that would not land before the next round of an average
+        group: that is N ÷ (F × galaxy size × tokens per inner step) inner steps after it (a faster group makes
+        more, a slower one fewer; a round that comes due first lands the one in flight at once)."""
+        if self.target_tokens is None or not self.overlap_steps:
+            return
+        steps = self.target_tokens / (self.fragments * self.galaxy_size * max(tokens_per_step, 1))
+        if self.overlap_steps >= steps:
+            raise FieldError(
+                f"{{overlap_steps}} {self.overlap_steps} must be smaller than the inner steps between two rounds: "
+                f"{{target_tokens}} {self.target_tokens} / ({{fragments}} {self.fragments} x {{galaxy_size}} "
+                f"{self.galaxy_size} x {tokens_per_step} tokens per inner step) = {steps:.1f}"
+            )
+
     def outer_is_auto(self) -> bool:
         """Whether any of the outer setting is left to `auto`."""
         return "auto" in (self.outer_lr, self.outer_momentum, self.outer_lr_warmup)
@@ -289,9 +304,8 @@ class HvConfig(_Strict):
 
     @model_validator(mode="after")
     def _rounds_fit(self) -> HvConfig:
-        if self.target_tokens is not None and (self.fragments > 1 or self.overlap_steps):
-            raise ValueError("--hv.fragments and --hv.overlap-steps work with --hv.local-steps, not yet with "
-                             "--hv.target-tokens")  # fmt: skip
+        # under --hv.target-tokens a fragment's round comes every N/F tokens of the swarm: the inner steps that
+        # makes depend on the group's tokens per step, checked where they are known (`Config.check_overlap`)
         if self.target_tokens is None:
             if self.local_steps % self.fragments:
                 raise ValueError(f"--hv.local-steps {self.local_steps} must be a multiple of --hv.fragments "

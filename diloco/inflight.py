@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class InFlight:
     weight: float
     tokens: int
     source: int | None
+    summary: dict[str, Any] = field(default_factory=dict)  # the pace's fields for its row, as of the send
     report: RoundResult | None = None
     error: BaseException | None = None
     thread: threading.Thread = field(init=False, repr=False)

@@ -116,6 +116,9 @@ class DiLoCo:
         self.pace = pace or FixedSteps(local_steps // self.fragments, final_step)
         self.tokens_per_step = tokens_per_step
         self.round_start = 0  # the inner step at which this group's current round began
+        # per fragment, the inner step its values were last reset to the outer ones (the weight's tokens count
+        # from there: a fragment's pseudo-gradient holds every inner step since, over F rounds)
+        self.fragment_start = [0] * self.fragments
         self.swarm, self.group, self.world_rank = swarm, group, world_rank
         self.stop, self.join_timeout = stop, join_timeout
         self.final_step, self.settle_timeout = final_step, settle_timeout
@@ -244,29 +247,44 @@ class DiLoCo:
 
     def position(self, step: int) -> int:
         """Where the LR schedule and the end of the run stand after inner step `step` (see `diloco.pace`)."""
-        return self.pace.position(step, self.outer_step)
+        return self.pace.position(step, self._paced)
+
+    @property
+    def _paced(self) -> int:
+        """The outer steps the pace counts: the applied ones, and the round on the wire (see `diloco.pace`)."""
+        return self.outer_step + (self.in_flight is not None)
 
     def _tokens(self, step: int) -> int:
-        """Tokens this group trained since its last outer step."""
+        """Tokens this group trained since its last round started."""
         return (step - self.round_start) * self.tokens_per_step
 
-    def _new_round(self, step: int) -> None:
-        """The outer parameters changed (an outer step, a loaded state): the model was reset to them."""
+    def _fragment_tokens(self, step: int, fragment: int | None) -> int:
+        """Tokens this group trained since `fragment` (None: the whole model) was last reset to the outer values."""
+        return (step - self.fragment_start[fragment or 0]) * self.tokens_per_step
+
+    def _new_round(self, step: int, fragment: int | None = None) -> None:
+        """The outer parameters changed (an outer step, a loaded state): the model (or the one fragment a round
+        averaged) was reset to them."""
         self.round_start = step
-        self.pace.new_round(self.outer_step)
+        self.pace.new_round(self._paced)
+        self._reset_fragments(step, fragment)
+
+    def _reset_fragments(self, step: int, fragment: int | None) -> None:
+        for f in range(self.fragments) if fragment is None else (fragment,):
+            self.fragment_start[f] = step
 
     def after_inner_step(self, step: int) -> OuterReport | None:
         """Collective: land the round in flight when its time came; at a boundary, catch up with the swarm if this
         group is behind, then average (and apply, unless the round is overlapped)."""
         self.step = step
         tokens = self._tokens(step)
-        due = self.pace.due(step, self.outer_step, tokens)
+        due = self.pace.due(step, self._paced, tokens)
         landed = None
         if self.in_flight is not None and (due or step >= self.in_flight.land_at):
             landed = self._land(step)  # one round in flight at a time: a due round waits for it
         if not due:
             return None if landed is None else OuterReport(step, landed)
-        index = self.pace.round_index(step, self.outer_step)
+        index = self.pace.round_index(step, self._paced)
         pseudo_gradient = self.params.pseudo_gradient(self._fragment(index))
         if self.group.sum(0.0 if all_finite(pseudo_gradient) else 1.0):
             raise FloatingPointError(
@@ -281,6 +299,7 @@ class DiLoCo:
                 if not self.pace.in_round(step, self.outer_step):
                     return OuterReport(step, self._row(step, source=source))
         if self.outer_step == outer_before:
+            tokens = self._fragment_tokens(step, self._fragment(index))
             weight = self.pace.weight(tokens)
             return OuterReport(step, self._round(step, index, pseudo_gradient, weight, source, tokens))
         # a group that was behind brings nothing current: it takes the others' average and adds nothing (zeros,
@@ -293,7 +312,7 @@ class DiLoCo:
 
     def _join_round(self, step: int, source: int | None) -> dict[str, Any] | None:
         """Collective: take part in the round under way with no weight (this group just loaded the state)."""
-        index = self.pace.round_index(step, self.outer_step)
+        index = self.pace.round_index(step, self._paced)
         zeros = torch.zeros(self.params.numel(self._fragment(index)))
         return self._round(step, index, zeros, 0.0, source, overlap=False)
 
@@ -310,19 +329,24 @@ class DiLoCo:
         """Collective: the round of boundary `step`: started in the background when rounds overlap the inner
         steps (its row comes when it lands), else averaged and applied now. At the run's last step every
         fragment then takes a blocking round of its own, so the final model holds all the inner steps."""
-        fragment, last = self._fragment(index), step == self.final_step
+        fragment, last = self._fragment(index), self.pace.last_round(step, index)
         what = "" if fragment is None else f" fragment {fragment}"
         log.info("outer step %d: averaging%s (round %d)", self.outer_step + 1, what, index)
         if self.overlap and overlap and not last:
             self.in_flight = InFlight(
-                step, step + self.overlap, index, fragment, pseudo_gradient, weight, tokens, source
+                step, step + self.overlap, index, fragment, pseudo_gradient, weight, tokens, source,
+                self.pace.summary(tokens),
             ).start(self.swarm, self.stop)
+            self.round_start = step  # the next round starts now: its tokens count for the pace from here
+            self.pace.new_round(self._paced)
             return None
         report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment)
         row = self._apply(step, fragment, report, pseudo_gradient, weight, source, tokens, mix=0.0)
         for more in range(1, self.fragments if last and row is not None else 1):  # the other fragments, each
             fragment = self._fragment(index + more)  # with the inner steps since its own round
             pseudo_gradient = self.params.pseudo_gradient(fragment)
+            tokens = self._fragment_tokens(step, fragment)
+            weight = self.pace.weight(tokens) if weight else 0.0  # (a group that joined the round adds nothing)
             report = self.swarm.average([pseudo_gradient], index + more, weight, self.stop, fragment)
             row = self._apply(step, fragment, report, pseudo_gradient, weight, None, tokens, mix=0.0) or row
         return row
@@ -335,16 +359,17 @@ class DiLoCo:
         report = flight.wait()
         row = self._apply(
             flight.step, flight.fragment, report, flight.pseudo_gradient, flight.weight, flight.source,
-            flight.tokens, mix=self.mix,
+            flight.tokens, mix=self.mix, landed=flight.summary,
         )  # fmt: skip
         if row is not None:
             row |= {"step": step, "round_step": flight.step, "land_wait_s": time.monotonic() - waited}
         return row
 
     def _apply(self, step: int, fragment: int | None, report: RoundResult, pseudo_gradient: torch.Tensor,
-               weight: float, source: int | None, tokens: int, mix: float) -> dict[str, Any] | None:  # fmt: skip
+               weight: float, source: int | None, tokens: int, mix: float,
+               landed: dict[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
         """Collective: the outer step with a round's result (when every rank got it). None when stopped during
-        the round."""
+        the round. `landed`: for a round that was on the wire, the pace's fields for its row as of its send."""
         if self.group.sum(1.0 if self.stop() else 0.0):
             log.warning("outer step %d: stopped during averaging; not applied", self.outer_step + 1)
             return None
@@ -371,15 +396,17 @@ class DiLoCo:
                     self.outer_step + 1, "averaging failed" if not all_ok else "missed the swarm's round",
                 )  # fmt: skip
             self._update_digest()
-        if self.outer_step > outer_before:
-            self._new_round(step)
+        if self.outer_step > outer_before and landed is not None:  # its successor began at its send (`_round`)
+            self._reset_fragments(step, fragment)
+        elif self.outer_step > outer_before:
+            self._new_round(step, fragment)
         self._publish()
         self.last_round = (num_peers, time.time())
         self._publish_status("training")
         row = self._row(step, source=source, report=report, num_peers=num_peers, pseudo_gradient=pseudo_gradient)
         if fragment is not None:
             row["fragment"] = fragment
-        return row | {"tokens": tokens, "weight": weight} | self.pace.summary(tokens)
+        return row | {"tokens": tokens, "weight": weight} | (self.pace.summary(tokens) if landed is None else landed)
 
     def _row(
         self,
@@ -526,11 +553,14 @@ class DiLoCo:
     # ------------------------------------------------------------------ checkpoints and the end
 
     def state_dict(self) -> dict[str, Any]:
-        return self.params.state_dict() | {"round_start": self.round_start}
+        return self.params.state_dict() | {"round_start": self.round_start, "fragment_start": self.fragment_start}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.params.load_state_dict(state)
         self.round_start = state.get("round_start", 0)  # 0: a checkpoint from before token budgets
+        starts = state.get("fragment_start")  # None: from before fragments had their own (or of another F)
+        fits = starts is not None and len(starts) == self.fragments
+        self.fragment_start = list(starts) if fits else [self.round_start] * self.fragments
         self._update_digest()
 
     def finish(self) -> dict[str, Any] | None:

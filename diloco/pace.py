@@ -11,6 +11,10 @@
   the same in every group. Groups of a swarm need the same --max-steps, --total-batch-size and --seq-length
   (they already needed the same schedule).
 
+With ``--hv.fragments F`` a round averages one fragment, so both paces count fragment rounds: H/F inner steps, or
+N/F tokens of the swarm, each. The outer loop passes the round a group trains for as `outer_step`: its applied
+outer steps, plus one while an overlapped round is on the wire (that round's successor starts when it is sent).
+
 `diloco.membership.DiLoCo` asks its pace; neither knows the network beyond the `Swarm` protocol's token records.
 """
 
@@ -41,6 +45,10 @@ class Pace(Protocol):
 
     def round_index(self, step: int, outer_step: int) -> int:
         """The index of that round: the same in every group that takes part."""
+        ...
+
+    def last_round(self, step: int, index: int) -> bool:
+        """Whether round `index` at inner step `step` is the run's last (every fragment then takes a round)."""
         ...
 
     def in_round(self, step: int, outer_step: int) -> bool:
@@ -81,6 +89,9 @@ class FixedSteps:
         # a last, shorter round after a final step that is not a multiple of H gets the next index
         return -(-step // self.local_steps)
 
+    def last_round(self, step: int, index: int) -> bool:
+        return step == self.final_step
+
     def in_round(self, step: int, outer_step: int) -> bool:
         return self.due(step, outer_step, 0) and self.round_index(step, outer_step) > outer_step
 
@@ -103,7 +114,7 @@ class TokenBudget:
     :param swarm: publishes and reads the groups' round-token records (rank 0 only).
     :param group: collectives over this group's ranks (rank 0 decides, every rank follows).
     :param world_rank: this group's world rank.
-    :param target_tokens: N, the swarm's tokens per outer step.
+    :param target_tokens: N, the swarm's tokens per outer step (with F fragments, per fragment round: N / F).
     :param galaxy_size: the number of groups the swarm expects.
     :param tokens_per_step: tokens of one inner step of this group (all its ranks).
     :param max_steps: the run's length in inner steps of an average group.
@@ -118,7 +129,7 @@ class TokenBudget:
         group: Group,
         *,
         world_rank: int,
-        target_tokens: int,
+        target_tokens: float,
         galaxy_size: int,
         tokens_per_step: int,
         max_steps: int,
@@ -160,6 +171,9 @@ class TokenBudget:
 
     def round_index(self, step: int, outer_step: int) -> int:
         return outer_step + 1
+
+    def last_round(self, step: int, index: int) -> bool:
+        return index >= self.final_outer_step
 
     def in_round(self, step: int, outer_step: int) -> bool:
         return False  # the round after a loaded state is the swarm's next one, not the one under way

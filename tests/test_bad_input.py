@@ -126,6 +126,10 @@ CASES = {
                                                           "--hv.overlap-steps", "2"], "--hv.overlap-steps 2"),
     "more fragments than layers": (lambda t: [*SWARM, "--hv.local-steps", "8", "--hv.fragments", "8"],
                                    "--hv.fragments 8: the model has 2 decoder layers"),  # fmt: skip
+    "overlap as long as a token budget's round": (
+        lambda t: [*SWARM, "--hv.target-tokens", "256", "--hv.fragments", "2", "--hv.overlap-steps", "100"],
+        "--hv.overlap-steps 100 must be smaller than the inner steps between two rounds: --hv.target-tokens 256",
+    ),
     "robust aggregation for two groups": (lambda t: [*SWARM, "--hv.aggregation", "trimmed-mean"],
                                           "--hv.aggregation trimmed-mean needs --hv.galaxy-size 3 or more"),
     "unknown aggregation": (lambda t: ["--hv.aggregation", "median"], "--hv.aggregation"),

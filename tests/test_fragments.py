@@ -12,7 +12,7 @@ import pydantic
 import pytest
 import torch
 
-from diloco.config import HvConfig
+from diloco.config import FieldError, HvConfig
 from diloco.fragments import fragment_of, fragment_params, local_runs
 from diloco.links import solo_group
 from diloco.membership import DiLoCo
@@ -206,7 +206,27 @@ def test_fragments_and_overlap_must_fit_h() -> None:
     for bad, words in (
         ({"local_steps": 10, "fragments": 3}, "must be a multiple of --hv.fragments"),
         ({"local_steps": 6, "fragments": 3, "overlap_steps": 2}, "--hv.overlap-steps 2 must be smaller"),
-        ({"target_tokens": 1000, "fragments": 2}, "not yet with --hv.target-tokens"),
     ):
         with pytest.raises(pydantic.ValidationError, match=words):
             HvConfig(galaxy_size=2, **bad)
+    # under a token budget the rounds' length in inner steps is known once the tokens per step are:
+    # 1000 / (2 fragments x 2 groups x 50 tokens) = 5 inner steps between two rounds
+    budget = HvConfig(galaxy_size=2, target_tokens=1000, fragments=2, overlap_steps=4)
+    budget.check_overlap(tokens_per_step=50)
+    with pytest.raises(FieldError, match=r"overlap_steps 4 must be smaller .* = 4\.0$") as refused:
+        budget.check_overlap(tokens_per_step=63)  # 3.97 steps
+    assert refused.value.fields == ["overlap_steps", "target_tokens", "fragments", "galaxy_size"]
+
+
+def test_each_fragments_start_survives_a_checkpoint() -> None:
+    """Under a token budget a fragment's weight counts its tokens since its own last round: where each fragment
+    starts goes into the checkpoint; one from before fragments had their own starts from the round's start."""
+    net = Layered()
+    outer = outer_loop(net, Recording(), 4, outer_lr=1.0, outer_momentum=0.0, fragments=runs_of(net, 2))
+    outer.round_start, outer.fragment_start = 6, [6, 4]
+    saved = outer.state_dict()
+    resumed = outer_loop(Layered(), Recording(), 4, outer_lr=1.0, outer_momentum=0.0, fragments=runs_of(net, 2))
+    resumed.load_state_dict(saved)
+    assert (resumed.round_start, resumed.fragment_start) == (6, [6, 4])
+    resumed.load_state_dict({k: v for k, v in saved.items() if k != "fragment_start"})
+    assert resumed.fragment_start == [6, 6]

@@ -136,12 +136,13 @@ def train_two_groups(tmp_path: Path, dht_peer: list[str], steps: int, *flags: li
     return train_groups(tmp_path, dht_peer, steps, [(2, own) for own in flags])
 
 
-def train_groups(tmp_path: Path, dht_peer: list[str], steps: int, groups: list[tuple[int, list[str]]]) -> list[Path]:
-    """Worker groups of (ranks, own flags) under torchrun against `dht_peer`, H = 4, the same total batch.
-    Returns their run folders once all ended with exit code 0."""
+def train_groups(tmp_path: Path, dht_peer: list[str], steps: int, groups: list[tuple[int, list[str]]],
+                 pace: tuple[str, ...] = ("--hv.local-steps", "4")) -> list[Path]:  # fmt: skip
+    """Worker groups of (ranks, own flags) under torchrun against `dht_peer`, H = 4 (or `pace`), the same total
+    batch (8 sequences of 64 tokens). Returns their run folders once all ended with exit code 0."""
     procs, run_dirs = [], [tmp_path / f"w{i}" for i in range(len(groups))]
     for world_rank, (run_dir, (ranks, own)) in enumerate(zip(run_dirs, groups)):
-        args = [*TEXT, "--total-batch-size", "8", "--max-steps", str(steps), "--hv.local-steps", "4",
+        args = [*TEXT, "--total-batch-size", "8", "--max-steps", str(steps), *pace,
                 "--hv.galaxy-size", str(len(groups)), "--hv.world-rank", str(world_rank), "--hv.initial-peers",
                 *dht_peer, *own, "--run-dir", str(run_dir)]  # fmt: skip
         launch = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}", "-m", "diloco.train"]
@@ -189,6 +190,12 @@ def test_fragments_overlapping_the_inner_steps_keep_one_outer_state(
     own = ["--hv.fragments", "2", "--hv.overlap-steps", "1", "--hv.transport", transport]
     second = (2, [*own, "--sharding-strategy", "NO_SHARD"]) if transport == "tcp" else (1, own)
     run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, own), second])
+    assert_fragment_rounds_shared(run_dirs)
+
+
+def assert_fragment_rounds_shared(run_dirs: list[Path]) -> None:
+    """Both groups hold one outer state after every fragment round they averaged together, some round landed
+    later than it was sent, both fragments had rounds, and they end on one model at the same outer step."""
     rows = [outer_rows(d) for d in run_dirs]
     full = [{r["outer_step"]: r["outer_digest"] for r in per_group if r.get("num_peers") == 2} for per_group in rows]
     shared = set(full[0]) & set(full[1])
@@ -198,6 +205,18 @@ def test_fragments_overlapping_the_inner_steps_keep_one_outer_state(
     finals = [summary(d) for d in run_dirs]
     assert all(f["status"] == "ok" for f in finals) and len({f["params_sha256"] for f in finals}) == 1, finals
     assert len({f["outer_steps"] for f in finals}) == 1 and finals[0]["outer_steps"] >= 3, finals
+
+
+def test_fragments_overlapped_under_a_token_budget_keep_one_outer_state(tmp_path: Path, dht_peer: list[str]) -> None:
+    """--hv.target-tokens 4096 (4 inner steps of each of two groups of 8 × 64 tokens per step) with two fragments:
+    a fragment's round every 2048 tokens of the swarm, landed an inner step after it was sent, between a 1-rank
+    group and a 2-rank NO_SHARD group; weights are each fragment's tokens."""
+    own = ["--hv.fragments", "2", "--hv.overlap-steps", "1"]
+    budget = ("--hv.target-tokens", "4096")
+    run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, own), (2, [*own, "--sharding-strategy", "NO_SHARD"])], budget)
+    assert_fragment_rounds_shared(run_dirs)
+    rounds = [r for d in run_dirs for r in outer_rows(d) if r.get("num_peers") == 2]
+    assert all(r["weight"] == r["tokens"] > 0 and r["tokens"] % 512 == 0 for r in rounds), rounds
 
 
 def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Path, dht_peer: list[str]) -> None:

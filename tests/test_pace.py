@@ -132,3 +132,70 @@ def test_groups_of_different_speeds_step_together_and_weights_follow_tokens() ->
         assert 0.5 * 400 <= fast["tokens"] + slow["tokens"] <= 2 * 400  # about the budget, from estimates
     assert all(torch.equal(p, q) for p, q in zip(nets[0].parameters(), nets[1].parameters()))
     assert outers[0].position(steps[0]) == outers[1].position(steps[1]) == 60
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_fragments_under_a_token_budget_keep_one_outer_state_and_weigh_each_fragments_own_tokens(
+    overlap: int,
+) -> None:
+    """Two fragments, N = 400 swarm tokens per pass over the model: a fragment's round every 200 tokens, blocking
+    or landed 2 inner steps later. The groups (2 ms and 10 ms per step) average fragments 0, 1, 0, ... in the same
+    rounds with one outer digest per outer step; each round's weights are the tokens since that fragment was last
+    reset (about two rounds' worth once both fragments had a round); the last round takes every fragment, and they
+    end bit-identical at the end of the schedule."""
+    from .test_fragments import Layered, flat, runs_of
+
+    hub, tokens_per_step, delays = MemorySwarm(2), 10, {0: 0.002, 1: 0.010}
+    nets = {g: Layered() for g in (0, 1)}
+    outers = {
+        g: DiLoCo(
+            [p.data for p in nets[g].parameters()], hub.member(f"g{g}"), solo_group(), world_rank=g, local_steps=1,
+            outer_lr=0.7, outer_momentum=0.9, tokens_per_step=tokens_per_step, fragments=runs_of(nets[g], 2),
+            overlap_steps=overlap,
+            pace=TokenBudget(
+                hub.member(f"g{g}"), solo_group(), world_rank=g, target_tokens=400 / 2, galaxy_size=2,
+                tokens_per_step=tokens_per_step, max_steps=60,
+            ),
+        )  # fmt: skip
+        for g in (0, 1)
+    }
+    rows: dict[int, list[dict]] = {0: [], 1: []}
+
+    def run_group(g: int) -> int:
+        outers[g].join(0)
+        opt, step = torch.optim.SGD(nets[g].parameters(), lr=0.05), 0
+        while outers[g].position(step) < 60:
+            gen = torch.Generator().manual_seed(1000 * step + g)
+            opt.zero_grad()
+            x, y = torch.randn(4, 3, generator=gen), torch.randn(4, 1, generator=gen)
+            torch.nn.functional.mse_loss(nets[g](x), y).backward()
+            opt.step()
+            time.sleep(delays[g])
+            step += 1
+            report = outers[g].after_inner_step(step)
+            if report is not None and report.row is not None:
+                rows[g].append(report.row)
+        return step
+
+    with ThreadPoolExecutor(2) as pool:
+        steps = list(pool.map(run_group, (0, 1)))
+    final = outers[0].pace.final_outer_step  # type: ignore[attr-defined]
+    assert final == 6  # 60 steps of an average group, 10 per fragment round (200 / (2 x 10))
+    # the last round averages fragment 1 (outer step 6), then fragment 0 again (7): one row, the last one's
+    assert [[r["outer_step"] for r in rows[g]] for g in (0, 1)] == [[1, 2, 3, 4, 5, 7]] * 2, rows
+    assert [r["fragment"] for r in rows[0]] == [0, 1, 0, 1, 0, 0]
+    for fast, slow in zip(rows[0], rows[1], strict=True):
+        assert fast["outer_digest"] == slow["outer_digest"] and fast["num_peers"] == slow["num_peers"] == 2
+        assert fast["weight"] == fast["tokens"] > slow["tokens"] > 0
+    if overlap:  # every round but the last ones landed later, with the steps taken meanwhile
+        assert all(r["step"] > r["round_step"] for g in (0, 1) for r in rows[g][:-1])
+        # the fast group (about 17 steps a round) lands each one when its T steps are up, not at its next step: the
+        # budget of the next round counts from the send, not from the landing
+        assert [r["step"] - r["round_step"] for r in rows[0][:-1]] == [overlap] * 5
+        # a landed round's row tells the swarm's tokens at its send (the budget, 200), not the next round's
+        assert max(r["swarm_tokens"] for r in rows[0][:-1]) >= 200, rows[0]
+    passes = [rows[0][i]["tokens"] + rows[1][i]["tokens"] for i in range(2, 5)]
+    assert all(0.75 * 400 <= t <= 2 * 400 for t in passes), passes  # two rounds of tokens, not one (200)
+    assert steps[0] > 2 * steps[1], steps
+    assert torch.equal(flat(nets[0]), flat(nets[1])) and torch.equal(flat(nets[0]), outers[0].outer)
+    assert outers[0].position(steps[0]) == outers[1].position(steps[1]) == 60

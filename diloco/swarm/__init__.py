@@ -88,7 +88,8 @@ def join(
     :param model_shapes: every parameter's full shape, in the model's order (what ``shards`` are cut from).
     :param fragments: with ``hv.fragments`` > 1: each fragment's parameter indices (``diloco.fragments``).
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
-        holds), naming the ``HvConfig`` field; nothing is left running.
+        holds, an overlap longer than the rounds under a token budget), naming the ``HvConfig`` field; nothing is
+        left running.
     """
     import torch
 
@@ -106,6 +107,7 @@ def join(
     from diloco.swarm.status import status_key
     from diloco.swarm.swarm_key import SealedStore, SwarmKey
 
+    hv.check_overlap(tokens_per_step)
     key = SwarmKey.load(hv.swarm_key) if hv.swarm_key is not None else None
     run_id = hv.run_id if key is None else key.run_id(hv.run_id)  # a keyed swarm's DHT keys: unknown to others
     dht = start_dht(
@@ -140,9 +142,9 @@ def join(
     try:
         if hv.target_tokens and final_step:  # a run of 0 steps has no round to pace
             pace = TokenBudget(
-                peer, group, world_rank=hv.world_rank, target_tokens=hv.target_tokens, galaxy_size=hv.galaxy_size,
-                tokens_per_step=tokens_per_step, max_steps=final_step,
-            )  # fmt: skip
+                peer, group, world_rank=hv.world_rank, target_tokens=hv.target_tokens / hv.fragments,
+                galaxy_size=hv.galaxy_size, tokens_per_step=tokens_per_step, max_steps=final_step,
+            )  # fmt: skip  (a fragment's round every N/F tokens)
         else:
             pace = FixedSteps(hv.local_steps // hv.fragments, final_step)  # a fragment's round every H/F steps
         outer = DiLoCo(
