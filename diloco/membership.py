@@ -192,7 +192,7 @@ class DiLoCo:
     def join(self, step: int, load_from_peers: bool = True) -> OuterReport:
         """Collective, before the first inner step: load the swarm's state when another group is ahead, then serve
         this group's state to others."""
-        self.step, row = step, None
+        self.step, rows = step, []
         if self.status_at == -math.inf:  # `claim_world_rank` published it: its time must stay the claim's (see
             self._publish_status("joining")  # `rival_model`: the older joining record of two stays)
         if load_from_peers:
@@ -200,7 +200,7 @@ class DiLoCo:
             if loaded is not None:
                 self.step = step = loaded
                 if self.pace.in_round(step, self.outer_step):  # the swarm is averaging now: take part, no weight
-                    row = self._join_round(step, self.loaded_from)
+                    rows = self._join_round(step, self.loaded_from)
         elif self.group.is_main:
             log.info("not loading the swarm's state (as asked): starting from this group's own state")
         self.settled = True
@@ -208,7 +208,7 @@ class DiLoCo:
         self.swarm.serve_state(self._current_state)
         self._publish()
         self._publish_status("training")
-        return OuterReport(step, row)
+        return OuterReport(step, rows[-1] if rows else None, tuple(rows[:-1]))
 
     def _load_on_join(self) -> int | None:
         """Load the state of a group that is ahead, if any. Returns the inner step to continue from, or None
@@ -284,6 +284,7 @@ class DiLoCo:
             landed = self._land(step)  # one round in flight at a time: a due round waits for it
         if not due:
             return None if landed is None else OuterReport(step, landed)
+        before = () if landed is None else (landed,)
         index = self.pace.round_index(step, self._paced)
         pseudo_gradient = self.params.pseudo_gradient(self._fragment(index))
         if self.group.sum(0.0 if all_finite(pseudo_gradient) else 1.0):
@@ -297,20 +298,22 @@ class DiLoCo:
             if self.outer_step > outer_before:  # it was behind: go on where the swarm is
                 self.step = step = loaded
                 if not self.pace.in_round(step, self.outer_step):
-                    return OuterReport(step, self._row(step, source=source))
+                    return OuterReport(step, self._row(step, source=source), before)
         if self.outer_step == outer_before:
             tokens = self._fragment_tokens(step, self._fragment(index))
             weight = self.pace.weight(tokens)
-            return OuterReport(step, self._round(step, index, pseudo_gradient, weight, source, tokens))
-        # a group that was behind brings nothing current: it takes the others' average and adds nothing (zeros,
-        # not its stale pseudo-gradient, which reducers could rightly reject as an outlier)
-        return OuterReport(step, self._join_round(step, source))
+            rows = self._round(step, index, pseudo_gradient, weight, source, tokens)
+        else:
+            # a group that was behind brings nothing current: it takes the others' average and adds nothing
+            # (zeros, not its stale pseudo-gradient, which reducers could rightly reject as an outlier)
+            rows = self._join_round(step, source)
+        return OuterReport(step, rows[-1] if rows else None, before + tuple(rows[:-1]))
 
     def _fragment(self, index: int) -> int | None:
         """The fragment round `index` averages (None: the whole model)."""
         return None if self.fragments == 1 else fragment_of(index, self.fragments)
 
-    def _join_round(self, step: int, source: int | None) -> dict[str, Any] | None:
+    def _join_round(self, step: int, source: int | None) -> list[dict[str, Any]]:
         """Collective: take part in the round under way with no weight (this group just loaded the state)."""
         index = self.pace.round_index(step, self._paced)
         zeros = torch.zeros(self.params.numel(self._fragment(index)))
@@ -325,10 +328,11 @@ class DiLoCo:
         source: int | None,
         tokens: int = 0,
         overlap: bool = True,
-    ) -> dict[str, Any] | None:
+    ) -> list[dict[str, Any]]:
         """Collective: the round of boundary `step`: started in the background when rounds overlap the inner
         steps (its row comes when it lands), else averaged and applied now. At the run's last step every
-        fragment then takes a blocking round of its own, so the final model holds all the inner steps."""
+        fragment then takes a blocking round of its own, so the final model holds all the inner steps. Returns
+        the rows of the rounds applied, in order (none: on the wire, or stopped)."""
         fragment, last = self._fragment(index), self.pace.last_round(step, index)
         what = "" if fragment is None else f" fragment {fragment}"
         log.info("outer step %d: averaging%s (round %d)", self.outer_step + 1, what, index)
@@ -339,17 +343,21 @@ class DiLoCo:
             ).start(self.swarm, self.stop)
             self.round_start = step  # the next round starts now: its tokens count for the pace from here
             self.pace.new_round(self._paced)
-            return None
+            return []
         report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment)
         row = self._apply(step, fragment, report, pseudo_gradient, weight, source, tokens, mix=0.0)
+        rows = [] if row is None else [row]
         for more in range(1, self.fragments if last and row is not None else 1):  # the other fragments, each
             fragment = self._fragment(index + more)  # with the inner steps since its own round
             pseudo_gradient = self.params.pseudo_gradient(fragment)
             tokens = self._fragment_tokens(step, fragment)
             weight = self.pace.weight(tokens) if weight else 0.0  # (a group that joined the round adds nothing)
             report = self.swarm.average([pseudo_gradient], index + more, weight, self.stop, fragment)
-            row = self._apply(step, fragment, report, pseudo_gradient, weight, None, tokens, mix=0.0) or row
-        return row
+            row = self._apply(step, fragment, report, pseudo_gradient, weight, None, tokens, mix=0.0)
+            if row is None:
+                break  # stopped during the round: the run ends here
+            rows.append(row)
+        return rows
 
     def _land(self, step: int) -> dict[str, Any] | None:
         """Collective: wait for the round in flight (usually over by now) and apply it, merged with the inner

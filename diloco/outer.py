@@ -28,10 +28,18 @@ class OuterReport:
         and loaded the swarm's state (the LR schedule follows it).
     :param row: the metrics row of the round (``outer_step``, ``num_peers``, ``params_sha256``, ...); None when
         there is nothing to log.
+    :param before: rows of rounds applied at this step before `row`'s, oldest first: an overlapped round that
+        landed as the next came due, and at the run's last step the other fragments' rounds.
     """
 
     step: int
     row: dict[str, Any] | None = None
+    before: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """Every row to log, oldest first."""
+        return [*self.before, *([] if self.row is None else [self.row])]
 
 
 class OuterLoop(Protocol):

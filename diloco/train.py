@@ -160,8 +160,8 @@ def train_loop(run: Run) -> str:
             return "interrupted"
         outer = run.outer.after_inner_step(run.step)
         if outer is not None:
-            if outer.row is not None:
-                run.metrics.log(outer.row)
+            for row in outer.rows:
+                run.metrics.log(row)
             run.step = outer.step  # a group that was behind continues where the swarm is
         follow_schedule(run)
         evaluated = eval_due(run)
@@ -486,8 +486,8 @@ def main(config: Config, env: DistEnv) -> int:
         run.step = joined.step
         follow_schedule(run)
         run.scheduled_eval_at = run.outer.position(run.step)
-        if joined.row is not None:
-            run.metrics.log(joined.row)
+        for row in joined.rows:
+            run.metrics.log(row)
         if config.eval_interval and run.step == 0:
             log_eval(run)  # where the curve starts (about ln(vocabulary) for a fresh model)
         status = train_loop(run)

@@ -187,13 +187,16 @@ def test_two_groups_stay_bit_identical_after_every_fragment_round(overlap: int) 
             torch.nn.functional.mse_loss(nets[group](x), y).backward()
             opt.step()
             report = outers[group].after_inner_step(step + 1)
-            if report is not None and report.row is not None:
-                rows[group].append(report.row)
+            if report is not None:
+                rows[group] += report.rows
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(run_group, (0, 1)))
     digests = [{r["outer_step"]: r["outer_digest"] for r in rows[g]} for g in (0, 1)]
     assert digests[0] == digests[1] and len(digests[0]) >= 4, rows
+    # a row per fragment round, the last step's two included (fragment 1's, then fragment 0's again)
+    assert [r["outer_step"] for r in rows[0]] == list(range(1, 8)), rows[0]
+    assert [r["fragment"] for r in rows[0] if r["step"] == 12] == [1, 0]
     assert all(r["num_peers"] == 2 for g in (0, 1) for r in rows[g])
     assert {r["fragment"] for r in rows[0]} == {0, 1}
     assert all(("round_step" in r) == bool(overlap) for r in rows[0] if r["step"] < 12)  # landed T steps later
