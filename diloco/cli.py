@@ -235,6 +235,10 @@ _ARMS = Parameter(help="Only these arms, comma-separated (default: all of tcp, p
                   "groups-keyed); the JSON is then allreduce-<arms>.json.")  # fmt: skip
 _DATA = Parameter(help="Text to train and evaluate on: a .txt, .jsonl or .parquet file, byte-tokenized, its last "
                   "10% held out (e.g. tinyshakespeare.txt). Required.")  # fmt: skip
+_TRAIN_CORES = Parameter(help="Hold each worker's training process to this share of its core once it trains (a "
+                         "cgroup quota) and move its DHT, averager and p2pd off that core, as beside an "
+                         "accelerator that trains; the JSON is then wan-cores<C>.json. Default: each worker and its "
+                         "helpers share one core.")  # fmt: skip
 _STUDY = Parameter(help="defaults: k = 2, 4, 8 groups at H = 25, no outer flags against DDP and the trials of "
                    "the 4-group gap (the ~1M model, 2 seeds); map: the gap to DDP of each outer setting over H = "
                    "10-500 and k = 2, 4 (a 0.14M model, 2000 inner steps); streaming: blocking rounds against "
@@ -294,6 +298,17 @@ def _bench_command(name: str) -> Callable[..., int]:
     ) -> int:
         return _bench(name, quick, out, doc, data=_data_file(name, data))
 
+    def with_cores(
+        *,
+        data: Annotated[Path | None, _DATA] = None,
+        train_cores: Annotated[float | None, _TRAIN_CORES] = None,
+        quick: Annotated[bool, _QUICK] = False,
+        out: Annotated[Path, _OUT] = BENCH_OUT,
+        doc: Annotated[Path, _DOC] = BENCH_DOC,
+    ) -> int:
+        options = {} if train_cores is None else {"train_cores": _train_cores(train_cores)}
+        return _bench(name, quick, out, doc, data=_data_file(name, data), **options)
+
     def with_study(
         *,
         data: Annotated[Path | None, _DATA] = None,
@@ -327,7 +342,7 @@ def _bench_command(name: str) -> Callable[..., int]:
             return _bench(name, quick, out, doc)
         return _bench(name, quick, out, doc, arms=_arm_list(arms))
 
-    readers = {"convergence": with_study, "compression": with_data, "poison": with_data, "wan": with_data}
+    readers = {"convergence": with_study, "compression": with_data, "poison": with_data, "wan": with_cores}
     chosen = (readers | {"strategies": with_model, "allreduce": with_arms}).get(name, command)
     chosen.__doc__ = BENCH_HELP[name]
     return chosen
@@ -338,6 +353,13 @@ def _data_file(bench: str, data: Path | None) -> Path:
     if data is None or not data.is_file():
         raise UsageError(f"--data {data}: no such file" if data else f"bench {bench} needs --data FILE (a text file)")
     return data
+
+
+def _train_cores(cores: float) -> float:
+    """--train-cores of `bench wan`: a share of one core the kernel can enforce, or a usage error naming the flag."""
+    if not 0.01 <= cores <= 1.0:
+        raise UsageError(f"--train-cores {cores:g}: a share of one core, from 0.01 to 1")
+    return cores
 
 
 def _arm_list(arms: str) -> list[str]:

@@ -16,10 +16,18 @@ Per arm, from the workers' own metrics (``--log-interval 1``; every row carries 
 - the link's peak: the most bytes a worker's veth carried in one direction over any 0.5 s window (sampled every 0.25 s);
 - for overlapped arms, the median inner step while a round is on the wire against the others (the CPU the
   transport takes from training).
+
+The time to DDP's final loss is interpolated linearly between the two evaluations around the crossing.
+
+Each worker (with its DHT, averager and p2pd processes) is pinned to a core of its own: its transport's CPU comes
+out of its training's. ``--train-cores C`` stands for workers whose training runs on an accelerator instead: once
+a worker trains, the kernel holds its training process to C of its core (a cgroup quota, ``diloco.throttle``) and
+its helper processes leave that core for whatever CPU is spare, as beside a GPU. Every arm trains at that pace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -32,17 +40,21 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from diloco import procs
 from diloco.bench import BenchError, netns
 from diloco.bench.models import model_folder
 from diloco.bench.hetero import read_rows
-from diloco.bench.wire import DDP_PORT, Dht, dht_peers, start_dht, started, summary, wait_all
+from diloco.bench.wire import DDP_PORT, Dht, dht_peers, last_line, start_dht, started, summary, wait_all
+from diloco.throttle import CpuLimit
 
-__all__ = ["markdown", "measure", "plot"]
+__all__ = ["markdown", "measure", "plot", "stem"]
 
 WORKERS = 2
 SAMPLE_S = 0.25  # how often the veth counters are read
 WINDOW_S = 0.5  # the peak rate's window (a round of the full run lasts well under 1 s)
+HOLD_POLL_S = 0.05  # how often a starting worker is looked at under --train-cores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +82,12 @@ class WanSetup:
     eval_interval: int
     links_mbit: tuple[float, ...]
     timeout_s: float
+    train_cores: float | None = None  # --train-cores: the share of its core each worker's training is held to
 
-    def arms(self, slowest: bool) -> list[Arm]:
-        """DDP first, blocking second (the others are compared with them); on the slowest link also the
-        overlapped arm trained twice as long, to time when it reaches DDP's final loss if it has not by then."""
+    def arms(self, slowest: bool, quick: bool = False) -> list[Arm]:
+        """DDP first, blocking second (the others are compared with them); the full run adds contiguous fragments
+        (strided is the default layout), and on the slowest link the overlapped arm trained twice as long, to time
+        when it reaches DDP's final loss if it has not by then."""
         streaming = ("--hv.fragments", str(self.fragments), "--hv.overlap-steps", str(self.overlap))
         arms = [
             Arm("ddp", None),
@@ -81,15 +95,22 @@ class WanSetup:
             Arm("streaming", streaming),
             Arm("streaming-int4", (*streaming, "--hv.compression", "int4")),
         ]
-        return arms + ([Arm("streaming-2x", streaming, steps_factor=2)] if slowest else [])
+        if not quick:
+            arms.append(Arm("streaming-contiguous", (*streaming, "--hv.fragment-layout", "contiguous")))
+        return arms + ([Arm("streaming-2x", streaming, steps_factor=2)] if slowest and not quick else [])
 
 
-def wan_setup(quick: bool) -> WanSetup:
+def wan_setup(quick: bool, train_cores: float | None = None) -> WanSetup:
     """Quick (CI): 12 steps of a 0.14M model on one 1 Gbit/s link. Full: 300 steps of a 1.1M-parameter model, H =
     20 (fragments: 2, a round every 10 steps, 8 of them on the wire), on 100 Mbit/s and 1 Gbit/s."""
     if quick:
-        return WanSetup("llama-0.1m-bytes", 32, 2, 12, 3e-3, 2, 4, 2, 1, 6, (1000.0,), 240.0)
-    return WanSetup("llama-1m-bytes", 128, 4, 300, 3e-3, 20, 20, 2, 8, 30, (100.0, 1000.0), 900.0)
+        return WanSetup("llama-0.1m-bytes", 32, 2, 12, 3e-3, 2, 4, 2, 1, 6, (1000.0,), 240.0, train_cores)
+    return WanSetup("llama-1m-bytes", 128, 4, 300, 3e-3, 20, 20, 2, 8, 30, (100.0, 1000.0), 900.0, train_cores)
+
+
+def stem(quick: bool, train_cores: float | None = None, **_: Any) -> str:
+    """The JSON's and plot's name: wan, wan-quick, wan-cores0.75 (runs with --train-cores are kept apart)."""
+    return f"wan{'' if train_cores is None else f'-cores{train_cores:g}'}{'-quick' if quick else ''}"
 
 
 def train_flags(setup: WanSetup, model: Path, data: Path, run_dir: Path, ranks: int, steps: int) -> list[str]:
@@ -162,6 +183,7 @@ def run_arm(setup: WanSetup, arm: Arm, hosts: list[netns.Host], dht: Dht | None,
     """One arm on `hosts` (the workers' namespaces); its figures."""
     arm_dir = work_dir / arm.name
     arm_dir.mkdir(parents=True)
+    runs = [arm_dir / "run"] if arm.flags is None else [arm_dir / f"w{i}" for i in range(WORKERS)]
     with ExitStack() as stack:
         peers = []
         if dht is not None:
@@ -174,8 +196,13 @@ def run_arm(setup: WanSetup, arm: Arm, hosts: list[netns.Host], dht: Dht | None,
                 env = procs.child_env(GLOO_SOCKET_IFNAME=hosts[i].iface, OMP_NUM_THREADS="1")
                 log_path = arm_dir / f"w{i}.log"
                 jobs.append((f"{arm.name} worker {i}", started(stack, cmd, log_path, env), log_path))
+            held = []
+            if setup.train_cores is not None:
+                # DDP's ranks train in lockstep: rank 0's metrics file says both started
+                ready = [runs[i % len(runs)] / "metrics.jsonl" for i in range(WORKERS)]
+                held = hold_training(stack, setup.train_cores, jobs, ready, setup.timeout_s)
             wait_all(jobs, setup.timeout_s)
-    runs = [arm_dir / "run"] if arm.flags is None else [arm_dir / f"w{i}" for i in range(WORKERS)]
+            held = [{"helpers": helpers, **dataclasses.asdict(limit.usage())} for limit, helpers in held]
     figures = [run_figures(read_rows(d), setup.seq_length * setup.batch * (WORKERS if arm.flags is None else 1))
                for d in runs]  # fmt: skip
     finals = [summary(d) for d in runs]
@@ -190,7 +217,60 @@ def run_arm(setup: WanSetup, arm: Arm, hosts: list[netns.Host], dht: Dht | None,
         "final_eval_loss": finals[0]["final_eval_loss"],
         **figures[0],
         "workers": figures,
+        **({"held": held} if held else {}),
     }
+
+
+def hold_training(stack: ExitStack, cores: float, jobs: list[tuple[str, Any, Path]], ready: list[Path],
+                  timeout_s: float) -> list[tuple[CpuLimit, int]]:  # fmt: skip
+    """--train-cores: as soon as a worker trains (its `ready` file exists: imports done, swarm joined), hold its
+    training process to `cores` of a core and move its helpers (hivemind's DHT and averager, p2pd) out of the
+    quota and off its core, onto whatever CPU is spare. The limits are lifted when `stack` closes. Returns each
+    worker's limit and how many helper processes left it."""
+    limits = [stack.enter_context(CpuLimit(f"wan-w{i}", cores, engaged=False)) for i in range(len(jobs))]
+    released = [0] * len(jobs)
+    every_core = list(range(os.cpu_count() or 1))
+    pending, deadline = set(range(len(jobs))), time.monotonic() + timeout_s
+    while pending:
+        for i in sorted(pending):
+            name, proc, log_path = jobs[i]
+            if proc.poll() not in (None, 0):
+                raise BenchError(f"{name} exited with code {proc.returncode}: {last_line(log_path)}")
+            trainer = training_process(proc.pid)
+            if trainer is None or not ready[i].exists():
+                continue
+            limits[i].add(trainer)
+            limits[i].release(trainer)
+            for helper in helpers(trainer):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    helper.cpu_affinity(every_core)
+                    released[i] += 1
+            limits[i].engage()
+            pending.discard(i)
+        if pending and time.monotonic() > deadline:
+            raise BenchError(f"{', '.join(jobs[i][0] for i in sorted(pending))} did not start training")
+        time.sleep(HOLD_POLL_S)
+    return list(zip(limits, released))
+
+
+def training_process(pid: int) -> int | None:
+    """The process that trains: `pid` itself (a DiLoCo worker), or under torchrun (DDP) its rank, once started."""
+    try:
+        launcher = psutil.Process(pid)
+        if not any("torchrun" in part for part in launcher.cmdline()[:2]):
+            return pid
+        ranks = [c for c in launcher.children() if "diloco.train" in " ".join(c.cmdline())]
+    except psutil.NoSuchProcess:
+        return None
+    return ranks[0].pid if ranks else None
+
+
+def helpers(pid: int) -> list[psutil.Process]:
+    """The processes a trainer started (hivemind's DHT and averager, p2pd)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def run_figures(rows: list[dict[str, Any]], tokens_per_step: int) -> dict[str, Any]:
@@ -230,8 +310,17 @@ def run_figures(rows: list[dict[str, Any]], tokens_per_step: int) -> dict[str, A
 
 
 def time_to(evals: list[list[float]] | list[tuple[float, float]], loss: float) -> float | None:
-    """The training time of the first evaluation at or below `loss` (None: never)."""
-    return next((t for t, value in evals if value <= loss + 1e-12), None)
+    """The training time at which the held-out loss first reaches `loss` (None: never), interpolated linearly
+    between the evaluation before and the first one at or below it."""
+    previous = None
+    for t, value in evals:
+        if value <= loss + 1e-12:
+            if previous is None or previous[1] <= value:
+                return t
+            t0, v0 = previous
+            return t0 + (t - t0) * (v0 - loss) / (v0 - value)
+        previous = (t, value)
+    return None
 
 
 def link_figures(setup: WanSetup, arms: list[dict[str, Any]]) -> None:
@@ -249,15 +338,16 @@ def link_figures(setup: WanSetup, arms: list[dict[str, Any]]) -> None:
         arm["eval_vs_blocking"] = arm["final_eval_loss"] / blocking["final_eval_loss"] - 1
 
 
-def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path) -> dict[str, Any]:
+def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path,
+            train_cores: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Every arm on every link, one after another (the arms of a link share its namespaces; each DiLoCo arm has
     a bootstrap DHT peer of its own, all started at the outset)."""
-    setup = wan_setup(quick)
+    setup = wan_setup(quick, train_cores)
     model = model_folder(setup.model, work_dir / "models")
     links = []
     for rate in setup.links_mbit:
         link_dir = work_dir / f"{rate:g}mbit"
-        arms = setup.arms(slowest=rate == min(setup.links_mbit) and not quick)
+        arms = setup.arms(slowest=rate == min(setup.links_mbit), quick=quick)
         with netns.hosts(WORKERS + len(arms) - 1, rate) as hosts, ExitStack() as stack:
             dht_hosts = iter(hosts[WORKERS:])
             dhts = {}
@@ -321,8 +411,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"{s['local_steps']}, outer setting auto; streaming: `--hv.fragments {s['fragments']} --hv.overlap-steps "
         f"{s['overlap']}` (mix 0.5)",
         "- each worker (and its DHT, averager and p2pd processes) is pinned to a core of its own with `taskset`, "
-        "as on a machine of its own; streaming-2x (slowest link only) trains twice the steps, to time when it "
-        "reaches DDP's final loss: its loss is not at equal tokens",
+        "as on a machine of its own" + (
+            "" if s.get("train_cores") is None else
+            f"; `--train-cores {s['train_cores']:g}`: once it trains, each worker's training process is held to "
+            f"{s['train_cores']:g} of its core (cgroup quota) and its helpers move off that core to spare CPU, as "
+            "beside an accelerator that trains"
+        ) + "; streaming-contiguous: `--hv.fragment-layout contiguous` (the others strided); streaming-2x (slowest "
+        "link only) trains twice the steps, to time when it reaches DDP's final loss: its loss is not at equal "
+        "tokens; time to DDP's loss: interpolated between the evaluations around the crossing",
         "- training time: first inner step to the last round, evaluations left out; utilisation: the inner steps' "
         "own time ÷ training time (DDP: its steps at the blocking arm's median step time ÷ its training time, as "
         "its all-reduce is inside its steps); peak: the most bytes one worker's link carried one way in 0.5 s, "
@@ -370,7 +466,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
         ax.set(title=f"{link['rate_mbit']:g} Mbit/s", xlabel="training time (s)", ylabel="held-out loss")
         ax.legend()
     fig.tight_layout()
-    path = out / f"wan{'-quick' if result['quick'] else ''}.png"
+    path = out / f"{stem(result['quick'], result['setup'].get('train_cores'))}.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
