@@ -43,10 +43,10 @@ class CatchUp:
         self.refused = Refused()  # (the same on every rank: what the group refused together)
         self._warned: set[str] = set()  # tokens of the groups whose state could not be loaded, warned about
 
-    def plan(self, mine: Progress) -> list[list[Progress]]:
-        """Rank 0: the states to load for a group whose record is `mine`, best first (see `sources`), but those
-        refused too often (`Refused`)."""
-        plan = sources(self.swarm.records(), mine, lambda r: self.swarm.alive(r.peers[0]))
+    def plan(self, mine: Progress, records: list[Progress]) -> list[list[Progress]]:
+        """Rank 0: the states to load for a group whose record is `mine`, best first, from every group's `records`
+        (see `sources`), but those refused too often (`Refused`)."""
+        plan = sources(records, mine, lambda r: self.swarm.alive(r.peers[0]))
         return self.refused.prune(plan)
 
     def fetch(self, plan: list[list[Progress]]) -> Found | None:

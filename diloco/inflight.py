@@ -10,6 +10,7 @@ ones the inner steps use (``diloco.swarm.group_rounds``), so it cannot interleav
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,9 +36,11 @@ class InFlight:
     report: RoundResult | None = None
     error: BaseException | None = None
     thread: threading.Thread = field(init=False, repr=False)
+    cpu_at_start: tuple[float, float] = field(init=False, repr=False)  # (this process, the training thread)
 
     def start(self, swarm: Swarm, stop: Callable[[], bool]) -> InFlight:
-        """Average `pseudo_gradient` in place on a background thread."""
+        """Average `pseudo_gradient` in place on a background thread (called on the training thread)."""
+        self.cpu_at_start = (time.process_time(), time.thread_time())
 
         def run() -> None:
             try:
@@ -51,6 +54,13 @@ class InFlight:
         self.thread = threading.Thread(target=run, name=f"round-{self.index}", daemon=True)
         self.thread.start()
         return self
+
+    def side_cpu_s(self) -> float:
+        """CPU seconds this process spent beside the training thread since the start (called on the training
+        thread): the round's threads, mostly (the transport's own CPU, which the inner steps shared their core
+        with), and whatever else ran in the background meanwhile."""
+        process, training = self.cpu_at_start
+        return max(0.0, (time.process_time() - process) - (time.thread_time() - training))
 
     def wait(self, timeout: float | None = None) -> RoundResult | None:
         """The round's report once its thread ended (None: still running after `timeout`); re-raises its error."""

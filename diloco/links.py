@@ -39,6 +39,7 @@ class Swarm(Protocol):
     """This rank's link to the other worker groups."""
 
     peer_id: str  # this rank's peer id; others download this rank's state from it
+    owner: str  # who signs this group's records (``Progress.owner``); "" on ranks that publish none
 
     def average(
         self,
@@ -53,7 +54,8 @@ class Swarm(Protocol):
         ...
 
     def publish(self, record: Progress) -> None:
-        """Store this group's progress record (rank 0 calls it)."""
+        """Store this group's progress record (rank 0 calls it); like `publish_status` it returns at once (the
+        store goes on in the background, later ones win) and never raises."""
         ...
 
     def records(self) -> list[Progress]:

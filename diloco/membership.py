@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from diloco.catchup import CatchUp
+from diloco.claims import Claims
 from diloco.config import FieldError
 from diloco.fragments import Runs, fragment_of
 from diloco.inflight import InFlight
@@ -130,6 +131,7 @@ class DiLoCo:
         self.downloads = 0
         self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
         self.token = group.broadcast(uuid.uuid4().hex)
+        self.claims = Claims(swarm, world_rank, self.token)
         self.peers = tuple(group.gather(swarm.peer_id))
         self.digester = digest or ShardDigest()
         self.digest = ""
@@ -162,12 +164,12 @@ class DiLoCo:
         `world_rank`); so does a group whose model differs from a live group's (naming `run_id`)."""
         verdict = other_model = None
         if self.group.is_main:
-            verdict = self._rival()
+            verdict = self.claims.rival()
             if verdict is None:
                 self._publish()
                 joining = self._publish_status("joining")
                 time.sleep(1.0)  # a group starting at the same moment: the later record wins, the other leaves
-                verdict = self._rival()
+                verdict = self.claims.rival()
                 other_model = rival_model(joining, self.swarm.status_records(), self.swarm.alive)
         verdict, other_model = self.group.broadcast((verdict, other_model))
         if other_model is not None:
@@ -177,17 +179,10 @@ class DiLoCo:
                 f"{{world_rank}} {self.world_rank} is taken by a running worker group (peer {verdict}); give each "
                 "group its own world rank",
             )
+        self.claims.hold()
         if self.group.is_main:
             model = f" (model: {self.model})" if self.model else ""
             log.info("worker group %d joined the swarm as peer %s%s", self.world_rank, self.peers[0], model)
-
-    def _rival(self) -> str | None:
-        """Peer id of another live group holding this world rank, if any."""
-        for record in self.swarm.records():
-            if record.world_rank == self.world_rank and record.token != self.token and record.peers:
-                if self.swarm.alive(record.peers[0]):
-                    return record.peers[0]
-        return None
 
     def join(self, step: int, load_from_peers: bool = True) -> OuterReport:
         """Collective, before the first inner step: load the swarm's state when another group is ahead, then serve
@@ -363,14 +358,16 @@ class DiLoCo:
         """Collective: wait for the round in flight (usually over by now) and apply it, merged with the inner
         steps taken meanwhile."""
         flight, self.in_flight = self.in_flight, None
-        waited = time.monotonic()
+        started = time.monotonic()
         report = flight.wait()
+        waited, side_cpu_s = time.monotonic() - started, flight.side_cpu_s()
         row = self._apply(
             flight.step, flight.fragment, report, flight.pseudo_gradient, flight.weight, flight.source,
             flight.tokens, mix=self.mix, landed=flight.summary,
         )  # fmt: skip
         if row is not None:
-            row |= {"step": step, "round_step": flight.step, "land_wait_s": time.monotonic() - waited}
+            row |= {"step": step, "round_step": flight.step, "land_wait_s": waited,
+                    "land_s": time.monotonic() - started, "side_cpu_s": side_cpu_s}  # fmt: skip
         return row
 
     def _apply(self, step: int, fragment: int | None, report: RoundResult, pseudo_gradient: torch.Tensor,
@@ -474,8 +471,11 @@ class DiLoCo:
             self.swarm.publish(self._record())
 
     def _plan(self) -> list[list[Progress]]:
-        """Rank 0: the states to load, best first (``CatchUp.plan``)."""
-        return self.catchup.plan(self._record())
+        """Rank 0: the states to load, best first (``CatchUp.plan``); other owners' claims of this group's world
+        rank are rejected on the way (``Claims.check``)."""
+        records = self.swarm.records()
+        self.claims.check(records)
+        return self.catchup.plan(self._record(), records)
 
     def _current_state(self) -> State:
         """This rank's outer state as served to other groups (called from the swarm's background thread)."""
@@ -614,10 +614,11 @@ class DiLoCo:
 
     def summary(self) -> dict[str, Any]:
         """Collective (sums over the group's ranks): the outer steps, whether the swarm's state was loaded, and
-        what was refused: records without the key's seal, state downloads, connections at their hello."""
-        refused = self.catchup.refusals_here
+        what was refused: records without the key's seal, other owners' claims of this world rank, state
+        downloads, connections at their hello."""
+        refused, claims = self.catchup.refusals_here, self.claims.rejected
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers,
-                "rejected_records": self.swarm.rejected_records,
+                "rejected_records": self.swarm.rejected_records, "rejected_claims": int(self.group.sum(float(claims))),
                 "rejected_states": int(self.group.sum(float(refused))),
                 "refused_connections": int(self.group.sum(float(self.swarm.refused_connections)))}  # fmt: skip
 

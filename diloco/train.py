@@ -241,7 +241,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     max_steps = total_steps(config, steps_per_epoch)
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(max_steps, 1))
     # joining the swarm can fail on bad input: nothing is written before it
-    outer = build_outer(config, env, model, device, stop, max_steps, step_tokens(data, grad_accum, env))
+    outer = build_outer(config, env, model, device, stop, max_steps, step_tokens(data, grad_accum, env), run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = Metrics.build(
         enabled=env.is_main,
@@ -296,12 +296,15 @@ def build_outer(
     stop: StopRequest,
     max_steps: int,
     tokens_per_step: int,
+    run_dir: Path,
 ) -> OuterLoop:
-    """Galaxy size 1: nothing (no DHT, no p2pd). Otherwise this group joins the swarm (``diloco.swarm.join``)."""
+    """Galaxy size 1: nothing (no DHT, no p2pd). Otherwise this group joins the swarm (``diloco.swarm.join``); the
+    key that signs its records is kept in `run_dir` (a resumed group keeps its records)."""
     if config.hv.galaxy_size == 1:
         return NoOuter()
     from diloco import swarm  # hivemind loads only when there is a swarm
     from diloco.swarm.fingerprint import model_id
+    from diloco.swarm.ownership import KEY_FILE
 
     group = Group(
         rank=env.rank,
@@ -325,6 +328,7 @@ def build_outer(
             model=model_id(parallel.unwrap(model).named_parameters()),
             model_shapes=[tuple(p.shape) for p in parallel.unwrap(model).parameters()],
             outer=config.outer_setting(tokens_per_step, max_steps), fragments=fragments,
+            owner_key=run_dir / KEY_FILE,
         )  # fmt: skip
     except FieldError as e:
         raise e.within("hv") from None

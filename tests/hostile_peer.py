@@ -16,7 +16,12 @@ or, taking part in no round:
 
 - ``forge``: for ROUNDS seconds, a progress record in the DHT that claims its group (WORLD_RANK) holds outer step
   10**6, naming a listener of its own that answers every state download with metadata saying so and then a
-  state of the wrong size (8 bytes of values, then it hangs up).
+  state of the wrong size (8 bytes of values, then it hangs up);
+- ``claim``: for ROUNDS seconds, against the running group that holds WORLD_RANK: that group's progress record
+  stored again under the group's own subkey, altered (outer step 10**6, naming the listener above) with a later
+  expiry; the same under the plain subkey "<world rank>" (no owner); and a record of this peer's own claiming the
+  world rank (the group's token copied; outer step 0, not settled). Its DHT peer signs its own records and checks
+  nobody's, as an attacker's would.
 
 Usage: python -m tests.hostile_peer ATTACK MODEL_DIR RUN_ID GALAXY_SIZE WORLD_RANK ROUNDS AGGREGATION
 INITIAL_PEER...
@@ -33,6 +38,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 
 from diloco.model import load_model
 from diloco.swarm.addresses import announced_hosts
@@ -44,6 +50,7 @@ from diloco.swarm.group_round import GroupRounds
 from diloco.swarm import transfer
 from diloco.swarm.layout import Shape
 from diloco.swarm.listener import Listener, listen_socket
+from diloco.swarm.ownership import Owner
 from diloco.swarm.progress import Progress, progress_key, publish
 from diloco.swarm.frames import LENGTH, recv_exact
 from diloco.swarm.tcp import HELLO, MAGIC, Round, _mac
@@ -105,9 +112,9 @@ def huge_frames(self: Round, reducer: int) -> None:
 FORGED_STEP = 10**6
 
 
-def forge(dht, run: str, world_rank: int, seconds: float) -> None:
-    """The ``forge`` attack: a record claiming outer step 10**6, refreshed every 2 s, and a listener behind it that
-    answers state downloads with the wrong size. Prints how many downloads it answered."""
+def wrong_size_server(world_rank: int) -> socket.socket:
+    """A listener that answers every state download with metadata claiming outer step 10**6 and 8 bytes of values
+    (then hangs up), printing a line per answer; closing it ends the attack."""
     server = socket.create_server(("127.0.0.1", 0))
     served = []
 
@@ -133,6 +140,13 @@ def forge(dht, run: str, world_rank: int, seconds: float) -> None:
                     pass
 
     threading.Thread(target=answer, daemon=True).start()
+    return server
+
+
+def forge(dht, owner: Owner, run: str, world_rank: int, seconds: float) -> None:
+    """The ``forge`` attack: a record of its own claiming outer step 10**6, refreshed every 2 s, and a listener
+    behind it that answers state downloads with the wrong size."""
+    server = wrong_size_server(world_rank)
     hosts = announced_hosts(dht.get_visible_maddrs())
     record = Progress(world_rank=world_rank, outer_step=FORGED_STEP, step=100 * FORGED_STEP, digest="f" * 64,
                       tainted=False, settled=True, token=uuid.uuid4().hex, peers=(dht.peer_id.to_base58(),),
@@ -140,12 +154,46 @@ def forge(dht, run: str, world_rank: int, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
-            publish(dht, progress_key(run), record)
+            publish(dht, progress_key(run), record, owner.subkey(world_rank))
             print(f"forged a record of outer step {FORGED_STEP}", flush=True)
             time.sleep(2.0)
     finally:
         server.close()
-        print(f"answered {len(served)} state downloads", flush=True)
+
+
+class Lenient(RSASignatureValidator):
+    """Signs this peer's own records and lets everyone's through: an attacker's DHT peer checks nothing."""
+
+    def validate(self, record) -> bool:
+        return True
+
+
+def claim(dht, owner: Owner, run: str, world_rank: int, seconds: float) -> None:
+    """The ``claim`` attack (see the module's docstring), once a second."""
+    server = wrong_size_server(world_rank)
+    hosts, key = announced_hosts(dht.get_visible_maddrs()), progress_key(run)
+    print(f"watching for the record of group {world_rank}", flush=True)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            found = dht.get(key, latest=True)
+            entries = found.value.items() if found is not None and isinstance(found.value, dict) else []
+            for subkey, entry in entries:
+                held = entry.value if isinstance(entry.value, dict) else {}
+                if held.get("world_rank") != world_rank or subkey == owner.subkey(world_rank) or "[owner:" not in subkey:
+                    continue
+                forged = held | {"outer_step": FORGED_STEP, "endpoints": [[hosts, server.getsockname()[1]]]}
+                later = entry.expiration_time + 3600
+                replaced = dht.store(key, subkey=subkey, value=forged, expiration_time=later)
+                plain = dht.store(key, subkey=str(world_rank), value=forged, expiration_time=later)
+                mine = held | {"outer_step": 0, "step": 0, "settled": False, "done": False,
+                               "peers": [dht.peer_id.to_base58()], "endpoints": []}  # fmt: skip
+                publish(dht, key, Progress.from_dict(mine), owner.subkey(world_rank))
+                print(f"tried to replace group {world_rank}'s record (stored: {replaced}), stored it without an "
+                      f"owner (stored: {plain}), claimed world rank {world_rank}", flush=True)  # fmt: skip
+            time.sleep(1.0)
+    finally:
+        server.close()
 
 
 def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int, aggregation: str,
@@ -153,10 +201,12 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
     module = load_model(Path(model_dir), seed=0)
     model = model_id(module.named_parameters())
     size = model.parameters
-    dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])
-    if attack == "forge":
+    owner = Owner.ephemeral()
+    validator = Lenient(owner.validator._private_key) if attack == "claim" else owner.validator
+    dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], validator=validator)
+    if attack in ("forge", "claim"):
         try:
-            return forge(dht, run_key(run_id, model), world_rank, rounds)
+            return (forge if attack == "forge" else claim)(dht, owner, run_key(run_id, model), world_rank, rounds)
         finally:
             dht.shutdown()
     prefix = f"{run_key(run_id, model)}-groups"  # where the rank 0 of every group of this model matchmakes

@@ -48,6 +48,14 @@ def occupied_run_dir(tmp_path: Path) -> Path:
     return tmp_path / "old"
 
 
+def bad_owner_key(tmp_path: Path) -> Path:
+    """A run folder (of a group that was stopped before its first step) whose record key file is not a key."""
+    folder = tmp_path / "stopped"
+    folder.mkdir()
+    (folder / "owner.key").write_bytes(b"not a key")
+    return folder
+
+
 def closed_port() -> int:
     """A loopback port that nobody listens on (we just let it go)."""
     with socket.socket() as s:
@@ -130,6 +138,8 @@ CASES = {
         lambda t: [*SWARM, "--hv.target-tokens", "256", "--hv.fragments", "2", "--hv.overlap-steps", "100"],
         "--hv.overlap-steps 100 must be smaller than the inner steps between two rounds: --hv.target-tokens 256",
     ),
+    "record key that is not a key": (lambda t: [*SWARM, "--run-dir", str(bad_owner_key(t))],
+                                     "owner.key: not this group's record key"),  # fmt: skip
     "robust aggregation for two groups": (lambda t: [*SWARM, "--hv.aggregation", "trimmed-mean"],
                                           "--hv.aggregation trimmed-mean needs --hv.galaxy-size 3 or more"),
     "unknown aggregation": (lambda t: ["--hv.aggregation", "median"], "--hv.aggregation"),

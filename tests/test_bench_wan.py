@@ -162,10 +162,11 @@ def test_run_figures_leave_evaluations_out_and_split_steps_on_the_wire() -> None
         {"step": 2, "eval_loss": 4.0, "time": 7.0},
         {"step": 3, "tokens_per_s": 50.0, "time": 9.0},
         {"step": 4, "tokens_per_s": 50.0, "time": 11.0},
-        {"step": 4, "outer_step": 1, "num_peers": 2, "round_step": 2, "land_wait_s": 0.0, "averaging_s": 0.5,
-         "time": 11.0},
+        {"step": 4, "outer_step": 1, "num_peers": 2, "round_step": 2, "land_wait_s": 0.25, "land_s": 0.5,
+         "side_cpu_s": 0.75, "averaging_s": 0.5, "time": 11.0},
     ]  # fmt: skip
     got = wan.run_figures(rows, tokens_per_step=100)
+    assert (got["land_wait_s_total"], got["land_s_total"], got["side_cpu_s_total"]) == (0.25, 0.5, 0.75)
     assert got["train_s"] == pytest.approx(6.0) and got["inner_s"] == pytest.approx(6.0)
     assert got["utilisation"] == pytest.approx(1.0) and got["evals"] == [(2.0, 4.0)]
     assert got["median_step_s_on_wire"] == 2.0 and got["median_step_s_off_wire"] == 1.0 and got["rounds"] == 1

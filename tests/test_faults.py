@@ -318,6 +318,35 @@ def test_a_forged_record_of_a_huge_outer_step_draws_no_group_away(tmp_path: Path
     assert "answered state download 4" in logs[2].read_text() and "answered state download 7" not in logs[2].read_text()
 
 
+def test_a_stranger_claiming_a_running_groups_world_rank_changes_nothing(tmp_path: Path, dht_peer: list[str]) -> None:
+    """In an open swarm a stranger goes after group 0 once it trains: every second it stores group 0's progress
+    record again, altered (outer step 10**6, naming its own listener, which answers downloads with the wrong size)
+    under group 0's subkey with a later expiry, the same under a subkey without an owner, and a record of its own
+    claiming world rank 0 (group 0's token copied). The DHT peers refuse the altered record (group 0's key did not
+    sign it), readers ignore the unowned one, and group 0 rejects the claim: logged once, counted. Group 1 never
+    downloads from the stranger, and both end on one model."""
+    dirs, logs = [tmp_path / f"w{i}" for i in range(2)], [tmp_path / f"w{i}.log" for i in range(3)]
+    steps = ["--max-steps", "60", "--hv.run-id", "claimed"]
+    procs = [start_hostile(["claim", "claimed", "2", "0", "600", "mean"], dht_peer, logs[2])]
+    try:  # the stranger acts within a second of group 0's first record
+        wait_for(lambda: "watching" in logs[2].read_text(), 120, "the stranger", procs, logs[2:])
+        procs[:0] = [start_group(group_args(i, 2, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
+        wait_for(lambda: "claimed world rank 0" in logs[2].read_text(), 120, "the claim", procs, logs)
+        finish(procs[:2], logs[:2], timeout=300)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    finals = [summary(d) for d in dirs]
+    assert all(s["status"] == "ok" for s in finals), finals
+    assert [s["rejected_claims"] for s in finals] == [1, 0], finals
+    assert all(s["rejected_states"] == 0 and s["loaded_state_from_peers"] is False for s in finals), finals
+    assert logs[0].read_text().count("ignoring a record that claims this group's world rank 0") == 1
+    attacker = logs[2].read_text()
+    assert "tried to replace group 0's record" in attacker and "answered state download" not in attacker
+    assert len({s["params_sha256"] for s in finals}) == 1
+    assert {s["outer_steps"] for s in finals} == {len(outer_rows(dirs[0]))}
+
+
 @pytest.mark.parametrize("aggregation", ["trimmed-mean"])
 def test_a_sign_flipped_scaled_attacker_is_outvoted_by_a_robust_aggregation(
     tmp_path: Path, dht_peer: list[str], aggregation: str

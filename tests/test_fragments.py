@@ -155,7 +155,8 @@ def test_an_overlapped_round_lands_t_steps_later_merged_by_hand() -> None:
         rows[step] = None if report is None else report.row
         if step == 2:
             assert report.row is None and outer.outer.item() == 1.0  # on the wire: nothing applied yet
-    assert rows[3]["round_step"] == 2 and rows[3]["outer_step"] == 1 and rows[3]["land_wait_s"] >= 0
+    assert rows[3]["round_step"] == 2 and rows[3]["outer_step"] == 1
+    assert 0 <= rows[3]["land_wait_s"] <= rows[3]["land_s"] and rows[3]["side_cpu_s"] >= 0
     assert rows[3]["pseudo_grad_norm"] == pytest.approx(0.2)
     assert outer.outer.item() == pytest.approx(0.65) and net.weight.item() == pytest.approx(0.65)
     assert [i for i, _, _ in swarm.rounds] == [1, 2]

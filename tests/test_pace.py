@@ -20,7 +20,7 @@ from diloco.swarm import budget
 from diloco.swarm.budget import HORIZON_S, RoundTokens
 from diloco.swarm.memory import MemorySwarm
 
-from .conftest import FAST, usage_error
+from .conftest import FAST, owned, usage_error
 
 # ---------------------------------------------------------------- the records and the estimate
 
@@ -51,8 +51,9 @@ def test_a_silent_group_stops_adding_tokens_after_the_horizon() -> None:
      {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "world_rank": "0"}],
 )  # fmt: skip
 def test_what_is_not_a_round_token_record_is_skipped(data: Any) -> None:
-    found = SimpleNamespace(value={"0": SimpleNamespace(value=data), "1": SimpleNamespace(value=RoundTokens(1, 0, 5, 1.0, 2.0).to_dict())})
-    assert budget.parse(found) == [RoundTokens(1, 0, 5, 1.0, 2.0)]
+    good = SimpleNamespace(value=RoundTokens(1, 0, 5, 1.0, 2.0).to_dict())
+    found = SimpleNamespace(value={owned(0): SimpleNamespace(value=data), owned(1): good, "1": good})
+    assert budget.parse(found) == [RoundTokens(1, 0, 5, 1.0, 2.0)]  # (the record under "1" has no owner)
 
 
 def test_target_tokens_and_local_steps_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

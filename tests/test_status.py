@@ -30,7 +30,7 @@ from diloco.swarm.memory import Member, MemorySwarm, Report
 from diloco.swarm.monitor import NO_GROUPS_EXIT, UNREACHABLE_EXIT, render, table
 from diloco.swarm.status import Status
 
-from .conftest import FAST, ROOT, child_env, metrics, read_until
+from .conftest import FAST, ROOT, child_env, metrics, owned, read_until
 
 DILOCO = Path(sys.executable).parent / "diloco"
 NOW = 1_800_000_000.0
@@ -66,9 +66,9 @@ def test_status_records_round_trip_through_the_dht_by_world_rank() -> None:
     dht = FakeDHT()
     key = status.status_key("my-run")
     for world_rank in (1, 0):
-        status.publish(dht, key, record(world_rank))
-    assert key == "my-run-status" and set(dht.values[key]) == {"0", "1"}
-    expires = dht.values[key]["0"].expiration_time
+        status.publish(dht, key, record(world_rank), owned(world_rank))
+    assert key == "my-run-status" and set(dht.values[key]) == {owned(0), owned(1)}
+    expires = dht.values[key][owned(0)].expiration_time
     assert time.time() + status.STATUS_TTL - 5 < expires <= time.time() + status.STATUS_TTL
     assert status.read(dht, key) == [record(0), record(1)]
     assert status.read(dht, "another-run-status") == []
@@ -78,13 +78,15 @@ def test_status_records_round_trip_through_the_dht_by_world_rank() -> None:
 def test_entries_that_are_not_status_records_are_skipped() -> None:
     dht = FakeDHT()
     key = status.status_key("run")
-    status.publish(dht, key, record(0))
+    status.publish(dht, key, record(0), owned(0))
     good = record(1).to_dict()
-    dht.store(key, "junk", 0.0, subkey="2")
-    dht.store(key, {k: v for k, v in good.items() if k != "step"}, 0.0, subkey="3")  # an older version
-    dht.store(key, good | {"world_rank": 4, "step": "25"}, 0.0, subkey="4")  # a string where a number goes
-    dht.store(key, good | {"world_rank": 5, "tokens_per_s": [1.0]}, 0.0, subkey="5")
-    dht.store(key, good | {"world_rank": 6, "added_later": 1}, 0.0, subkey="6")  # a newer version: still read
+    dht.store(key, "junk", 0.0, subkey=owned(2))
+    dht.store(key, {k: v for k, v in good.items() if k != "step"}, 0.0, subkey=owned(3))  # an older version
+    dht.store(key, good | {"world_rank": 4, "step": "25"}, 0.0, subkey=owned(4))  # a string where a number goes
+    dht.store(key, good | {"world_rank": 5, "tokens_per_s": [1.0]}, 0.0, subkey=owned(5))
+    dht.store(key, good | {"world_rank": 6, "added_later": 1}, 0.0, subkey=owned(6))  # a newer version: still read
+    dht.store(key, good | {"world_rank": 7}, 0.0, subkey="7")  # nobody's: anyone could have stored it
+    dht.store(key, good | {"world_rank": 8}, 0.0, subkey=owned(9))  # another world rank than its subkey's
     assert [r.world_rank for r in status.read(dht, key)] == [0, 6]
 
 
@@ -229,7 +231,8 @@ def test_a_status_that_cannot_be_stored_is_logged_once_and_never_raises(caplog: 
 
     dht = FailingDHT()
     averager = SimpleNamespace(peer_id="me")
-    peer = SwarmPeer(dht, averager, "progress", 1.0, status_key="run-status")  # type: ignore[arg-type]
+    owner = SimpleNamespace(id="me", subkey=owned)  # (signatures are the DHT's: this one stores nothing)
+    peer = SwarmPeer(dht, averager, "progress", 1.0, status_key="run-status", owner=owner)  # type: ignore[arg-type]
     for _ in range(4):
         peer.publish_status(record())
     assert dht.calls == 4

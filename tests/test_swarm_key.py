@@ -15,6 +15,7 @@ from diloco.swarm import progress, status, transfer
 from diloco.swarm.layout import Shape, group_layout
 from diloco.swarm.listener import Listener, listen_socket
 from diloco.swarm.swarm_key import SealedStore, SwarmKey, keygen
+from tests.conftest import owned
 from tests.test_status import FakeDHT, record
 from tests.wiretap import Wiretap
 
@@ -58,21 +59,22 @@ def test_records_are_sealed_and_forged_or_foreign_ones_ignored(tmp_path: Path) -
     mine, theirs = SealedStore(dht, SwarmKey.load(key_file(tmp_path))), SealedStore(dht, SwarmKey.load(
         key_file(tmp_path, "b.key")))  # fmt: skip
     key = status.status_key("run")
-    status.publish(mine, key, record(0))
-    status.publish(theirs, key, record(1))  # another swarm's key
-    status.publish(dht, key, record(2))  # no key at all
+    status.publish(mine, key, record(0), owned(0))
+    status.publish(theirs, key, record(1), owned(1))  # another swarm's key
+    status.publish(dht, key, record(2), owned(2))  # no key at all
     assert status.read(mine, key) == [record(0)]
-    assert mine.rejected == {(key, "1"): 1, (key, "2"): 1}
-    sealed = dht.values[key]["0"]
+    assert mine.rejected == {(key, owned(1)): 1, (key, owned(2)): 1}
+    sealed = dht.values[key][owned(0)]
     forged = dict(sealed.value, step=10**6)  # a huge step claimed under a copied seal
-    dht.store(key, forged, sealed.expiration_time, subkey="0")
+    dht.store(key, forged, sealed.expiration_time, subkey=owned(0))
     assert status.read(mine, key) == []
-    dht.store(key, sealed.value, sealed.expiration_time + 3600, subkey="0")  # a replay that would outlive newer ones
+    # a replay that would outlive newer ones
+    dht.store(key, sealed.value, sealed.expiration_time + 3600, subkey=owned(0))
     assert status.read(mine, key) == []
-    dht.store(key, sealed.value, sealed.expiration_time, subkey="0")
+    dht.store(key, sealed.value, sealed.expiration_time, subkey=owned(0))
     assert status.read(mine, key) == [record(0)]
     moved = progress.progress_key("run")  # a seal binds the record to its DHT key and subkey
-    dht.store(moved, sealed.value, sealed.expiration_time, subkey="0")
+    dht.store(moved, sealed.value, sealed.expiration_time, subkey=owned(0))
     assert progress.read(mine, moved) == []
 
 

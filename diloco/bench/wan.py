@@ -305,6 +305,8 @@ def run_figures(rows: list[dict[str, Any]], tokens_per_step: int) -> dict[str, A
         "rounds": sum(1 for r in rows if "outer_step" in r and "num_peers" in r),
         "round_s_total": sum(blocking),
         "land_wait_s_total": sum(r["land_wait_s"] for r in landed),
+        "land_s_total": sum(r.get("land_s", 0.0) for r in landed),  # the waits, the outer steps, the records
+        "side_cpu_s_total": sum(r.get("side_cpu_s", 0.0) for r in landed),  # the round's threads' CPU
         "blocking_round_s": statistics.median(blocking or [0.0]),
     }
 
@@ -440,6 +442,14 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{fmt(a['time_to_ddp_loss_ratio'], '.2f')} | {a['peak_link_bytes_per_s'] / 1e6:.2f} | {a['rounds']} | "
                 f"{wire} |"
             )
+        for a in link["arms"]:
+            if a.get("land_s_total"):
+                lines.append(
+                    f"- {a['name']}: landings {a['land_s_total']:.2f} s in all (waiting for the round "
+                    f"{a['land_wait_s_total']:.2f} s), blocking rounds {a['round_s_total']:.2f} s; the trainer's "
+                    f"threads beside training used {a['side_cpu_s_total']:.2f} CPU-s while rounds were on the wire "
+                    f"(worker 0)"
+                )
         lines.append("")
     t = result["targets"]
     verdict = ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in t.items() if isinstance(ok, bool))

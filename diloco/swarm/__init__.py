@@ -30,6 +30,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from diloco.config import HvConfig, OuterSetting
@@ -61,6 +63,7 @@ def join(
     model_shapes: list[tuple[int, ...]],
     outer: OuterSetting,
     fragments: list[list[int]] | None = None,
+    owner_key: Path | None = None,
 ) -> DiLoCo:
     """Collective over the ranks of this worker group: start this rank's DHT peer and listener (rank 0: also the
     averager that matchmakes for the group), claim the group's world rank, and wait (at most
@@ -87,6 +90,9 @@ def join(
         group leave with a `FieldError` naming ``run_id``.
     :param model_shapes: every parameter's full shape, in the model's order (what ``shards`` are cut from).
     :param fragments: with ``hv.fragments`` > 1: each fragment's parameter indices (``diloco.fragments``).
+    :param owner_key: rank 0: the file of the key that signs the group's DHT records (``ownership.Owner``: read
+        when there, written once the group holds its world rank, so a resumed group keeps its records); None: a new
+        key for this run, kept nowhere.
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
         holds, an overlap longer than the rounds under a token budget), naming the ``HvConfig`` field; nothing is
         left running.
@@ -102,6 +108,7 @@ def join(
     from diloco.swarm.digest import CanonicalDigest
     from diloco.swarm.dht import rendezvous, start_dht
     from diloco.swarm.fingerprint import run_key
+    from diloco.swarm.ownership import Owner
     from diloco.swarm.peer import SwarmPeer
     from diloco.swarm.progress import progress_key
     from diloco.swarm.status import status_key
@@ -110,10 +117,14 @@ def join(
     hv.check_overlap(tokens_per_step)
     key = SwarmKey.load(hv.swarm_key) if hv.swarm_key is not None else None
     run_id = hv.run_id if key is None else key.run_id(hv.run_id)  # a keyed swarm's DHT keys: unknown to others
+    owner = None  # rank 0 publishes the group's records, under its own key; the others only check everyone's
+    if env.rank == 0:
+        owner = Owner.load(owner_key) if owner_key is not None else Owner.ephemeral()
     dht = start_dht(
         initial_peers=hv.initial_peers,
         host_maddrs=[offset_port(m, env.local_rank) for m in hv.host_maddrs],
         announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
+        validator=None if owner is None else owner.validator,
     )
     run = run_key(run_id, model)
     # rank 0 matchmakes for its whole group under a key every shape shares (and one transport: their rounds travel
@@ -137,7 +148,7 @@ def join(
     records = dht if key is None else SealedStore(dht, key)  # records sealed with the key, and read only so
     peer = SwarmPeer(
         records, averager, progress_key(run), REQUEST_TIMEOUT_S,
-        status_key=status_key(run_id), tokens_key=tokens_key(run_id), rounds=rounds,
+        status_key=status_key(run_id), tokens_key=tokens_key(run_id), rounds=rounds, owner=owner,
     )  # fmt: skip
     try:
         if hv.target_tokens and final_step:  # a run of 0 steps has no round to pace
@@ -177,6 +188,8 @@ def join(
             seen = rendezvous(records, f"{prefix}-members", str(hv.world_rank), hv.galaxy_size, hv.averaging_timeout,
                               stop)  # fmt: skip
             log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
+            if owner is not None and owner_key is not None:
+                owner.save(owner_key)
         group.broadcast(None)
     except BaseException:
         peer.shutdown()

@@ -2,8 +2,8 @@
 (``--hv.target-tokens``).
 
 Each group's rank 0 publishes one small record about once a second while it trains (its tokens since the last
-outer step and its rate), under one DHT key per run with its world rank as the subkey. Every group estimates the
-swarm's tokens in the round from them (`swarm_tokens`): the records are seconds old, so each is extrapolated by
+outer step and its rate), under one DHT key per run and a subkey of its world rank and its own key
+(``diloco.swarm.ownership``). Every group estimates the swarm's tokens in the round from them (`swarm_tokens`): the records are seconds old, so each is extrapolated by
 its group's rate, as hivemind's progress tracker does. Groups read the same records, so they reach the target
 at about the same moment and meet in one round. A record expires ``TOKENS_TTL`` seconds after its last refresh:
 a group that died stops counting then.
@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from diloco.swarm.ownership import owned_entries
 from diloco.swarm.progress import Store
 
 TOKENS_TTL = 60.0  # seconds a record lives without a refresh
@@ -72,18 +73,18 @@ def tokens_key(run_id: str) -> str:
     return f"{run_id}-tokens"
 
 
-def publish(dht: Store, key: str, record: RoundTokens, **kwargs: Any) -> Any:
-    """Store `record` under `key`, its world rank as the subkey; `kwargs` go to ``store`` (``return_future``)."""
+def publish(dht: Store, key: str, record: RoundTokens, subkey: str, **kwargs: Any) -> Any:
+    """Store `record` under `key` and the group's own `subkey` (``Owner.subkey``); `kwargs` go to ``store``
+    (``return_future``)."""
     expires = time.time() + TOKENS_TTL
-    return dht.store(key, subkey=str(record.world_rank), value=record.to_dict(), expiration_time=expires, **kwargs)
+    return dht.store(key, subkey=subkey, value=record.to_dict(), expiration_time=expires, **kwargs)
 
 
 def parse(found: Any) -> list[RoundTokens]:
-    """The records of a ``get(key, latest=True)`` answer (entries that are not records are skipped)."""
-    if found is None or not isinstance(found.value, dict):
-        return []
-    records = (RoundTokens.from_dict(entry.value) for entry in found.value.values())
-    return [record for record in records if record is not None]
+    """The records of a ``get(key, latest=True)`` answer (entries that are not records, have no owner, or claim
+    another world rank than their subkey are skipped)."""
+    records = ((rank, RoundTokens.from_dict(value)) for _, rank, value in owned_entries(found))
+    return [record for rank, record in records if record is not None and record.world_rank == rank]
 
 
 def swarm_tokens(records: Iterable[RoundTokens], mine: RoundTokens, now: float) -> float:

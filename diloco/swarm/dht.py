@@ -32,6 +32,7 @@ from diloco import preflight
 from diloco.config import FieldError, first_line
 from diloco.procs import exit_with_parent
 from diloco.swarm.identity import ensure_identity
+from diloco.swarm.ownership import checking_validator
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def start_dht(
     identity_path: Path | None = None,
     client_mode: bool = False,
     startup_timeout: float = 30,
+    validator: object | None = None,
 ) -> hivemind.DHT:
     """Start a hivemind DHT peer in a background process (which owns one p2pd daemon).
 
@@ -58,6 +60,9 @@ def start_dht(
         stable; None for a random peer id.
     :param client_mode: if True, this peer does not serve DHT requests or accept incoming averaging requests
         (for peers behind NAT); it can still average with non-client peers.
+    :param validator: signs this peer's owned records and checks everyone's (``ownership.Owner.validator``);
+        None: checks only (``ownership.checking_validator``). Every DHT peer of ours checks: see
+        ``diloco.swarm.ownership``.
     :param startup_timeout: seconds to wait for the daemon to start and the bootstrap to finish. Only a safety
         net: p2pd gives up on initial peers that do not answer by itself, after about 5 s (at once on a closed
         port), and a peer that is not a DHT fails its ping after 3 s. An unanswered ping is retried while this
@@ -75,7 +80,8 @@ def start_dht(
             kwargs["identity_path"] = str(ensure_identity(identity_path))
         except ValueError as e:
             raise FieldError(f"{{identity}}: {e}") from None
-    kwargs |= dict(host_maddrs=list(host_maddrs), announce_maddrs=list(announce_maddrs) or None)
+    kwargs |= dict(host_maddrs=list(host_maddrs), announce_maddrs=list(announce_maddrs) or None,
+                   record_validators=[validator or checking_validator()])  # fmt: skip
     started = time.monotonic()
     while True:
         left_s = max(startup_timeout - (time.monotonic() - started), 1.0)

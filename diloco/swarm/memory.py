@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -62,7 +62,7 @@ class MemorySwarm:
         self._count_lock = threading.Lock()
         self.barrier = threading.Barrier(groups)
         self.inbox: dict[str, tuple[list[torch.Tensor], float]] = {}
-        self.records: dict[int, Progress] = {}
+        self.records: dict[tuple[str, int], Progress] = {}  # by (owner, world rank): only its owner replaces one
         self.statuses: dict[int, Status] = {}
         self.tokens: dict[int, RoundTokens] = {}
         self.providers: dict[str, Callable[[], State]] = {}
@@ -94,8 +94,9 @@ class MemorySwarm:
         shapes = [t.shape for t in inputs[0][0]]
         return [self.wire(part.view(shape)) for part, shape in zip(flat.split([s.numel() for s in shapes]), shapes)]
 
-    def member(self, peer_id: str) -> Member:
-        return Member(self, peer_id)
+    def member(self, peer_id: str, owner: str | None = None) -> Member:
+        """A group's link; its records are signed by `owner` (default: `peer_id`)."""
+        return Member(self, peer_id, owner)
 
     def guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         """`fn` for a group's thread: an error is recorded in `failed` and the barrier broken, so the other
@@ -116,8 +117,9 @@ class MemorySwarm:
 class Member:
     """One group's link to the swarm (`diloco.links.Swarm`)."""
 
-    def __init__(self, swarm: MemorySwarm, peer_id: str) -> None:
+    def __init__(self, swarm: MemorySwarm, peer_id: str, owner: str | None = None) -> None:
         self.swarm, self.peer_id = swarm, peer_id
+        self.owner = peer_id if owner is None else owner  # who signs this member's records
 
     def average(
         self,
@@ -138,7 +140,7 @@ class Member:
         return Report(num_peers=len(inputs), round_id=f"r{round_index}" if len(inputs) > 1 else "")
 
     def publish(self, record: Progress) -> None:
-        self.swarm.records[record.world_rank] = record
+        self.swarm.records[self.owner, record.world_rank] = replace(record, owner=self.owner)
 
     def records(self) -> list[Progress]:
         return list(self.swarm.records.values())

@@ -21,6 +21,7 @@ from diloco.swarm.averager import RoundReport, SwarmAverager
 from diloco.swarm.budget import RoundTokens
 from diloco.swarm.group_round import GroupRounds, member_of
 from diloco.swarm.layout import group_layout
+from diloco.swarm.ownership import Owner
 from diloco.swarm.progress import Progress
 from diloco.swarm.status import Status
 from diloco.swarm.swarm_key import SealedStore
@@ -47,6 +48,8 @@ class SwarmPeer:
     :param rounds: rounds of whole groups (``group_round.GroupRounds``; owned from now on), which ``average``
         runs; states travel over its listener (``transfer``), between groups of any shape. None: a peer that only
         publishes and reads records (it cannot average or serve a state).
+    :param owner: the key that signs the group's records (rank 0: the one `dht`'s validator holds); None on a peer
+        that publishes none.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class SwarmPeer:
         status_key: str,
         tokens_key: str = "",
         rounds: GroupRounds | None = None,
+        owner: Owner | None = None,
     ):
-        self.dht, self.averager, self.rounds = dht, averager, rounds
+        self.dht, self.averager, self.rounds, self._owner = dht, averager, rounds, owner
+        self.owner = "" if owner is None else owner.id
         self.progress_key, self.request_timeout, self.status_key = progress_key, request_timeout, status_key
         self.tokens_key = tokens_key
         self._tokens: list[RoundTokens] = []  # the last round-token records read
@@ -109,20 +114,28 @@ class SwarmPeer:
             endpoints = tuple([list(hosts), port] for hosts, port in self.rounds.endpoints)
             record = dataclasses.replace(record, shape=(shape.strategy, shape.world_size, shape.nodes),
                                          endpoints=endpoints)  # fmt: skip
-        progress.publish(self.dht, self.progress_key, record)
+        subkey = self._subkey(record.world_rank)  # (an outer step does not wait for the DHT: in the background)
+        self._store_later(lambda: progress.publish(self.dht, self.progress_key, record, subkey, return_future=True))
 
     def records(self) -> list[Progress]:
         return progress.read(self.dht, self.progress_key)
 
     def publish_status(self, record: Status) -> None:
         """Returns at once: the DHT process stores it while training goes on; a failure is logged once."""
-        self._store_later(lambda: status.publish(self.dht, self.status_key, record, return_future=True))
+        subkey = self._subkey(record.world_rank)
+        self._store_later(lambda: status.publish(self.dht, self.status_key, record, subkey, return_future=True))
 
     def status_records(self) -> list[Status]:
         return status.read(self.dht, self.status_key)
 
     def publish_tokens(self, record: RoundTokens) -> None:
-        self._store_later(lambda: budget.publish(self.dht, self.tokens_key, record, return_future=True))
+        subkey = self._subkey(record.world_rank)
+        self._store_later(lambda: budget.publish(self.dht, self.tokens_key, record, subkey, return_future=True))
+
+    def _subkey(self, world_rank: int) -> str:
+        if self._owner is None:
+            raise RuntimeError("this peer holds no key to sign records with (only a group's rank 0 publishes)")
+        return self._owner.subkey(world_rank)
 
     def token_records(self) -> list[RoundTokens]:
         """The records of the last read that finished; starts the next read when none is under way and the last
@@ -152,7 +165,7 @@ class SwarmPeer:
         future.add_done_callback(self._stored)
 
     def _stored(self, future: Future) -> None:
-        """On hivemind's future thread, once a status store ended."""
+        """On hivemind's future thread, once a record store ended."""
         self._storing.discard(future)
         error = None if future.cancelled() else future.exception()
         if future.cancelled() or error is not None or not future.result():

@@ -2,7 +2,8 @@
 swarm's state.
 
 Every group publishes one record (its rank 0 does, at start and after each outer step) under one DHT key per run,
-whatever its shape, with its world rank as the subkey. A group compares its own record with the live ones of the
+whatever its shape, under a subkey naming its world rank and its own key (``diloco.swarm.ownership``: nobody else
+can change it). A group compares its own record with the live ones of the
 others (`sources`): the swarm's state is the one with the highest outer step; between groups at the same outer
 step, a state that came out of a full average beats one that did not (a lone or failed round), then the state more
 groups hold, then the lowest world rank. This order is the same for everyone, so groups that diverged (a round that
@@ -17,8 +18,10 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
+
+from diloco.swarm.ownership import owned_entries
 
 PROGRESS_TTL = 24 * 3600.0  # seconds a group's progress record lives without a refresh (it refreshes every round)
 REFUSALS_BEFORE_SKIP = 3  # refused answers for one state of one group before a running group stops asking for it
@@ -42,6 +45,7 @@ class Progress:
     :param shape: its ``[strategy, ranks, nodes]``, and `endpoints` each rank's listener (``[hosts, port]``, over
         p2pd ``[[peer id], 0]``), in rank order: a group of any shape downloads from them. Empty in records of the
         in-memory swarm.
+    :param owner: who signed the record (``ownership.owner_id``), from its subkey; not part of the value.
     """
 
     world_rank: int
@@ -55,13 +59,15 @@ class Progress:
     done: bool = False
     shape: tuple = ()
     endpoints: tuple = ()
+    owner: str = field(default="", compare=False)
 
     @property
     def state(self) -> tuple[int, str]:
         return self.outer_step, self.digest
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "peers": list(self.peers), "shape": list(self.shape), "endpoints": list(self.endpoints)}
+        lists = {"peers": list(self.peers), "shape": list(self.shape), "endpoints": list(self.endpoints)}
+        return {key: value for key, value in asdict(self).items() if key != "owner"} | lists
 
     @classmethod
     def from_dict(cls, data: Any) -> Progress | None:
@@ -90,18 +96,24 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}-groups-progress"
 
 
-def publish(dht: Store, key: str, record: Progress) -> None:
+def publish(dht: Store, key: str, record: Progress, subkey: str, **kwargs: Any) -> Any:
+    """Store `record` under `key` and `subkey` (``Owner.subkey``: the group's own); `kwargs` go to ``store``
+    (``return_future``). Of two stores the later expiry wins, so records stored in the background keep their
+    order."""
     # hivemind's DHT time is the wall clock (hivemind.utils.timed_storage.get_dht_time = time.time)
-    dht.store(key, subkey=str(record.world_rank), value=record.to_dict(), expiration_time=time.time() + PROGRESS_TTL)
+    expires = time.time() + PROGRESS_TTL
+    return dht.store(key, subkey=subkey, value=record.to_dict(), expiration_time=expires, **kwargs)
 
 
 def read(dht: Store, key: str) -> list[Progress]:
-    """Every group's latest record under `key` (entries that are not records are skipped)."""
-    found = dht.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    records = (Progress.from_dict(entry.value) for entry in found.value.values())
-    return [record for record in records if record is not None]
+    """Every group's latest record under `key`, with its owner (entries that are not records, have no owner, or
+    claim another world rank than their subkey are skipped)."""
+    records = []
+    for owner, world_rank, value in owned_entries(dht.get(key, latest=True)):
+        record = Progress.from_dict(value)
+        if record is not None and record.world_rank == world_rank:
+            records.append(replace(record, owner=owner))
+    return records
 
 
 # ---------------------------------------------------------------- who holds the swarm's state

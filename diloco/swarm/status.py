@@ -17,6 +17,7 @@ import time
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
+from diloco.swarm.ownership import owned_entries
 from diloco.swarm.progress import Store
 
 STATUS_TTL = 180.0  # seconds a status record lives without a refresh: a dead group leaves the table after this
@@ -114,17 +115,18 @@ def status_key(run_id: str) -> str:
     return f"{run_id}-status"
 
 
-def publish(dht: Store, key: str, record: Status, **kwargs: Any) -> Any:
-    """Store `record` under `key`, its world rank as the subkey; `kwargs` go to ``store`` (``return_future``)."""
+def publish(dht: Store, key: str, record: Status, subkey: str, **kwargs: Any) -> Any:
+    """Store `record` under `key` and the group's own `subkey` (``Owner.subkey``); `kwargs` go to ``store``
+    (``return_future``)."""
     # hivemind's DHT time is the wall clock (hivemind.utils.timed_storage.get_dht_time = time.time)
     expires = time.time() + STATUS_TTL
-    return dht.store(key, subkey=str(record.world_rank), value=record.to_dict(), expiration_time=expires, **kwargs)
+    return dht.store(key, subkey=subkey, value=record.to_dict(), expiration_time=expires, **kwargs)
 
 
 def read(dht: Store, key: str) -> list[Status]:
-    """Every group's latest record under `key`, by world rank (entries that are not records are skipped)."""
-    found = dht.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    records = (Status.from_dict(getattr(entry, "value", None)) for entry in found.value.values())
-    return sorted((r for r in records if r is not None), key=lambda r: r.world_rank)
+    """Every group's latest record under `key`, by world rank (entries that are not records, have no owner, or
+    claim another world rank than their subkey are skipped)."""
+    records = (
+        (world_rank, Status.from_dict(value)) for _, world_rank, value in owned_entries(dht.get(key, latest=True))
+    )
+    return sorted((r for rank, r in records if r is not None and r.world_rank == rank), key=lambda r: r.world_rank)

@@ -1,0 +1,110 @@
+"""World-rank claims and owned records: a group's records can be changed by its owner only, and another owner's
+claim of a group's world rank is ignored, logged once and counted (``diloco.claims``, ``diloco.swarm.ownership``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import pytest
+import torch
+
+from diloco.swarm import progress
+from diloco.swarm.memory import MemorySwarm
+from diloco.swarm.ownership import Owner
+from diloco.swarm.progress import Progress
+from tests.hostile_peer import Lenient
+from tests.test_outer import diloco
+
+CLAIM_WARNING = "ignoring a record that claims this group's world rank 0"
+
+
+def record(world_rank: int, token: str, peer: str, outer_step: int = 0, settled: bool = True) -> Progress:
+    return Progress(world_rank=world_rank, outer_step=outer_step, step=0, digest="d", tainted=False,
+                    settled=settled, token=token, peers=(peer,))  # fmt: skip
+
+
+def test_a_live_claim_of_a_held_world_rank_is_ignored_logged_once_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """Group 0 holds world rank 0. A stranger (another owner, alive) publishes a record of rank 0 with the group's
+    token copied; a dead group that held the rank before left its record. At every boundary the group rejects the
+    stranger's claim (one warning, counted once) and not its dead predecessor's; its own record stays its own."""
+    hub = MemorySwarm(1)
+    net = torch.nn.Linear(2, 1)
+    group = diloco(net, hub.member("g0"), lr=1.0, momentum=0.0, h=1, final_step=4)
+    hub.member("old").publish(record(0, "old-token", "old"))  # never serves: dead
+    group.claim_world_rank()
+    group.join(0)
+    stranger = hub.member("x")
+    stranger.publish(record(0, group.token, "x"))
+    stranger.serve_state(lambda: ({}, []))  # answers: alive
+    with caplog.at_level(logging.WARNING, logger="diloco"):
+        for step in (1, 2, 3):
+            group.after_inner_step(step)
+    warnings = [r.getMessage() for r in caplog.records if CLAIM_WARNING in r.getMessage()]
+    assert len(warnings) == 1 and "owner x" in warnings[0], warnings
+    assert group.summary()["rejected_claims"] == 1
+    held = {r.owner: r for r in hub.member("g1").records() if r.world_rank == 0}
+    assert set(held) == {"g0", "old", "x"} and held["g0"].token == group.token and held["g0"].outer_step == 3
+
+
+def test_a_claim_before_the_group_holds_its_rank_is_a_rival_not_a_rejected_claim() -> None:
+    """A live group already holding the world rank makes a newcomer leave (`Claims.rival`); nothing is counted."""
+    hub = MemorySwarm(1)
+    first = hub.member("first")
+    first.publish(record(0, "t1", "first"))
+    first.serve_state(lambda: ({}, []))
+    newcomer = diloco(torch.nn.Linear(2, 1), hub.member("g0"), lr=1.0, momentum=0.0)
+    assert newcomer.claims.rival() == "first"
+    newcomer.claims.check(newcomer.swarm.records())
+    assert newcomer.claims.rejected == 0
+
+
+def test_a_groups_record_key_is_kept_once_it_holds_its_rank_and_read_back_on_resume(tmp_path) -> None:
+    """`Owner.load` reads the run folder's key, or makes a new one that only `save` writes (mode 0600, never over
+    an existing key); the same key means the same subkeys, so a resumed group replaces its own records."""
+    path = tmp_path / "run" / "owner.key"
+    fresh = Owner.load(path)
+    assert not path.exists()  # a group refused at its start writes nothing
+    fresh.save(path)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    resumed = Owner.load(path)
+    assert resumed.id == fresh.id and resumed.subkey(3) == fresh.subkey(3) and resumed.subkey(3).startswith("3[owner:")
+    Owner.ephemeral().save(path)  # another key is not written over it
+    assert Owner.load(path).id == fresh.id
+
+
+@pytest.mark.slow
+def test_only_its_owner_can_change_a_groups_record_in_the_dht() -> None:
+    """Real DHT peers: group 0's peer (its owner key in its validator) and a stranger's peer that signs its own
+    records and checks nobody's. The stranger stores group 0's record again, altered, under group 0's subkey with a
+    later expiry, and the same under a subkey without an owner: group 0's peer keeps its own record and reads no
+    other, whichever peer answers; the stranger's own record of rank 0 reads back as a claim of its own."""
+    from diloco.swarm.dht import start_dht, visible_maddrs
+
+    loopback = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "announce_maddrs": []}
+    owner, stranger = Owner.ephemeral(), Owner.ephemeral()
+    honest = start_dht(initial_peers=[], validator=owner.validator, **loopback)
+    attacker = None
+    try:
+        attacker = start_dht(initial_peers=visible_maddrs(honest), validator=Lenient(stranger.validator._private_key),
+                             **loopback)  # fmt: skip
+        key, mine = "run-groups-progress", record(0, "t0", honest.peer_id.to_base58(), outer_step=5)
+        progress.publish(honest, key, mine, owner.subkey(0))
+        found = attacker.get(key, latest=True)
+        expires = found.value[owner.subkey(0)].expiration_time
+        forged = dataclasses.replace(mine, outer_step=10**6).to_dict()
+        attacker.store(key, subkey=owner.subkey(0), value=forged, expiration_time=expires + 3600)
+        attacker.store(key, subkey="0", value=forged, expiration_time=expires + 3600)
+        progress.publish(attacker, key, record(0, "t0", attacker.peer_id.to_base58()), stranger.subkey(0))
+        time.sleep(1.0)
+        read = {r.owner: r for r in progress.read(honest, key)}
+        assert set(read) == {owner.id, stranger.id}, read
+        assert read[owner.id].outer_step == 5 and read[stranger.id].outer_step == 0
+        # the attacker's own peer took the altered record (it checks nothing), and hands it out; a reader's
+        # peer drops it for its signature
+        assert attacker.get(key, latest=True).value[owner.subkey(0)].value["outer_step"] == 10**6
+    finally:
+        for dht in (attacker, honest):
+            if dht is not None:
+                dht.shutdown()
