@@ -33,6 +33,7 @@ from diloco.inflight import InFlight
 from diloco.links import Group, RoundResult, State, Swarm
 from diloco.outer import OuterOptimizer, OuterReport
 from diloco.pace import FixedSteps, Pace
+from diloco.rows import round_row
 from diloco.screening import all_finite
 from diloco.swarm.digest import Digest, ShardDigest
 from diloco.swarm.fingerprint import ModelId, mismatch_error, rival_model
@@ -408,43 +409,17 @@ class DiLoCo:
         self._publish()
         self.last_round = (num_peers, time.time())
         self._publish_status("training")
-        row = self._row(step, source=source, report=report, num_peers=num_peers, pseudo_gradient=pseudo_gradient)
+        # a landed round's model holds the steps taken since its send: no other group's hash would match, and hashing
+        # the whole model costs the training thread ~40 ms per landing in `bench wan`; `outer_digest` is shared
+        row = self._row(step, source=source, report=report, num_peers=num_peers, pseudo_gradient=pseudo_gradient,
+                        with_sha=landed is None)  # fmt: skip
         if fragment is not None:
             row["fragment"] = fragment
         return row | {"tokens": tokens, "weight": weight} | (self.pace.summary(tokens) if landed is None else landed)
 
-    def _row(
-        self,
-        step: int,
-        *,
-        source: int | None,
-        report: RoundResult | None = None,
-        num_peers: int = 0,
-        pseudo_gradient: torch.Tensor | None = None,
-    ) -> dict[str, Any]:
-        sha = self.group.sha()
-        # outer_digest: of the outer parameters, equal in groups that share the swarm's state (the model itself
-        # differs after a round that applied nothing, until the next one)
-        row: dict[str, Any] = {"step": step, "outer_step": self.outer_step, "outer_digest": self.digest}
-        if source is not None:
-            row["loaded_state_from"] = source  # world rank of the group this one downloaded the state from
-        if report is not None and pseudo_gradient is not None:
-            row |= {
-                "num_peers": num_peers,
-                "averaging_s": report.seconds,
-                "wait_s": report.seconds - report.allreduce_seconds,  # idle until the round's group formed
-                "bytes_sent": int(self.group.sum(float(report.bytes_sent))),  # all ranks of the group
-                "bytes_received": int(self.group.sum(float(report.bytes_received))),
-                "rejected": int(self.group.sum(float(report.rejected))),
-                "dropped": int(self.group.sum(float(report.dropped))),
-                "pseudo_grad_norm": math.sqrt(self.group.sum(float(pseudo_gradient.square().sum()))),
-            }
-            if report.transport:
-                row["transport"] = report.transport  # what carried this rank's bytes: tcp or p2pd
-            if report.round_id:
-                row["round"] = report.round_id  # equal in the rows of the groups that averaged together
-        row["params_sha256"] = sha
-        return row
+    def _row(self, step: int, *, source: int | None, **round_fields: Any) -> dict[str, Any]:
+        """Collective: the metrics row of this group's outer state at `step` (``rows.round_row``)."""
+        return round_row(self.group, step, self.outer_step, self.digest, source=source, **round_fields)
 
     # ------------------------------------------------------------------ progress and state transfer
 

@@ -85,6 +85,25 @@ def test_the_schedule_follows_the_swarm_and_ends_at_the_same_outer_step_everywhe
 # ---------------------------------------------------------------- groups of different speeds, in threads
 
 
+def budget_groups(hub: MemorySwarm, nets: dict[int, torch.nn.Module], tokens_per_step: int, target_tokens: float,
+                  fragments: dict[int, Any] | None = None, **kw: Any) -> dict[int, DiLoCo]:  # fmt: skip
+    """Groups 0 and 1 of `hub` (outer 0.7/0.9) paced by a token budget of `target_tokens` per round, over 60 inner
+    steps of an average group; `fragments` per group and `kw` go to each `DiLoCo`."""
+    return {
+        g: DiLoCo(
+            [p.data for p in nets[g].parameters()], hub.member(f"g{g}"), solo_group(), world_rank=g, local_steps=1,
+            outer_lr=0.7, outer_momentum=0.9, tokens_per_step=tokens_per_step,
+            fragments=None if fragments is None else fragments[g],
+            pace=TokenBudget(
+                hub.member(f"g{g}"), solo_group(), world_rank=g, target_tokens=target_tokens, galaxy_size=2,
+                tokens_per_step=tokens_per_step, max_steps=60,
+            ),
+            **kw,
+        )  # fmt: skip
+        for g in nets
+    }
+
+
 def test_groups_of_different_speeds_step_together_and_weights_follow_tokens() -> None:
     """Group 0 takes an inner step every 2 ms, group 1 every 10 ms: under a token budget the fast one trains more
     inner steps per round, every round's weights are the groups' tokens, and they end bit-identical at the same
@@ -94,17 +113,7 @@ def test_groups_of_different_speeds_step_together_and_weights_follow_tokens() ->
     nets = {g: torch.nn.Linear(4, 4) for g in (0, 1)}
     for net in nets.values():
         net.load_state_dict(nets[0].state_dict())
-    outers = {
-        g: DiLoCo(
-            [p.data for p in nets[g].parameters()], hub.member(f"g{g}"), solo_group(), world_rank=g, local_steps=1,
-            outer_lr=0.7, outer_momentum=0.9, tokens_per_step=tokens_per_step,
-            pace=TokenBudget(
-                hub.member(f"g{g}"), solo_group(), world_rank=g, target_tokens=400, galaxy_size=2,
-                tokens_per_step=tokens_per_step, max_steps=60,
-            ),
-        )  # fmt: skip
-        for g in (0, 1)
-    }
+    outers = budget_groups(hub, nets, tokens_per_step, 400)
     rows: dict[int, list[dict]] = {0: [], 1: []}
 
     def run_group(g: int) -> int:
@@ -148,18 +157,8 @@ def test_fragments_under_a_token_budget_keep_one_outer_state_and_weigh_each_frag
 
     hub, tokens_per_step, delays = MemorySwarm(2), 10, {0: 0.002, 1: 0.010}
     nets = {g: Layered() for g in (0, 1)}
-    outers = {
-        g: DiLoCo(
-            [p.data for p in nets[g].parameters()], hub.member(f"g{g}"), solo_group(), world_rank=g, local_steps=1,
-            outer_lr=0.7, outer_momentum=0.9, tokens_per_step=tokens_per_step, fragments=runs_of(nets[g], 2),
-            overlap_steps=overlap,
-            pace=TokenBudget(
-                hub.member(f"g{g}"), solo_group(), world_rank=g, target_tokens=400 / 2, galaxy_size=2,
-                tokens_per_step=tokens_per_step, max_steps=60,
-            ),
-        )  # fmt: skip
-        for g in (0, 1)
-    }
+    outers = budget_groups(hub, nets, tokens_per_step, 400 / 2, overlap_steps=overlap,
+                           fragments={g: runs_of(nets[g], 2) for g in (0, 1)})  # fmt: skip
     rows: dict[int, list[dict]] = {0: [], 1: []}
 
     def run_group(g: int) -> int:
