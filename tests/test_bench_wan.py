@@ -34,8 +34,9 @@ def test_wan_quick(tmp_path) -> None:
     data, doc = bench("wan", tmp_path, "--data", str(CORPUS), "--train-cores", "0.9", timeout=480,
                       stem="wan-cores0.9")  # 100 s alone  # fmt: skip
     assert data["setup"]["train_cores"] == 0.9 and "--train-cores 0.9" in data["command"]
-    for arm in data["links"][0]["arms"]:  # the kernel held each worker's training, and parked it at times
-        assert [h["throttled_periods"] > 0 for h in arm["held"]] == [True, True], arm["held"]
+    for arm in data["links"][0]["arms"]:  # each worker's training ran under its quota (parked or not: that
+        # depends on what else the machine runs)
+        assert [(h["cores"], h["periods"] > 0, h["cpu_s"] > 0) for h in arm["held"]] == [(0.9, True, True)] * 2, arm
         # a DiLoCo worker's DHT, p2pd and averager left the quota; DDP's rank has no helpers
         assert [h["helpers"] >= 3 for h in arm["held"]] == [arm["flags"] is not None] * 2, (arm["name"], arm["held"])
     (link,) = data["links"]

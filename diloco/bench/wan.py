@@ -202,7 +202,8 @@ def run_arm(setup: WanSetup, arm: Arm, hosts: list[netns.Host], dht: Dht | None,
                 ready = [runs[i % len(runs)] / "metrics.jsonl" for i in range(WORKERS)]
                 held = hold_training(stack, setup.train_cores, jobs, ready, setup.timeout_s)
             wait_all(jobs, setup.timeout_s)
-            held = [{"helpers": helpers, **dataclasses.asdict(limit.usage())} for limit, helpers in held]
+            held = [{"cores": limit.cores if limit.engaged else None, "helpers": helpers,
+                     **dataclasses.asdict(limit.usage())} for limit, helpers in held]  # fmt: skip
     figures = [run_figures(read_rows(d), setup.seq_length * setup.batch * (WORKERS if arm.flags is None else 1))
                for d in runs]  # fmt: skip
     finals = [summary(d) for d in runs]
