@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +22,7 @@ from diloco.config import Config, FieldError, HvConfig, RankUsageError, UsageErr
 from diloco.distenv import DistEnv
 
 USAGE_EXIT = 2
+QUIET_RANK_WAIT_S = 5.0  # how long a rank that leaves the report of a bad input to rank 0 waits for it
 
 
 def train(config: Config) -> int:
@@ -486,6 +490,13 @@ def _usage_exit(error: BaseException) -> NoReturn:
         print(f"error: {_one_line(error)}", file=sys.stderr)
     elif isinstance(error, RankUsageError):
         print(f"error: rank {rank}: {_one_line(error)}", file=sys.stderr)
+    else:
+        # rank 0 reports it: torchrun ends the other ranks as soon as one fails, so a quiet rank that left first
+        # could end rank 0 before its line (seen under load: no line at all). Wait instead; once rank 0 left,
+        # torchrun's SIGTERM ends the wait (whatever handler the run had installed)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(QUIET_RANK_WAIT_S)
     sys.exit(USAGE_EXIT)
 
 

@@ -176,6 +176,43 @@ def test_existing_run_dir_is_left_untouched(tmp_path: Path) -> None:
     assert (old / "metrics.jsonl").read_bytes() == before and sorted(p.name for p in old.iterdir()) == ["metrics.jsonl"]
 
 
+QUIET_RANK = """
+import os, signal, sys, time
+os.environ["RANK"] = "1"
+from diloco import cli
+from diloco.config import UsageError
+cli.QUIET_RANK_WAIT_S = float(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: None)  # as a run that installed its stop handler
+print("reported", flush=True)
+cli._usage_exit(UsageError("--total-batch-size 5"))
+"""
+
+
+@pytest.mark.parametrize("ended_by", ["the wait", "SIGTERM"])
+def test_a_rank_that_leaves_the_report_to_rank_zero_waits_for_it(ended_by: str) -> None:
+    """A rank other than 0 that meets the same bad input says nothing and does not leave at once: torchrun ends
+    the other ranks as soon as one fails, which could end rank 0 before its line. Its wait ends after
+    QUIET_RANK_WAIT_S, or at once with torchrun's SIGTERM once rank 0 left (whatever handler the run installed)."""
+    wait = 1.0 if ended_by == "the wait" else 60.0
+    proc = subprocess.Popen([sys.executable, "-c", QUIET_RANK, str(wait)], env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "reported\n"
+        started = time.monotonic()
+        if ended_by == "SIGTERM":
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        proc.kill()
+    if ended_by == "the wait":
+        assert code == 2 and elapsed >= wait, (code, elapsed)
+    else:
+        assert code == -signal.SIGTERM and elapsed < 10, (code, elapsed)
+    assert proc.stderr.read() == ""
+
+
 def test_under_torchrun_only_rank_zero_reports(tmp_path: Path) -> None:
     """torchrun reports a failed child itself (exit 1, its own summary), but our line appears once."""
     model = tmp_path / "model"
