@@ -164,9 +164,10 @@ def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Pa
 def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
     """A 1-rank group, a 2-rank FULL_SHARD group and a 2-rank NO_SHARD group: whole groups meet in one round (rank 0
     matchmakes for its group), each rank sends its shard's parts to their reducers, the NO_SHARD replicas split
-    theirs; all three stay bit-identical after every round."""
+    theirs; all three stay bit-identical after every round. Three rounds: under load the first can time out on a
+    group still starting up (its reducers drop it), after which a group loads the swarm's state at the second."""
     groups = [(1, []), (2, []), (2, ["--sharding-strategy", "NO_SHARD"])]
-    assert_trained_together(train_groups(tmp_path, dht_peer, 8, groups), groups=3, outer_steps=2)
+    assert_trained_together(train_groups(tmp_path, dht_peer, 12, groups), groups=3, outer_steps=3)
 
 
 def test_over_p2pd_a_one_rank_and_a_two_rank_group_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
