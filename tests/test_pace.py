@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -104,25 +105,17 @@ def budget_groups(hub: MemorySwarm, nets: dict[int, torch.nn.Module], tokens_per
     }
 
 
-def test_groups_of_different_speeds_step_together_and_weights_follow_tokens() -> None:
-    """Group 0 takes an inner step every 2 ms, group 1 every 10 ms: under a token budget the fast one trains more
-    inner steps per round, every round's weights are the groups' tokens, and they end bit-identical at the same
-    outer step with the same schedule position."""
-    torch.manual_seed(0)
-    hub, tokens_per_step, delays = MemorySwarm(2), 10, {0: 0.002, 1: 0.010}
-    nets = {g: torch.nn.Linear(4, 4) for g in (0, 1)}
-    for net in nets.values():
-        net.load_state_dict(nets[0].state_dict())
-    outers = budget_groups(hub, nets, tokens_per_step, 400)
-    rows: dict[int, list[dict]] = {0: [], 1: []}
+def drive(outers: dict[int, DiLoCo], delays: dict[int, float], inner_step: Callable[[int, int], None],
+          ) -> tuple[list[int], dict[int, list[dict]]]:  # fmt: skip
+    """Each group in a thread of its own: `inner_step(group, step)`, then its delay, until the schedule reaches 60
+    steps of an average group. Returns each group's inner steps and its outer rows."""
+    rows: dict[int, list[dict]] = {g: [] for g in outers}
 
     def run_group(g: int) -> int:
         outers[g].join(0)
         step = 0
         while outers[g].position(step) < 60:
-            with torch.no_grad():
-                for p in nets[g].parameters():
-                    p.add_(torch.randn_like(p), alpha=1e-3)  # an "inner step"
+            inner_step(g, step)
             time.sleep(delays[g])
             step += 1
             report = outers[g].after_inner_step(step)
@@ -130,8 +123,27 @@ def test_groups_of_different_speeds_step_together_and_weights_follow_tokens() ->
                 rows[g] += report.rows
         return step
 
-    with ThreadPoolExecutor(2) as pool:
-        steps = list(pool.map(run_group, (0, 1)))
+    with ThreadPoolExecutor(len(outers)) as pool:
+        return list(pool.map(run_group, sorted(outers))), rows
+
+
+def test_groups_of_different_speeds_step_together_and_weights_follow_tokens() -> None:
+    """Group 0 takes an inner step every 2 ms, group 1 every 20 ms: under a token budget the fast one trains more
+    inner steps per round, every round's weights are the groups' tokens, and they end bit-identical at the same
+    outer step with the same schedule position."""
+    torch.manual_seed(0)
+    hub, tokens_per_step, delays = MemorySwarm(2), 10, {0: 0.002, 1: 0.020}
+    nets = {g: torch.nn.Linear(4, 4) for g in (0, 1)}
+    for net in nets.values():
+        net.load_state_dict(nets[0].state_dict())
+    outers = budget_groups(hub, nets, tokens_per_step, 400)
+
+    @torch.no_grad()
+    def inner_step(g: int, step: int) -> None:
+        for p in nets[g].parameters():
+            p.add_(torch.randn_like(p), alpha=1e-3)
+
+    steps, rows = drive(outers, delays, inner_step)
     assert [[r["outer_step"] for r in rows[g]] for g in (0, 1)] == [[1, 2, 3]] * 2, rows
     assert steps[0] > 2 * steps[1], steps
     for fast, slow in zip(rows[0], rows[1], strict=True):
@@ -149,36 +161,26 @@ def test_fragments_under_a_token_budget_keep_one_outer_state_and_weigh_each_frag
     overlap: int,
 ) -> None:
     """Two fragments, N = 400 swarm tokens per pass over the model: a fragment's round every 200 tokens, blocking
-    or landed 2 inner steps later. The groups (2 ms and 10 ms per step) average fragments 0, 1, 0, ... in the same
+    or landed 2 inner steps later. The groups (2 ms and 20 ms per step) average fragments 0, 1, 0, ... in the same
     rounds with one outer digest per outer step; each round's weights are the tokens since that fragment was last
     reset (about two rounds' worth once both fragments had a round); the last round takes every fragment, and they
     end bit-identical at the end of the schedule."""
     from .test_fragments import Layered, flat, runs_of
 
-    hub, tokens_per_step, delays = MemorySwarm(2), 10, {0: 0.002, 1: 0.010}
+    hub, tokens_per_step, delays = MemorySwarm(2), 10, {0: 0.002, 1: 0.020}
     nets = {g: Layered() for g in (0, 1)}
     outers = budget_groups(hub, nets, tokens_per_step, 400 / 2, overlap_steps=overlap,
                            fragments={g: runs_of(nets[g], 2) for g in (0, 1)})  # fmt: skip
-    rows: dict[int, list[dict]] = {0: [], 1: []}
+    opts = {g: torch.optim.SGD(nets[g].parameters(), lr=0.05) for g in nets}
 
-    def run_group(g: int) -> int:
-        outers[g].join(0)
-        opt, step = torch.optim.SGD(nets[g].parameters(), lr=0.05), 0
-        while outers[g].position(step) < 60:
-            gen = torch.Generator().manual_seed(1000 * step + g)
-            opt.zero_grad()
-            x, y = torch.randn(4, 3, generator=gen), torch.randn(4, 1, generator=gen)
-            torch.nn.functional.mse_loss(nets[g](x), y).backward()
-            opt.step()
-            time.sleep(delays[g])
-            step += 1
-            report = outers[g].after_inner_step(step)
-            if report is not None:
-                rows[g] += report.rows
-        return step
+    def inner_step(g: int, step: int) -> None:
+        gen = torch.Generator().manual_seed(1000 * step + g)
+        opts[g].zero_grad()
+        x, y = torch.randn(4, 3, generator=gen), torch.randn(4, 1, generator=gen)
+        torch.nn.functional.mse_loss(nets[g](x), y).backward()
+        opts[g].step()
 
-    with ThreadPoolExecutor(2) as pool:
-        steps = list(pool.map(run_group, (0, 1)))
+    steps, rows = drive(outers, delays, inner_step)
     final = outers[0].pace.final_outer_step  # type: ignore[attr-defined]
     assert final == 6  # 60 steps of an average group, 10 per fragment round (200 / (2 x 10))
     # the last round averages fragment 1 (outer step 6), then fragment 0 again (7): a row each
