@@ -374,6 +374,17 @@ def test_peers_end_bit_identical(bootstrap, num_peers: int, transport: str):
     assert leftovers == [[]] * num_peers
 
 
+def test_a_stopped_averager_leaves_no_socket_behind(bootstrap):
+    """hivemind's averager process opens a replica of its DHT's p2p client (a unix socket in /tmp) and never closes
+    it; ours does, so a machine's /tmp does not gain a dead socket with every run (a suite left 167)."""
+    with SwarmAverager(bootstrap, prefix="sockets", tensors=[torch.zeros(8)], matchmaking_time=1.0,
+                       averaging_timeout=5.0) as averager:  # fmt: skip
+        process = psutil.Process(averager._averager.pid)
+        sockets = [c.laddr for c in process.net_connections("unix") if "p2pclient" in c.laddr]
+        assert sockets
+    assert [path for path in sockets if os.path.exists(path)] == []
+
+
 @pytest.mark.slow
 def test_killed_trainer_leaves_no_processes():
     """SIGKILLed trainers skip every cleanup; their DHT, averager and p2pd processes must still go away."""

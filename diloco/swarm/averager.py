@@ -237,6 +237,13 @@ class ExactAverager(hivemind.DecentralizedAverager):
             if not future.done():
                 future.set_exception(e)
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        try:
+            await super()._shutdown(timeout)
+        finally:  # hivemind never closes the averager's replica of the DHT's p2p client: its socket stays in /tmp
+            if getattr(self, "_p2p", None) is not None:
+                await self._p2p.shutdown()  # a replica: closes the client and removes its socket, not the daemon
+
 
 class _TcpGroup:
     """Stands in for hivemind's ``AllReduceRunner`` in ``_running_groups`` while the group averages over TCP, or
