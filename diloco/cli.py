@@ -464,9 +464,16 @@ def train_entry(argv: Sequence[str] | None = None) -> NoReturn:
 def _exit_now(code: int) -> NoReturn:
     """Leave without interpreter finalization once training has written and closed everything: gloo's worker
     threads can still hold tensors then, and destroying them during finalization aborts the process (seen
-    here about once in 20 runs as 'terminate called without an active exception', exit -6)."""
+    here about once in 20 runs as 'terminate called without an active exception', exit -6). What finalization
+    would have removed is removed here: multiprocessing's temp folder (``pymp-*`` in TMPDIR), one per rank."""
+    import multiprocessing.process
+    import shutil
+
     sys.stdout.flush()
     sys.stderr.flush()
+    tempdir = multiprocessing.process.current_process()._config.get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
     os._exit(code)
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -27,9 +30,9 @@ TEXT = [*FAST, "--dataset", str(CORPUS), "--seq-length", "64", "--per-device-tra
         "--hv.outer-lr", "1.0", "--hv.outer-momentum", "0.0"]  # fmt: skip
 
 
-def spawn(cmd: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+def spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(cmd, cwd=ROOT, env=child_env() | (env or {}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -130,23 +133,25 @@ def assert_trained_together(run_dirs: list[Path], groups: int, outer_steps: int)
         assert losses[-1] < losses[0] - 0.5  # from ln(1024) ≈ 6.9 at the start
 
 
-def train_two_groups(tmp_path: Path, dht_peer: list[str], steps: int, *flags: list[str]) -> list[Path]:
+def train_two_groups(tmp_path: Path, dht_peer: list[str], steps: int, *flags: list[str], **kw: Any) -> list[Path]:
     """Two worker groups of two ranks under torchrun against `dht_peer`, H = 4; `flags[i]` are group i's own.
     Returns their run folders once both ended with exit code 0."""
-    return train_groups(tmp_path, dht_peer, steps, [(2, own) for own in flags])
+    return train_groups(tmp_path, dht_peer, steps, [(2, own) for own in flags], **kw)
 
 
 def train_groups(tmp_path: Path, dht_peer: list[str], steps: int, groups: list[tuple[int, list[str]]],
-                 pace: tuple[str, ...] = ("--hv.local-steps", "4")) -> list[Path]:  # fmt: skip
+                 pace: tuple[str, ...] = ("--hv.local-steps", "4"), env: dict[str, str] | None = None,
+                 ) -> list[Path]:  # fmt: skip
     """Worker groups of (ranks, own flags) under torchrun against `dht_peer`, H = 4 (or `pace`), the same total
-    batch (8 sequences of 64 tokens). Returns their run folders once all ended with exit code 0."""
+    batch (8 sequences of 64 tokens), `env` added to their environment. Returns their run folders once all ended
+    with exit code 0."""
     procs, run_dirs = [], [tmp_path / f"w{i}" for i in range(len(groups))]
     for world_rank, (run_dir, (ranks, own)) in enumerate(zip(run_dirs, groups)):
         args = [*TEXT, "--total-batch-size", "8", "--max-steps", str(steps), *pace,
                 "--hv.galaxy-size", str(len(groups)), "--hv.world-rank", str(world_rank), "--hv.initial-peers",
                 *dht_peer, *own, "--run-dir", str(run_dir)]  # fmt: skip
         launch = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}", "-m", "diloco.train"]
-        procs.append(spawn([*launch, *args]))
+        procs.append(spawn([*launch, *args], env))
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -157,8 +162,16 @@ def train_groups(tmp_path: Path, dht_peer: list[str], steps: int, groups: list[t
 
 
 def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Path, dht_peer: list[str]) -> None:
+    """Two 2-rank groups, int8 on the wire, stay identical, and leave no multiprocessing temp folder (``pymp-*``, one
+    per rank) in their TMPDIR: a rank leaves without interpreter finalization, which would have removed it."""
     int8 = ["--hv.compression", "int8"]
-    assert_trained_together(train_two_groups(tmp_path, dht_peer, 12, int8, int8), groups=2, outer_steps=3)
+    scratch = Path(tempfile.mkdtemp(prefix="dlg-"))  # short: torch's shared-memory socket lives in TMPDIR
+    try:
+        run_dirs = train_two_groups(tmp_path, dht_peer, 12, int8, int8, env={"TMPDIR": str(scratch)})
+        assert_trained_together(run_dirs, groups=2, outer_steps=3)
+        assert list(scratch.glob("pymp-*")) == []
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
