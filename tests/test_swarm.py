@@ -374,6 +374,7 @@ def test_peers_end_bit_identical(bootstrap, num_peers: int, transport: str):
     assert leftovers == [[]] * num_peers
 
 
+@pytest.mark.slow
 def test_a_stopped_averager_leaves_no_socket_behind(bootstrap):
     """hivemind's averager process opens a replica of its DHT's p2p client (a unix socket in /tmp) and never closes
     it; ours does, so a machine's /tmp does not gain a dead socket with every run (a suite left 167)."""
