@@ -13,7 +13,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -133,10 +132,11 @@ def assert_trained_together(run_dirs: list[Path], groups: int, outer_steps: int)
         assert losses[-1] < losses[0] - 0.5  # from ln(1024) ≈ 6.9 at the start
 
 
-def train_two_groups(tmp_path: Path, dht_peer: list[str], steps: int, *flags: list[str], **kw: Any) -> list[Path]:
-    """Two worker groups of two ranks under torchrun against `dht_peer`, H = 4; `flags[i]` are group i's own.
-    Returns their run folders once both ended with exit code 0."""
-    return train_groups(tmp_path, dht_peer, steps, [(2, own) for own in flags], **kw)
+def train_two_groups(tmp_path: Path, dht_peer: list[str], steps: int, *flags: list[str],
+                     env: dict[str, str] | None = None) -> list[Path]:  # fmt: skip
+    """Two worker groups of two ranks under torchrun against `dht_peer`, H = 4; `flags[i]` are group i's own,
+    `env` added to their environment. Returns their run folders once both ended with exit code 0."""
+    return train_groups(tmp_path, dht_peer, steps, [(2, own) for own in flags], env=env)
 
 
 def train_groups(tmp_path: Path, dht_peer: list[str], steps: int, groups: list[tuple[int, list[str]]],
