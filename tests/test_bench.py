@@ -128,9 +128,11 @@ def test_convergence_map_quick(tmp_path: Path) -> None:
         w = data["workload"]
         lr, momentum, warmup = auto_outer(h, k, w["warmup_steps"], w["steps"])  # what `diloco train` picks
         assert cell["auto"] == f"{lr:g}/{momentum:g}" + (f" w{warmup}" if warmup else "")
-        assert {"0.7/0.9", "1/0", "auto"} <= set(cell["gaps"])
+        assert {"0.7/0.9", "1/0", "1/0.5", "1.4/0", "auto"} <= set(cell["gaps"])  # k = 2 runs two settings more
     worst = data["map"]["worst_gap"]
     assert worst["auto"] == max(c["gaps"]["auto"] for c in cells.values())
+    assert list(worst) == ["0.7/0.9", "1/0", "1/0.5", "1.4/0", "auto"]  # the table's columns, in this order
+    assert "| k | H | 0.7/0.9 | 1/0 | 1/0.5 | 1.4/0 | auto |" in doc
     assert (tmp_path / "convergence-map-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Worst gap over every (k, H) of the map" in doc
 

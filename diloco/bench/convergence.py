@@ -14,7 +14,7 @@ galaxy size k sees the same number of training tokens:
 
 Three studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, two
 seeds for the arms that decide the defaults), `map` (a 0.14M-parameter model, seq 64, S = 2000, so that H = 500
-still makes 4 outer steps; H 10, 25, 100, 250 and 500 at k = 2 and 4, one seed) and `streaming` (the defaults'
+still makes 4 outer steps; H 10, 25, 50, 100, 250 and 500 at k = 2, 4 and 8, one seed) and `streaming` (the defaults'
 workload at k = 2, H = 20: blocking rounds against two fragments, strided and contiguous, blocking and overlapped;
 the quality side of `bench wan`, whose rounds cross a real network).
 
@@ -178,20 +178,25 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
     return specs
 
 
-# the map's (k, H) cells: what 2 CPU cores run in about half an hour (k = 8 and H = 50 did not fit: the 8-group
-# arms alone cost 5 minutes each there)
-MAP_HS = {2: (10, 25, 100, 250, 500), 4: (10, 25, 100, 250, 500)}
+# the map's (k, H) cells: six H at k = 2, 4 and 8 (S = 2000: 4 outer steps at H = 500), and besides the paper's
+# setting, plain averaging and auto, two more outer settings, between and beyond them, at k = 2 and 4 (the 8-group
+# arms cost twice the 4-group ones, about 3 minutes each on 2 cores)
+MAP_HS = (10, 25, 50, 100, 250, 500)
+MAP_KS = (2, 4, 8)
+MAP_MORE: dict[int, tuple[Setting, ...]] = {2: ((1.0, 0.5, 0), (1.4, 0.0, 0)), 4: ((1.0, 0.5, 0), (1.4, 0.0, 0))}
 
 
 def map_specs(w: Workload, quick: bool) -> list[ArmSpec]:
-    """Per k: DDP, and at every H the paper's setting, plain averaging and what auto picks (when it is neither)."""
+    """Per k: DDP, and at every H what auto picks, the paper's setting, plain averaging (each once where auto is
+    one of them) and at k = 2 and 4 two more settings."""
+    hs, ks = ((5, 10), (2,)) if quick else (MAP_HS, MAP_KS)
     specs = []
-    for k, hs in ({2: (5, 10)} if quick else MAP_HS).items():
+    for k in ks:
         specs += baselines(k, w, w.seeds[0])[1:]
         for h in hs:
             auto = auto_outer(h, k, w.warmup_steps, w.steps)
             specs.append(diloco_arm(k, w, h, auto, w.seeds[0], auto=True))
-            specs += [diloco_arm(k, w, h, s, w.seeds[0]) for s in (PAPER, PLAIN) if s != auto]
+            specs += [diloco_arm(k, w, h, s, w.seeds[0]) for s in (PAPER, PLAIN, *MAP_MORE.get(k, ())) if s != auto]
     return specs
 
 

@@ -92,10 +92,10 @@ def m1(arms: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def grid(arms: list[dict[str, Any]]) -> dict[str, Any]:
-    """The map: at every (k, H) the gap of the paper's setting, plain averaging and auto (what the trainer picks
-    with no outer flags; it may be one of the two), the best of them and each one's worst gap over the cells
-    that measured it."""
+    """The map: at every (k, H) the gap of each outer setting and of auto (what the trainer picks with no outer
+    flags; it may be one of the others), the best of them, and each one's worst gap over the cells that ran it."""
     cells: dict[str, dict[str, Any]] = {}
+    fixed = set()  # the settings run as themselves somewhere: the table's columns
     for arm in arms:
         if arm["outer"] is None:
             continue
@@ -104,15 +104,23 @@ def grid(arms: list[dict[str, Any]]) -> dict[str, Any]:
         if arm["name"].endswith("-auto"):
             cell["auto"] = setting
             cell["gaps"]["auto"] = arm["gap_vs_ddp"]
+        else:
+            fixed.add(setting)
         cell["gaps"][setting] = arm["gap_vs_ddp"]
     for cell in cells.values():
         cell["best"] = min(cell["gaps"], key=cell["gaps"].get)
+    columns = _columns(fixed)
     worst = {}  # each rule over the cells that measured it
-    for rule in ("0.7/0.9", "1/0", "auto"):
-        gaps = [cell["gaps"][rule] for cell in cells.values() if rule in cell["gaps"]]
-        if gaps:
-            worst[rule] = max(gaps)
-    return {"cells": list(cells.values()), "worst_gap": worst}
+    for rule in columns:
+        worst[rule] = max(cell["gaps"][rule] for cell in cells.values() if rule in cell["gaps"])
+    return {"cells": list(cells.values()), "rules": columns, "worst_gap": worst}
+
+
+def _columns(fixed: set[str]) -> list[str]:
+    """The paper's setting, plain averaging, the others by lr and momentum, and auto last."""
+    first = [r for r in ("0.7/0.9", "1/0") if r in fixed]
+    more = sorted(fixed - set(first), key=lambda r: tuple(float(x) for x in r.split()[0].split("/")))
+    return [*first, *more, "auto"]
 
 
 def _name(setting: tuple[float, float, int] | None) -> str:
@@ -196,20 +204,24 @@ def _defaults_verdict(result: dict[str, Any]) -> list[str]:
 
 
 def _map_tables(grid_: dict[str, Any]) -> list[str]:
+    columns = grid_["rules"]
     lines = ["Gap to DDP at equal tokens (bold: the best of the cell; auto: what the trainer picks with no outer "
-             "flags, its setting in brackets):", "", "| k | H | 0.7/0.9 | 1/0 | auto |",
-             "|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "flags, its setting in brackets; –: not run there):", "", "| k | H | " + " | ".join(columns) + " |",
+             "|---:|---:|" + "---:|" * len(columns)]  # fmt: skip
     for cell in grid_["cells"]:
         best = cell["gaps"][cell["best"]]
         row = []
-        for rule in ("0.7/0.9", "1/0", "auto"):
+        for rule in columns:
             gap = cell["gaps"].get(rule)
             text = "–" if gap is None else f"{gap * 100:+.1f}%"
             row.append(f"**{text}**" if gap == best else text)
         row[-1] += f" ({cell['auto']})"
         lines.append(f"| {cell['k']} | {cell['h']} | " + " | ".join(row) + " |")
-    worst = ", ".join(f"{rule} {gap * 100:+.1f}%" for rule, gap in grid_["worst_gap"].items())
-    return [*lines, "", f"Worst gap over every (k, H) of the map, per rule: {worst}."]
+    worst = ", ".join(
+        f"{rule} {gap * 100:+.1f}% ({sum(rule in c['gaps'] for c in grid_['cells'])} cells)"
+        for rule, gap in grid_["worst_gap"].items()
+    )
+    return [*lines, "", f"Worst gap over every (k, H) of the map, per rule (over the cells that ran it): {worst}."]
 
 
 # ---------------------------------------------------------------- the plot
@@ -227,7 +239,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     fig, axes = plt.subplots(1, len(ks), figsize=(5.5 * len(ks), 4.5), squeeze=False)
     for ax, k in zip(axes[0], ks):
         if "map" in result:
-            _map_panel(ax, [c for c in result["map"]["cells"] if c["k"] == k])
+            _map_panel(ax, [c for c in result["map"]["cells"] if c["k"] == k], result["map"]["rules"])
         else:
             _curve_panel(ax, [a for a in result["arms"] if a["k"] == k and not a["trial"]])
         ax.set_title(f"k = {k}")
@@ -254,9 +266,11 @@ def _curve_panel(ax: Any, arms: list[dict[str, Any]]) -> None:
         ax.set_ylim(top=min(top, 3.5))
 
 
-def _map_panel(ax: Any, cells: list[dict[str, Any]]) -> None:
-    for rule in ("0.7/0.9", "1/0", "auto"):
+def _map_panel(ax: Any, cells: list[dict[str, Any]], rules: list[str]) -> None:
+    for rule in rules:
         points = sorted((c["h"], c["gaps"][rule] * 100) for c in cells if rule in c["gaps"])
+        if not points:  # a setting run at other k only
+            continue
         ax.plot(*zip(*points), marker="o", label=rule)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set(xscale="log", xlabel="H (inner steps per outer step)", ylabel="final eval loss vs DDP (%)")
