@@ -244,7 +244,7 @@ _TRAIN_CORES = Parameter(help="Hold each worker's training process to this share
                          "accelerator that trains; the JSON is then wan-cores<C>.json. Default: each worker and its "
                          "helpers share one core.")  # fmt: skip
 _STUDY = Parameter(help="defaults: k = 2, 4, 8 groups at H = 25, no outer flags against DDP and the trials of "
-                   "the 4-group gap (the ~1M model, 2 seeds); map: the gap to DDP of each outer setting over H = "
+                   "the 4-group gap (the ~1M model, 3 seeds); map: the gap to DDP of each outer setting over H = "
                    "10-500 and k = 2, 4, 8 (a 0.14M model, 2000 inner steps); streaming: blocking rounds against "
                    "--hv.fragments 2, strided and contiguous, blocking and overlapped (k = 2, H = 20).")  # fmt: skip
 _MODEL = Parameter(help="The model every arm trains: a bench model's name (e.g. llama-14m-fresh; an unknown name "

@@ -85,6 +85,8 @@ def test_convergence_quick(tmp_path: Path) -> None:
     arms = {arm["name"]: arm for arm in data["arms"]}
     assert {"single", "ddp", "m1-H5-0.7/0.9", "diloco-H5-auto", "diloco-H5-0.7/0.9"} <= set(arms)
     assert any(name.startswith("trial-") and "inner lr ×2" in name for name in arms)
+    fair = [arm for name, arm in arms.items() if name.startswith("trial-ddp")]  # DDP at the trial's smaller batch
+    assert len(fair) == 1 and fair[0]["outer"] is None and fair[0]["steps"] == 2 * arms["ddp"]["steps"]
     assert len({arm["tokens"] for arm in data["arms"]}) == 1  # equal tokens in every arm
     for arm in data["arms"]:
         first, last = arm["curve"][0][1], arm["final_eval_loss"][0]

@@ -10,9 +10,9 @@ galaxy size k sees the same number of training tokens:
   trainer picks with no outer flags (`diloco.config.auto_outer`), the others a fixed (lr, momentum, warm-up);
 - `m1`: DiLoCo with one group (M = 1) at batch B for k·S steps;
 - at k = 4 (`defaults` only), trials of what else might close the gap to DDP: the inner lr, the inner warm-up,
-  a smaller batch for more steps.
+  a smaller batch for more steps (against a DDP of that batch too).
 
-Three studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, two
+Three studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, three
 seeds for the arms that decide the defaults), `map` (a 0.14M-parameter model, seq 64, S = 2000, so that H = 500
 still makes 4 outer steps; H 10, 25, 50, 100, 250 and 500 at k = 2, 4 and 8, one seed) and `streaming` (the defaults'
 workload at k = 2, H = 20: blocking rounds against two fragments, strided and contiguous, blocking and overlapped;
@@ -124,7 +124,7 @@ def workload(quick: bool, study: str = "defaults") -> Workload:
         return Workload("llama-0.1m-bytes", 64, 4, 2000, 3e-3, 100, 16, 8)
     if quick:  # a smoke run: every kind of arm, and an outer step at both H, in a few seconds of compute
         return Workload("llama-1m-bytes", 32, 4, 10, 3e-3, 2, 2, 2)
-    return Workload("llama-1m-bytes", 128, 8, 200, 3e-3, 20, 16, 4, seeds=(0, 1))
+    return Workload("llama-1m-bytes", 128, 8, 200, 3e-3, 20, 16, 4, seeds=(0, 1, 2))
 
 
 def setting_name(setting: Setting) -> str:
@@ -146,7 +146,7 @@ def baselines(k: int, w: Workload, seed: int) -> list[ArmSpec]:
 def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
     """Per k and seed: DDP, DiLoCo with no outer flags (auto), plain averaging and the paper's setting at H = 25
     (k = 8: the first seed only); once (the first seed): single and M = 1 at k = 2 and 4, and at k = 4 the
-    trials."""
+    trials (the last two: a smaller batch for more steps, DiLoCo and its DDP)."""
     h, ks = (5, (2,)) if quick else (25, (2, 4, 8))
     specs = []
     for seed in w.seeds:
@@ -172,9 +172,14 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
         (replace(plain, batch=w.batch // 2, steps=2 * w.steps, h=2 * h), "inner batch B/2 for 2·S steps, H ×2"),
         (diloco_arm(k, w, h, (auto.lr, 0.3, warmup), first), "auto + outer momentum 0.3"),
         (diloco_arm(k, w, h, (1.7, 0.0, warmup), first), "a larger outer lr, 1.7, with the warm-up"),
+        (replace(diloco_arm(k, w, h, auto_outer(h, k, w.warmup_steps, 2 * w.steps), first), batch=w.batch // 2,
+                 steps=2 * w.steps), "auto, inner batch B/2 for 2·S steps"),
+        (replace(baselines(k, w, first)[1], batch=k * w.batch // 2, steps=2 * w.steps),
+         "DDP at batch k·B/2 for 2·S steps, the fair baseline of the trial above"),
     ]
     for spec, what in trials:
-        specs.append(replace(spec, name=f"trial-H{spec.h}-{setting_name(spec.setting)} ({what})", trial=what))
+        label = "ddp" if spec.setting is None else f"H{spec.h}-{setting_name(spec.setting)}"
+        specs.append(replace(spec, name=f"trial-{label} ({what})", trial=what))
     return specs
 
 
