@@ -334,7 +334,7 @@ def test_demo_learns_shakespeare_and_ends_with_a_verdict_and_a_plot(tmp_path: Pa
         banner = output[output.index(f"[worker-{world_rank}] ") :]
         assert f"worker group {world_rank} starting:" in banner and "tinyshakespeare.txt: 1,115,39" in banner
         # no outer flags: auto for 2 groups at H = 25 with a 20-step inner warm-up (README, "The outer step")
-        assert "outer lr 1 rising over 3 outer steps momentum 0 (auto for this H and galaxy size" in banner
+        assert "outer lr 1.4 rising over 3 outer steps momentum 0 (auto for this H and galaxy size" in banner
     assert "[worker-0] step 50/50 | loss" in output and "| eval loss " in output
     assert "✓ all 2 worker groups ended with the same model" in output
     assert (run_dir / "loss.png").stat().st_size > 10_000
