@@ -377,6 +377,15 @@ def full_round(run_dir: Path) -> bool:
 @pytest.mark.slow
 @SHARES_THE_SWARM
 def test_status_lists_both_training_groups_and_leaves_no_p2pd(swarm: SimpleNamespace) -> None:
+    for _look in range(3):  # a round under the suite's load can miss the other group; a later look sees a full one
+        groups = look_at_the_swarm(swarm)
+        if all(group["round"] == "ok" for group in groups):
+            break
+    assert all(group["round"] == "ok" and group["round_peers"] == 2 for group in groups), groups
+
+
+def look_at_the_swarm(swarm: SimpleNamespace) -> list[dict]:
+    """`diloco status --json` once: both groups, each as its own metrics say (its last round as it logged it)."""
     look = Watched(["--hv.initial-peers", *swarm.peers, "--json"])
     assert look.returncode == 0, look.stderr[-3000:]
     # it answers rather than hangs; how fast (3.5–4 s here, the 5 s target) is a measurement, in the README, not a
@@ -388,11 +397,12 @@ def test_status_lists_both_training_groups_and_leaves_no_p2pd(swarm: SimpleNames
     for group, run_dir in zip(groups, swarm.run_dirs):
         assert group["ranks"] == 1 and group["sharding"] == "FULL_SHARD" and group["max_steps"] == 100000
         assert group["state"] == "training" and group["step"] > 0 and group["tokens_per_s"] > 0
-        assert group["round"] == "ok" and group["round_peers"] == 2 and group["outer_step"] >= 1, group
-        assert group["heard_s"] < 30 and group["round_age_s"] < 60, group
+        assert group["outer_step"] >= 1 and group["heard_s"] < 30 and group["round_age_s"] < 60, group
         rounds = [r for r in metrics(run_dir) if r.get("outer_step") == group["outer_step"] and "num_peers" in r]
-        assert rounds and rounds[-1]["num_peers"] == 2  # the round the record tells of, as the group logged it
+        assert rounds, group  # the round the record tells of, as the group logged it
+        assert group["round_peers"] == rounds[-1]["num_peers"] and group["round"] in ("ok", "alone"), group
         assert rounds[-1]["outer_digest"].startswith(group["digest"])
+    return groups
 
 
 @pytest.mark.slow
