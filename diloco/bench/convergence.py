@@ -185,7 +185,7 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
 
 # the map's (k, H) cells: six H at k = 2, 4 and 8 (S = 2000: 4 outer steps at H = 500), and besides the paper's
 # setting, plain averaging and auto, two more outer settings, between and beyond them, at k = 2 and 4 (the 8-group
-# arms cost twice the 4-group ones, about 3 minutes each on 2 cores)
+# arms cost twice the 4-group ones: about 2 minutes each, two at a time on 2 cores; the whole map 34 minutes)
 MAP_HS = (10, 25, 50, 100, 250, 500)
 MAP_KS = (2, 4, 8)
 MAP_MORE: dict[int, tuple[Setting, ...]] = {2: ((1.0, 0.5, 0), (1.4, 0.0, 0)), 4: ((1.0, 0.5, 0), (1.4, 0.0, 0))}
