@@ -46,7 +46,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from diloco.bench import BenchError
 from diloco.bench.attacks import Attacker
-from diloco.bench.convergence_report import markdown, plot, stem, summarize
+from diloco.bench.convergence_report import PAPER, PLAIN, markdown, plot, stem, summarize
 from diloco.bench.models import model_folder
 from diloco.config import Config, FieldError, auto_outer
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
@@ -63,8 +63,6 @@ ADAMW_BETAS = Config.model_fields["adam_betas"].default
 WEIGHT_DECAY = Config.model_fields["weight_decay"].default
 GRAD_CLIP = Config.model_fields["max_grad_norm"].default
 
-PAPER = (0.7, 0.9, 0)  # (outer lr, outer momentum, outer-lr warm-up in outer steps)
-PLAIN = (1.0, 0.0, 0)
 Setting = tuple[float, float, int]
 
 
@@ -188,7 +186,8 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
 # arms cost twice the 4-group ones: about 2 minutes each, two at a time on 2 cores; the whole map 34 minutes)
 MAP_HS = (10, 25, 50, 100, 250, 500)
 MAP_KS = (2, 4, 8)
-MAP_MORE: dict[int, tuple[Setting, ...]] = {2: ((1.0, 0.5, 0), (1.4, 0.0, 0)), 4: ((1.0, 0.5, 0), (1.4, 0.0, 0))}
+MAP_MORE: tuple[Setting, ...] = ((1.0, 0.5, 0), (1.4, 0.0, 0))
+MAP_MORE_KS = (2, 4)
 
 
 def map_specs(w: Workload, quick: bool) -> list[ArmSpec]:
@@ -197,11 +196,12 @@ def map_specs(w: Workload, quick: bool) -> list[ArmSpec]:
     hs, ks = ((5, 10), (2,)) if quick else (MAP_HS, MAP_KS)
     specs = []
     for k in ks:
+        more = MAP_MORE if k in MAP_MORE_KS else ()
         specs += baselines(k, w, w.seeds[0])[1:]
         for h in hs:
             auto = auto_outer(h, k, w.warmup_steps, w.steps)
             specs.append(diloco_arm(k, w, h, auto, w.seeds[0], auto=True))
-            specs += [diloco_arm(k, w, h, s, w.seeds[0]) for s in (PAPER, PLAIN, *MAP_MORE.get(k, ())) if s != auto]
+            specs += [diloco_arm(k, w, h, s, w.seeds[0]) for s in (PAPER, PLAIN, *more) if s != auto]
     return specs
 
 

@@ -10,6 +10,8 @@ import numpy as np
 
 from diloco.bench import section_head
 
+PAPER = (0.7, 0.9, 0)  # (outer lr, outer momentum, outer-lr warm-up in outer steps): the map's first columns
+PLAIN = (1.0, 0.0, 0)
 TARGET_GAP = {2: 0.02, 4: 0.03}  # no outer flags at H = 25: within 2% of DDP's eval loss at k = 2, 3% at k = 4
 
 
@@ -95,7 +97,7 @@ def grid(arms: list[dict[str, Any]]) -> dict[str, Any]:
     """The map: at every (k, H) the gap of each outer setting and of auto (what the trainer picks with no outer
     flags; it may be one of the others), the best of them, and each one's worst gap over the cells that ran it."""
     cells: dict[str, dict[str, Any]] = {}
-    fixed = set()  # the settings run as themselves somewhere: the table's columns
+    fixed: set[tuple[float, float, int]] = set()  # the settings run as themselves somewhere: the table's columns
     for arm in arms:
         if arm["outer"] is None:
             continue
@@ -105,7 +107,7 @@ def grid(arms: list[dict[str, Any]]) -> dict[str, Any]:
             cell["auto"] = setting
             cell["gaps"]["auto"] = arm["gap_vs_ddp"]
         else:
-            fixed.add(setting)
+            fixed.add(_setting(arm))
         cell["gaps"][setting] = arm["gap_vs_ddp"]
     for cell in cells.values():
         cell["best"] = min(cell["gaps"], key=cell["gaps"].get)
@@ -116,11 +118,10 @@ def grid(arms: list[dict[str, Any]]) -> dict[str, Any]:
     return {"cells": list(cells.values()), "rules": columns, "worst_gap": worst}
 
 
-def _columns(fixed: set[str]) -> list[str]:
-    """The paper's setting, plain averaging, the others by lr and momentum, and auto last."""
-    first = [r for r in ("0.7/0.9", "1/0") if r in fixed]
-    more = sorted(fixed - set(first), key=lambda r: tuple(float(x) for x in r.split()[0].split("/")))
-    return [*first, *more, "auto"]
+def _columns(fixed: set[tuple[float, float, int]]) -> list[str]:
+    """The paper's setting, plain averaging, the others by lr, momentum and warm-up, and auto last."""
+    first = [s for s in (PAPER, PLAIN) if s in fixed]
+    return [_name(s) for s in (*first, *sorted(fixed - set(first)))] + ["auto"]
 
 
 def _name(setting: tuple[float, float, int] | None) -> str:
