@@ -12,6 +12,10 @@ matchmakes for the group) and, in every round, sends
   connection open; ``replay``: the hello it sent that reducer in an earlier round, replayed as recorded, then its
   parts as then. Its own span it reduces honestly.
 
+While it takes part in rounds it keeps a status record of a training group fresh, as a group that joined would:
+honest groups count it among those expected in a round and wait (up to their matchmaking time) for it, instead of
+meeting it only when it happens to be matchmaking as they do.
+
 or, taking part in no round:
 
 - ``forge``: for ROUNDS seconds, a progress record in the DHT that claims its group (WORLD_RANK) holds outer step
@@ -45,13 +49,14 @@ from diloco.swarm.addresses import announced_hosts
 from diloco.swarm.averager import SwarmAverager
 from diloco.swarm.codecs import WIRE_FORMATS
 from diloco.swarm.dht import rendezvous, start_dht
-from diloco.swarm.fingerprint import model_id, run_key
+from diloco.swarm.fingerprint import ModelId, model_id, run_key
 from diloco.swarm.group_round import GroupRounds
 from diloco.swarm import transfer
 from diloco.swarm.layout import Shape
 from diloco.swarm.listener import Listener, listen_socket
 from diloco.swarm.ownership import Owner
 from diloco.swarm.progress import Progress, progress_key, publish
+from diloco.swarm import status
 from diloco.swarm.frames import LENGTH, recv_exact
 from diloco.swarm.tcp import HELLO, MAGIC, Round, _mac
 
@@ -196,6 +201,21 @@ def claim(dht, owner: Owner, run: str, world_rank: int, seconds: float) -> None:
         server.close()
 
 
+def heartbeat(dht, owner: Owner, run_id: str, model: ModelId, world_rank: int, done: threading.Event) -> None:
+    """A status record of a one-rank group in training on `model`, refreshed every ``status.HEARTBEAT_S`` until
+    `done` (no transport or outer setting: as a trainer from before those fields, which any group accepts)."""
+    while not done.is_set():
+        record = status.Status(world_rank=world_rank, ranks=1, sharding="FULL_SHARD", state="training", step=0,
+                               max_steps=None, outer_step=0, tokens_per_s=None, digest="", round_peers=None,
+                               round_at=None, heard_at=time.time(), model=model.fingerprint,
+                               parameters=model.parameters, peer=dht.peer_id.to_base58())  # fmt: skip
+        try:
+            status.publish(dht, status.status_key(run_id), record, owner.subkey(world_rank))
+        except Exception:  # the DHT is shutting down
+            return
+        done.wait(status.HEARTBEAT_S)
+
+
 def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int, aggregation: str,
          peers: list[str]) -> None:  # fmt: skip
     module = load_model(Path(model_dir), seed=0)
@@ -227,6 +247,8 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
         Round._exchange = huge_frames
     elif attack == "frames":
         Round._exchange = bad_frames
+    done = threading.Event()
+    threading.Thread(target=heartbeat, args=(dht, owner, run_id, model, world_rank, done), daemon=True).start()
     try:
         rendezvous(dht, f"{prefix}-members", str(world_rank), galaxy, 60)
         for round_index in range(1, rounds + 1):
@@ -241,6 +263,7 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
             if attack == "frames" and report.num_peers > 1:  # the next attack in a round with the swarm
                 bad_frame[0] = FRAMES[(FRAMES.index(bad_frame[0]) + 1) % len(FRAMES)]
     finally:
+        done.set()
         listener.close()
         averager.shutdown()
         dht.shutdown()
