@@ -95,6 +95,12 @@ class OuterSetting(NamedTuple):
 # the warm-up below (1.2 without it: +8.6% at k = 4). With it, 2 groups did best at 1.4 (seeds 0-2: -3.3%, +0.5%,
 # +0.8% against 1.0's -2.3%, +1.3%, +2.3%), 4 groups at 1.2 (1.5: +2.9%, +5.3%; 1.7 and 2.0 worse on seed 1).
 AUTO_MOMENTUM_STEPS = 50
+# 3 or more groups over 20 to 49 outer steps at H up to 100: a gentler Nesterov step, 1.0 / 0.5 without warm-up.
+# The map's 2000-step runs (seeds 0 and 1, H = 50 and 100: 40 and 20 outer steps) put it 0.6-4.6 points closer to
+# DDP than 1.2 / 0 with the warm-up at k = 4 and 8 in all 8 cells, and without warm-up ahead of with it at k = 4;
+# over 8 outer steps (H = 25, S = 200) it lost to 1.2 / 0 on every seed, as did every momentum tried there.
+AUTO_NESTEROV = OuterSetting(1.0, 0.5, 0)
+AUTO_NESTEROV_STEPS, AUTO_NESTEROV_K, AUTO_NESTEROV_H = 20, 3, 100
 AUTO_LR: tuple[tuple[float, float, float], ...] = ((100, 2, 1.4), (100, math.inf, 1.2), (math.inf, math.inf, 1.0))
 # --hv.outer-lr-warmup auto, up to this H: the outer lr rises over the outer steps that cover this many inner
 # warm-ups (--warmup-steps). The same bench found the harm in the first outer steps, while the inner lr warms up:
@@ -105,8 +111,11 @@ AUTO_WARMUP_H, AUTO_WARMUP_SPAN = 100, 3
 def auto_outer(h: float, galaxy_size: int, warmup_steps: int, max_steps: int) -> OuterSetting:
     """The outer setting `auto` picks for H inner steps per outer step, `galaxy_size` groups, an inner warm-up
     of `warmup_steps` steps and a run of `max_steps` inner steps."""
-    if max_steps / h >= AUTO_MOMENTUM_STEPS:
+    outer_steps = max_steps / h
+    if outer_steps >= AUTO_MOMENTUM_STEPS:
         return OuterSetting(0.7, 0.9, 0)
+    if outer_steps >= AUTO_NESTEROV_STEPS and galaxy_size >= AUTO_NESTEROV_K and h <= AUTO_NESTEROV_H:
+        return AUTO_NESTEROV
     lr = next(lr for max_h, max_k, lr in AUTO_LR if h <= max_h and galaxy_size <= max_k)
     warmup = math.ceil(AUTO_WARMUP_SPAN * warmup_steps / h) if h <= AUTO_WARMUP_H else 0
     return OuterSetting(lr, 0.0, warmup if warmup > 1 else 0)  # one step of warm-up is none
