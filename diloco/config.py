@@ -96,9 +96,10 @@ class OuterSetting(NamedTuple):
 # +0.8% against 1.0's -2.3%, +1.3%, +2.3%), 4 groups at 1.2 (1.5: +2.9%, +5.3%; 1.7 and 2.0 worse on seed 1).
 AUTO_MOMENTUM_STEPS = 50
 # 3 or more groups over 20 to 49 outer steps at H up to 100: a gentler Nesterov step, 1.0 / 0.5 without warm-up.
-# The map's 2000-step runs (seeds 0 and 1, H = 50 and 100: 40 and 20 outer steps) put it 0.6-4.6 points closer to
-# DDP than 1.2 / 0 with the warm-up at k = 4 and 8 in all 8 cells, and without warm-up ahead of with it at k = 4;
-# over 8 outer steps (H = 25, S = 200) it lost to 1.2 / 0 on every seed, as did every momentum tried there.
+# In the map's 2000-step runs (seeds 0 and 1, H = 50 and 100: 40 and 20 outer steps) it ended 0.7-5.1 points
+# closer to DDP than 1.2 / 0 with the warm-up at k = 4 and 8, in all 8 cells (with auto's warm-up added it still
+# won, but by less at k = 4; docs/benchmarks.md, 2026-11-25 23:50). Over 8 outer steps (H = 25, S = 200) it lost
+# to 1.2 / 0 on every seed, as did every momentum tried there.
 AUTO_NESTEROV = OuterSetting(1.0, 0.5, 0)
 AUTO_NESTEROV_STEPS, AUTO_NESTEROV_K, AUTO_NESTEROV_H = 20, 3, 100
 AUTO_LR: tuple[tuple[float, float, float], ...] = ((100, 2, 1.4), (100, math.inf, 1.2), (math.inf, math.inf, 1.0))
@@ -180,17 +181,18 @@ class HvConfig(_Strict):
     outer_lr: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
         "auto",
         description="Learning rate of the outer SGD; auto: the paper's 0.7 for runs of 50 outer steps or more, "
-        "else 1.0-1.2 by H and galaxy size (README, 'The outer step').",
+        "else 1.0-1.4 by H, galaxy size and outer steps (README, 'The outer step').",
     )
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = Field(
         "auto",
         description="Nesterov momentum of the outer SGD; auto: the paper's 0.9 for runs of 50 outer steps or more, "
-        "else 0.",
+        "0.5 for 3 groups or more over 20-49 outer steps up to H = 100, else 0.",
     )
     outer_lr_warmup: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto",
         description="Outer steps over which the outer lr rises linearly to its value (0: none); auto: in runs of "
-        "fewer than 50 outer steps up to H = 100, the outer steps that cover 3 × --warmup-steps inner steps.",
+        "fewer than 50 outer steps up to H = 100 (fewer than 20 with 3 groups or more), the outer steps that cover "
+        "3 × --warmup-steps inner steps.",
     )
     aggregation: Aggregation = Field(
         "mean",
