@@ -95,13 +95,10 @@ class OuterSetting(NamedTuple):
 # the warm-up below (1.2 without it: +8.6% at k = 4). With it, 2 groups did best at 1.4 (seeds 0-2: -3.3%, +0.5%,
 # +0.8% against 1.0's -2.3%, +1.3%, +2.3%), 4 groups at 1.2 (1.5: +2.9%, +5.3%; 1.7 and 2.0 worse on seed 1).
 AUTO_MOMENTUM_STEPS = 50
-# 3 or more groups over 20 to 49 outer steps at H up to 100: a gentler Nesterov step, 1.0 / 0.5 without warm-up.
-# In the map's 2000-step runs (seeds 0 and 1, H = 50 and 100: 40 and 20 outer steps) it ended 0.7-5.1 points
-# closer to DDP than 1.2 / 0 with the warm-up at k = 4 and 8, in all 8 cells (with auto's warm-up added it still
-# won, but by less at k = 4; docs/benchmarks.md, 2026-11-25 23:50). Over 8 outer steps (H = 25, S = 200) it lost
-# to 1.2 / 0 on every seed, as did every momentum tried there.
-AUTO_NESTEROV = OuterSetting(1.0, 0.5, 0)
-AUTO_NESTEROV_STEPS, AUTO_NESTEROV_K, AUTO_NESTEROV_H = 20, 3, 100
+# Not taken: 1.0 / 0.5 for 3+ groups over 20-49 outer steps. On the map's workload (0.14M model, H = 50 and 100)
+# it beat 1.2 / 0 with the warm-up by 0.7-5.1 points at k = 4 and 8, but on the defaults' (1.1M model, H = 25, S =
+# 400 and 500: 16 and 20 outer steps, k = 4) it lost by 5-11 points on every seed, and with the warm-up by 0.1-2.5
+# (docs/benchmarks.md, 2026-11-26 01:00-01:34).
 AUTO_LR: tuple[tuple[float, float, float], ...] = ((100, 2, 1.4), (100, math.inf, 1.2), (math.inf, math.inf, 1.0))
 # --hv.outer-lr-warmup auto, up to this H: the outer lr rises over the outer steps that cover this many inner
 # warm-ups (--warmup-steps). The same bench found the harm in the first outer steps, while the inner lr warms up:
@@ -112,11 +109,8 @@ AUTO_WARMUP_H, AUTO_WARMUP_SPAN = 100, 3
 def auto_outer(h: float, galaxy_size: int, warmup_steps: int, max_steps: int) -> OuterSetting:
     """The outer setting `auto` picks for H inner steps per outer step, `galaxy_size` groups, an inner warm-up
     of `warmup_steps` steps and a run of `max_steps` inner steps."""
-    outer_steps = max_steps / h
-    if outer_steps >= AUTO_MOMENTUM_STEPS:
+    if max_steps / h >= AUTO_MOMENTUM_STEPS:
         return OuterSetting(0.7, 0.9, 0)
-    if outer_steps >= AUTO_NESTEROV_STEPS and galaxy_size >= AUTO_NESTEROV_K and h <= AUTO_NESTEROV_H:
-        return AUTO_NESTEROV
     lr = next(lr for max_h, max_k, lr in AUTO_LR if h <= max_h and galaxy_size <= max_k)
     warmup = math.ceil(AUTO_WARMUP_SPAN * warmup_steps / h) if h <= AUTO_WARMUP_H else 0
     return OuterSetting(lr, 0.0, warmup if warmup > 1 else 0)  # one step of warm-up is none
@@ -186,13 +180,12 @@ class HvConfig(_Strict):
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = Field(
         "auto",
         description="Nesterov momentum of the outer SGD; auto: the paper's 0.9 for runs of 50 outer steps or more, "
-        "0.5 for 3 groups or more over 20-49 outer steps up to H = 100, else 0.",
+        "else 0.",
     )
     outer_lr_warmup: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto",
         description="Outer steps over which the outer lr rises linearly to its value (0: none); auto: in runs of "
-        "fewer than 50 outer steps up to H = 100 (fewer than 20 with 3 groups or more), the outer steps that cover "
-        "3 × --warmup-steps inner steps.",
+        "fewer than 50 outer steps up to H = 100, the outer steps that cover 3 × --warmup-steps inner steps.",
     )
     aggregation: Aggregation = Field(
         "mean",

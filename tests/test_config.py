@@ -150,14 +150,12 @@ SWARM = "--path-model m --fake-data --warmup-steps 20 --hv.galaxy-size"
         ("2", 4_000, (1.0, 0.0, 0)),  # 8 outer steps of H = 500: no momentum, no warm-up above H = 100
         ("2 --hv.local-steps 25", 200, (1.4, 0.0, 3)),  # 3 outer steps cover 3 inner warm-ups of 20 steps
         ("4 --hv.local-steps 25", 200, (1.2, 0.0, 3)),  # more groups: a larger outer lr
-        ("8 --hv.local-steps 10", 190, (1.2, 0.0, 6)),
-        ("8 --hv.local-steps 10", 200, (1.0, 0.5, 0)),  # 20 outer steps of 3+ groups: Nesterov 1.0 / 0.5
+        ("8 --hv.local-steps 10", 200, (1.2, 0.0, 6)),
         ("4 --hv.local-steps 25", 1250, (0.7, 0.9, 0)),  # 50 outer steps: momentum pays off
-        ("4 --hv.local-steps 25", 1249, (1.0, 0.5, 0)),  # 3+ groups, 20-49 outer steps: a gentler Nesterov step
-        ("8 --hv.local-steps 100", 2000, (1.0, 0.5, 0)),  # 20 outer steps
-        ("4 --hv.local-steps 100", 1999, (1.2, 0.0, 0)),  # 19: no momentum yet
-        ("2 --hv.local-steps 50", 2000, (1.4, 0.0, 2)),  # 2 groups keep 1.4 at 40 outer steps, warm-up ⌈60 / 50⌉
-        ("4 --hv.local-steps 101", 2100, (1.0, 0.0, 0)),  # above H = 100 none of it
+        ("4 --hv.local-steps 25", 1249, (1.2, 0.0, 3)),  # 49: still none
+        ("8 --hv.local-steps 100", 2000, (1.2, 0.0, 0)),  # ⌈60 / 100⌉ = 1 outer step of warm-up is none
+        ("2 --hv.local-steps 50", 2000, (1.4, 0.0, 2)),  # 40 outer steps, a warm-up of ⌈60 / 50⌉
+        ("4 --hv.local-steps 101", 2100, (1.0, 0.0, 0)),  # above H = 100: 1.0, no warm-up
         ("2 --hv.local-steps 60", 600, (1.4, 0.0, 0)),  # ⌈60 / 60⌉ = 1 outer step of warm-up is none
         ("2 --hv.local-steps 100 --warmup-steps 1000", 3000, (1.4, 0.0, 30)),
         ("4 --hv.local-steps 101", 1000, (1.0, 0.0, 0)),
