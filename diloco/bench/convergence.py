@@ -46,7 +46,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from diloco.bench import BenchError
 from diloco.bench.attacks import Attacker
-from diloco.bench.convergence_report import PAPER, PLAIN, markdown, plot, stem, summarize
+from diloco.bench.convergence_report import PAPER, PLAIN, Setting, markdown, plot, stem, summarize
 from diloco.bench.models import model_folder
 from diloco.config import Config, FieldError, auto_outer
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
@@ -62,8 +62,6 @@ __all__ = ["ArmSpec", "Workload", "load_corpus", "markdown", "measure", "plot", 
 ADAMW_BETAS = Config.model_fields["adam_betas"].default
 WEIGHT_DECAY = Config.model_fields["weight_decay"].default
 GRAD_CLIP = Config.model_fields["max_grad_norm"].default
-
-Setting = tuple[float, float, int]
 
 
 @dataclass(frozen=True)
