@@ -119,11 +119,17 @@ class CpuLimit:
 
     def add(self, pid: int) -> None:
         """Put process `pid` and the descendants it already has into the group (the kernel puts later children
-        there itself). A process that has exited meanwhile is skipped."""
-        for pid_now in self._tree(pid):
-            for folder in self._folders():
-                with contextlib.suppress(ProcessLookupError):  # ESRCH: it exited between listing and writing
-                    (folder / "cgroup.procs").write_text(str(pid_now))
+        there itself). A process that has exited meanwhile is skipped.
+
+        The tree is listed again until a listing finds nobody new: a child forked after one listing but before
+        its parent moved was born in the parent's old group, and only a later listing sees it."""
+        moved: set[int] = set()
+        while new := [p for p in self._tree(pid) if p not in moved]:
+            for pid_now in new:
+                for folder in self._folders():
+                    with contextlib.suppress(ProcessLookupError):  # ESRCH: it exited between listing and writing
+                        (folder / "cgroup.procs").write_text(str(pid_now))
+            moved.update(new)
 
     def release(self, pid: int) -> None:
         """Move the processes that descend from `pid` (not `pid` itself) back to their hierarchy's root: they run
