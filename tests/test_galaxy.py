@@ -252,7 +252,10 @@ def test_launch_three_groups_with_fp16(tmp_path: Path) -> None:
     finally:
         kill_group(proc)
     assert proc.returncode == 0, output[-4000:]
-    assert all(f"[worker-{i}] step 9/9 | loss" in output for i in range(3))
+    # every group's progress lines come through, prefixed; the step each ended at is the verdict's (below): a
+    # group that fell behind under load loads the swarm's state and goes on from its step, so its own line for
+    # step 9 may never be printed (CI, once)
+    assert all(re.search(rf"^\[worker-{i}\] step \d/9 \| loss", output, re.M) for i in range(3)), output[-4000:]
     assert_trained_together([run_dir / f"worker-{i}" for i in range(3)], groups=3, outer_steps=3)
     # the verdict: a row per group, then one line on the final models; and where the loss plot is
     table = output[output.index("group    | status"):]
