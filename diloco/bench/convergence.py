@@ -14,9 +14,9 @@ galaxy size k sees the same number of training tokens:
 
 Three studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, three
 seeds for the arms that decide the defaults), `map` (a 0.14M-parameter model, seq 64, S = 2000, so that H = 500
-still makes 4 outer steps; H 10, 25, 50, 100, 250 and 500 at k = 2, 4 and 8, one seed) and `streaming` (the defaults'
-workload at k = 2, H = 20: blocking rounds against two fragments, strided and contiguous, blocking and overlapped;
-the quality side of `bench wan`, whose rounds cross a real network).
+still makes 4 outer steps; H 10, 25, 50, 100, 250 and 500 at k = 2, 4 and 8; seeds 0 and 1, k = 8 on seed 0
+only) and `streaming` (the defaults' workload at k = 2, H = 20: blocking rounds against two fragments, strided and
+contiguous, blocking and overlapped; the quality side of `bench wan`, whose rounds cross a real network).
 
 The groups of an arm run in threads of one process and average through the in-memory swarm
 (`diloco.swarm.memory`): an exact mean, which is what the swarm computes with `--hv.compression none`
@@ -117,7 +117,7 @@ def workload(quick: bool, study: str = "defaults") -> Workload:
     if study == "map":
         if quick:
             return Workload("llama-0.1m-bytes", 32, 4, 20, 3e-3, 2, 2, 2)
-        return Workload("llama-0.1m-bytes", 64, 4, 2000, 3e-3, 100, 16, 8)
+        return Workload("llama-0.1m-bytes", 64, 4, 2000, 3e-3, 100, 16, 8, seeds=(0, 1))
     if quick:  # a smoke run: every kind of arm, and an outer step at both H, in a few seconds of compute
         return Workload("llama-1m-bytes", 32, 4, 10, 3e-3, 2, 2, 2)
     return Workload("llama-1m-bytes", 128, 8, 200, 3e-3, 20, 16, 4, seeds=(0, 1, 2))
@@ -181,7 +181,8 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
 
 # the map's (k, H) cells: six H at k = 2, 4 and 8 (S = 2000: 4 outer steps at H = 500), and besides the paper's
 # setting, plain averaging and auto, two more outer settings, between and beyond them, at k = 2 and 4 (the 8-group
-# arms cost twice the 4-group ones: about 2 minutes each, two at a time on 2 cores; the whole map 34 minutes)
+# arms cost twice the 4-group ones: about 2 minutes each, two at a time on 2 cores). Every seed but the first runs
+# k = 2 and 4 only: 37 minutes for the first seed, 20 for each further one
 MAP_HS = (10, 25, 50, 100, 250, 500)
 MAP_KS = (2, 4, 8)
 MAP_MORE: tuple[Setting, ...] = ((1.0, 0.5, 0), (1.4, 0.0, 0))
@@ -189,17 +190,18 @@ MAP_MORE_KS = (2, 4)
 
 
 def map_specs(w: Workload, quick: bool) -> list[ArmSpec]:
-    """Per k: DDP, and at every H what auto picks, the paper's setting, plain averaging (each once where auto is
-    one of them) and at k = 2 and 4 two more settings."""
+    """Per k and seed: DDP, and at every H what auto picks, the paper's setting, plain averaging (each once where
+    auto is one of them) and at k = 2 and 4 two more settings; k = 8 on the first seed only."""
     hs, ks = ((5, 10), (2,)) if quick else (MAP_HS, MAP_KS)
     specs = []
-    for k in ks:
-        more = MAP_MORE if k in MAP_MORE_KS else ()
-        specs += baselines(k, w, w.seeds[0])[1:]
-        for h in hs:
-            auto = auto_outer(h, k, w.warmup_steps, w.steps)
-            specs.append(diloco_arm(k, w, h, auto, w.seeds[0], auto=True))
-            specs += [diloco_arm(k, w, h, s, w.seeds[0]) for s in (PAPER, PLAIN, *more) if s != auto]
+    for seed in w.seeds:
+        for k in ks if seed == w.seeds[0] else MAP_MORE_KS:
+            more = MAP_MORE if k in MAP_MORE_KS else ()
+            specs += baselines(k, w, seed)[1:]
+            for h in hs:
+                auto = auto_outer(h, k, w.warmup_steps, w.steps)
+                specs.append(diloco_arm(k, w, h, auto, seed, auto=True))
+                specs += [diloco_arm(k, w, h, s, seed) for s in (PAPER, PLAIN, *more) if s != auto]
     return specs
 
 
