@@ -121,10 +121,15 @@ class CpuLimit:
         """Put process `pid` and the descendants it already has into the group (the kernel puts later children
         there itself). A process that has exited meanwhile is skipped.
 
-        The tree is listed again until a listing finds nobody new: a child forked after one listing but before
-        its parent moved was born in the parent's old group, and only a later listing sees it."""
+        The tree is listed again until a listing finds nobody outside the group that was not moved already: a
+        child forked after one listing but before its parent moved was born in the parent's old group, and only a
+        later listing sees it (children born inside do not keep the loop going)."""
         moved: set[int] = set()
-        while new := [p for p in self._tree(pid) if p not in moved]:
+        while True:
+            done = moved.union(self.pids())
+            new = [p for p in self._tree(pid) if p not in done]
+            if not new:
+                return
             for pid_now in new:
                 for folder in self._folders():
                     with contextlib.suppress(ProcessLookupError):  # ESRCH: it exited between listing and writing

@@ -208,8 +208,8 @@ def _defaults_verdict(result: dict[str, Any]) -> list[str]:
 def _map_tables(grid_: dict[str, Any]) -> list[str]:
     columns = grid_["rules"]
     lines = ["Gap to DDP at equal tokens, the mean over the seeds the cell ran (bold: the best of the cell; auto: "
-             "what the trainer picks with no outer flags, its setting in brackets; –: not run there):", "", "| k | H | " + " | ".join(columns) + " |",
-             "|---:|---:|" + "---:|" * len(columns)]  # fmt: skip
+             "what the trainer picks with no outer flags, its setting in brackets; –: not run there):", "",
+             "| k | H | " + " | ".join(columns) + " |", "|---:|---:|" + "---:|" * len(columns)]  # fmt: skip
     for cell in grid_["cells"]:
         best = cell["gaps"][cell["best"]]
         row = []
