@@ -13,12 +13,21 @@ Rank 0 decides; nothing here is collective.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from diloco.links import Swarm
 from diloco.swarm.progress import Progress
 
 log = logging.getLogger("diloco")
+
+# pings a group that holds a record must miss before it counts as gone: on a loaded machine a live group's DHT can
+# miss one (seen in the suite), and a newcomer that takes a live group for dead trains on its data shard
+ALIVE_TRIES = 3
+
+
+def answers(alive: Callable[[str], bool], peer: str, tries: int = ALIVE_TRIES) -> bool:
+    """Whether `peer` answers one of `tries` pings (a peer that is gone fails each at once: its port is closed)."""
+    return any(alive(peer) for _ in range(tries))
 
 
 class Claims:
@@ -39,7 +48,7 @@ class Claims:
         """Peer id of another live group holding this world rank, if any (before `hold`)."""
         for record in self.swarm.records():
             if record.world_rank == self.world_rank and record.token != self.token and record.peers:
-                if self.swarm.alive(record.peers[0]):
+                if answers(self.swarm.alive, record.peers[0]):
                     return record.peers[0]
         return None
 

@@ -60,6 +60,28 @@ def test_a_claim_before_the_group_holds_its_rank_is_a_rival_not_a_rejected_claim
     assert newcomer.claims.rejected == 0
 
 
+def test_a_live_group_that_misses_a_ping_is_still_a_rival() -> None:
+    """On a loaded machine a live group's DHT can miss a ping (a newcomer with its world rank once trained in the
+    suite): `rival` asks again before it takes the group for gone; a group that never answers is gone."""
+    hub = MemorySwarm(1)
+    first = hub.member("first")
+    first.publish(record(0, "t1", "first"))
+    first.serve_state(lambda: ({}, []))
+    newcomer = diloco(torch.nn.Linear(2, 1), hub.member("g0"), lr=1.0, momentum=0.0)
+    pings: list[str] = []
+    answer = newcomer.swarm.alive
+
+    def missing_twice(peer: str) -> bool:
+        pings.append(peer)
+        return len(pings) > 2 and answer(peer)
+
+    newcomer.swarm.alive = missing_twice  # type: ignore[method-assign]
+    assert newcomer.claims.rival() == "first" and pings == ["first"] * 3
+    pings.clear()
+    newcomer.swarm.alive = lambda peer: pings.append(peer) is not None  # type: ignore[method-assign]  # never
+    assert newcomer.claims.rival() is None and pings == ["first"] * 3
+
+
 def test_a_groups_record_key_is_kept_once_it_holds_its_rank_and_read_back_on_resume(tmp_path) -> None:
     """`Owner.load` reads the run folder's key, or makes a new one that only `save` writes (mode 0600, never over
     an existing key); the same key means the same subkeys, so a resumed group replaces its own records."""
