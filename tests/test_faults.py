@@ -339,7 +339,9 @@ def test_a_stranger_claiming_a_running_groups_world_rank_changes_nothing(tmp_pat
     finals = [summary(d) for d in dirs]
     assert all(s["status"] == "ok" for s in finals), finals
     assert [s["rejected_claims"] for s in finals] == [1, 0], finals
-    assert all(s["rejected_states"] == 0 and s["loaded_state_from_peers"] is False for s in finals), finals
+    # a group that starts up behind the other under load loads the state of the real group 0 (seen once in the
+    # suite): allowed; that nobody downloads from the stranger is its log's (below) and no refused state
+    assert all(s["rejected_states"] == 0 for s in finals), finals
     assert logs[0].read_text().count("ignoring a record that claims this group's world rank 0") == 1
     attacker = logs[2].read_text()
     assert "tried to replace group 0's record" in attacker and "answered state download" not in attacker
