@@ -47,6 +47,7 @@ def test_a_round_whose_members_hold_different_digests_is_a_divergence(tmp_path: 
     c = life(tmp_path, 2, [round_row(4, 2.0, "r3", "w"), round_row(6, 3.0, "r4", "q", peers=0)])  # another round
     named, bad, which = divergences([a, b, c])
     assert (named, bad) == (3, 1) and which[0]["round"] == "r2"
+    assert which[0]["rows"]["1"]["step"] == 4 and which[0]["rows"]["1"]["life_dir"] == b.run_dir.name
     assert divergences([a, c])[1] == 0
 
 
@@ -125,7 +126,7 @@ def test_churn_quick(tmp_path: Path) -> None:
     assert len(data["events"]) >= 4 and data["verdicts"]["events"]
     assert {e["action"] for e in data["events"]} & {"kill-9", "sigterm"}
     assert {e["action"] for e in data["events"]} & {"restart", "fresh"}
-    assert soak["divergences"] == 0 and soak["rounds_named"] >= 10
+    assert soak["divergences"] == 0 and soak["rounds_named"] >= 10, soak["divergent_rounds"]
     hangs = soak["hangs"] + data["baseline"]["hangs"]
     assert hangs == [] and soak["orphans"] == [], "\n".join(f"{h['what']}:\n" + "\n".join(h["log_tail"]) for h in hangs)
     assert soak["one_final_model"] and data["baseline"]["one_final_model"]

@@ -72,15 +72,21 @@ def life_figures(life: Life, tokens_per_step: int) -> dict[str, Any]:
     }
 
 
+DIVERGENCE_FIELDS = ("life_dir", "step", "outer_step", "round_step", "num_peers", "loaded_state_from", "weight",
+                     "time")  # fmt: skip
+
+
 def divergences(lives: list[Life]) -> tuple[int, int, list[dict[str, Any]]]:
-    """(rounds named, rounds whose members' outer digests differ, those rounds)."""
-    members: dict[str, dict[int, str]] = {}
+    """(rounds named, rounds whose members' outer digests differ, those rounds with each member's row: what a
+    reader needs to tell a real divergence from a row written after a state load)."""
+    members: dict[str, dict[int, dict[str, Any]]] = {}
     for life in lives:
         for row in rows_of(life.run_dir):
             if row.get("num_peers", 0) >= 2 and row.get("round"):
-                members.setdefault(row["round"], {})[life.group] = row["outer_digest"]
-    bad = [{"round": name, "digests": {str(g): d for g, d in seen.items()}}
-           for name, seen in members.items() if len(set(seen.values())) > 1]  # fmt: skip
+                members.setdefault(row["round"], {})[life.group] = {"life_dir": life.run_dir.name, **row}
+    bad = [{"round": name, "digests": {str(g): r["outer_digest"] for g, r in seen.items()},
+            "rows": {str(g): {k: v for k, v in r.items() if k in DIVERGENCE_FIELDS} for g, r in seen.items()}}
+           for name, seen in members.items() if len({r["outer_digest"] for r in seen.values()}) > 1]  # fmt: skip
     return len(members), len(bad), bad
 
 
