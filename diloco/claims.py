@@ -26,7 +26,8 @@ ALIVE_TRIES = 3
 
 
 def answers(alive: Callable[[str], bool], peer: str, tries: int = ALIVE_TRIES) -> bool:
-    """Whether `peer` answers one of `tries` pings (a peer that is gone fails each at once: its port is closed)."""
+    """Whether `peer` answers one of `tries` pings. A gone DHT's ping failed in milliseconds on loopback, a
+    just-stopped one's can take the DHT's whole wait: each try may cost that."""
     return any(alive(peer) for _ in range(tries))
 
 
