@@ -13,7 +13,7 @@ Rank 0 decides; nothing here is collective.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from diloco.links import Swarm
 from diloco.swarm.progress import Progress
@@ -23,12 +23,6 @@ log = logging.getLogger("diloco")
 # pings a group that holds a record must miss before it counts as gone: on a loaded machine a live group's DHT can
 # miss one (seen in the suite), and a newcomer that takes a live group for dead trains on its data shard
 ALIVE_TRIES = 3
-
-
-def answers(alive: Callable[[str], bool], peer: str, tries: int = ALIVE_TRIES) -> bool:
-    """Whether `peer` answers one of `tries` pings. A gone DHT's ping failed in milliseconds on loopback, a
-    just-stopped one's can take the DHT's whole wait: each try may cost that."""
-    return any(alive(peer) for _ in range(tries))
 
 
 class Claims:
@@ -52,9 +46,14 @@ class Claims:
                 # this group's own earlier life (a resume: same owner key) is asked once, as its ping to a peer
                 # that just stopped can take the DHT's whole wait (a resume took 141 s instead of 28 with 3 tries)
                 tries = 1 if record.owner == self.swarm.owner else ALIVE_TRIES
-                if answers(self.swarm.alive, record.peers[0], tries):
+                if self.answers(record.peers[0], tries):
                     return record.peers[0]
         return None
+
+    def answers(self, peer: str, tries: int = ALIVE_TRIES) -> bool:
+        """Whether `peer` answers one of `tries` pings. A gone DHT's ping failed in milliseconds on loopback, a
+        just-stopped one's can take the DHT's whole wait: each try may cost that."""
+        return any(self.swarm.alive(peer) for _ in range(tries))
 
     def hold(self) -> None:
         """This group holds its world rank from now on: later claims are rejected."""

@@ -21,13 +21,12 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
 
 from diloco.catchup import CatchUp
-from diloco.claims import Claims, answers
+from diloco.claims import Claims
 from diloco.config import FieldError
 from diloco.fragments import Runs, fragment_of
 from diloco.inflight import InFlight
@@ -172,7 +171,7 @@ class DiLoCo:
                 joining = self._publish_status("joining")
                 time.sleep(1.0)  # a group starting at the same moment: the later record wins, the other leaves
                 verdict = self.claims.rival()
-                other_model = rival_model(joining, self.swarm.status_records(), partial(answers, self.swarm.alive))
+                other_model = rival_model(joining, self.swarm.status_records(), self.claims.answers)
         verdict, other_model = self.group.broadcast((verdict, other_model))
         if other_model is not None:
             raise mismatch_error(other_model, self.model, self.transport, self.outer_setting)
