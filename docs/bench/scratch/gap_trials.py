@@ -9,8 +9,9 @@ a key of an arm's `extra`:
   pseudo-gradient's norm ÷ the mean's norm) ** a, over the whole model / per tensor / per row (RMS over groups;
   `cap` bounds it), on top of the outer lr and its warm-up
 
-Run from the repository root: PYTHONPATH=. python docs/bench/scratch/gap_trials.py OUT.jsonl ARMS_JSON, each arm
-[k, H, outer lr (0: DDP at k·B), momentum, outer-lr warm-up, seed, extra]. Two arms at a time."""
+Run from the repository root: PYTHONPATH=. python docs/bench/scratch/gap_trials.py OUT.jsonl ARMS_JSON [STUDY], each
+arm [k, H, outer lr (0: DDP at k·B), momentum, outer-lr warm-up, seed, extra]; STUDY: the bench's workload
+(defaults, or map). Two arms at a time."""
 import functools, json, logging, math, sys, threading, time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, replace
@@ -173,7 +174,7 @@ def _run(item):
 def main():
     from diloco.bench.models import model_folder
     out = Path(sys.argv[1])
-    w = C.workload(False, "defaults")
+    w = C.workload(False, sys.argv[3] if len(sys.argv) > 3 else "defaults")
     w = replace(w, model=model_folder(w.model, out.parent / "work" / "models"))
     items = []
     for spec in json.loads(sys.argv[2]):
