@@ -5,6 +5,7 @@ a key of an arm's `extra`:
 - early (e, until, lr): rounds every e inner steps up to step `until` (outer lr `lr` there), then every H
 - adam_avg: every group's AdamW moments set to their mean across the groups after each outer step
 - strided: group g reads blocks g, g + k, g + 2k, ... of the corpus instead of its contiguous quarter
+- steps S: the arm's inner steps per group in place of the workload's
 - norm_match a / tensor_match a / row_match a: the averaged pseudo-gradient scaled by (mean over groups of the
   pseudo-gradient's norm ÷ the mean's norm) ** a, over the whole model / per tensor / per row (RMS over groups;
   `cap` bounds it), on top of the outer lr and its warm-up
@@ -180,6 +181,8 @@ def main():
     for spec in json.loads(sys.argv[2]):
         k, h, lr, mom, wu, seed, extra = spec
         s = C.diloco_arm(k, w, h, (lr, mom, wu), seed) if lr else C.baselines(k, w, seed)[1]
+        if "steps" in extra:  # S: inner steps per group (the workload's otherwise)
+            s = replace(s, steps=extra["steps"])
         items.append((s, extra))
     data = Path(__file__).resolve().parents[3] / "diloco" / "corpus" / "tinyshakespeare.txt"
     ctx = get_context("spawn")
