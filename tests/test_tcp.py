@@ -284,6 +284,56 @@ def test_a_sender_that_dies_mid_stream_is_left_out():
     assert 2 in rounds[0]._banned  # reducer 0 dropped it
 
 
+class LateClose(socket.socket):
+    """A sender's socket whose end stays open ``delay`` s after its round is done with it."""
+
+    delay = 1.0
+    closed_at: float | None = None
+
+    def shutdown(self, how: int) -> None:
+        if self.closed_at is None:
+            time.sleep(self.delay)
+            self.closed_at = time.monotonic()
+        super().shutdown(how)
+
+
+def test_a_reducer_closes_a_senders_connection_only_after_the_sender_did():
+    """The side that received last closes first: over p2pd a reducer that closed right after its last average could
+    have its daemon reset the stream, losing averages the sender's daemon had not passed on (``tcp.await_close``)."""
+    vectors = [randn(300_000, seed) for seed in range(2)]
+    listeners = [Listener(listen_socket("127.0.0.1", 0), 5.0).start() for _ in range(2)]
+    endpoints = [(["127.0.0.1"], listener._sock.getsockname()[1]) for listener in listeners]
+    late: list[LateClose] = []
+
+    def late_connect(endpoint, timeout, handshake):
+        late.append(LateClose(fileno=tcp.connect(endpoint, timeout).detach()))
+        return handshake(late[-1])
+
+    group_id = os.urandom(32)
+    outs = [torch.empty_like(v) for v in vectors]
+    rounds = [Round(v, o, group_id=group_id, index=i, endpoints=endpoints, weight=1.0, codec=RAW, timeout=5.0,
+                    connect=late_connect if i == 1 else tcp.connect)
+              for i, (v, o) in enumerate(zip(vectors, outs))]  # fmt: skip
+    for listener, round_ in zip(listeners, rounds):
+        listener.register(round_)
+    ended: list[float | None] = [None, None]
+
+    def member(i: int) -> None:
+        rounds[i].run()
+        ended[i] = time.monotonic()
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    for listener in listeners:
+        listener.close()
+    assert None not in ended and torch.equal(outs[0], outs[1])  # both rounds completed
+    assert len(late) == 1 and late[0].closed_at is not None
+    assert ended[0] >= late[0].closed_at  # reducer 0 waited for peer 1 to close
+
+
 @pytest.mark.parametrize("frame", ["length 2**40", "short part", "nothing (slowloris)"])
 def test_a_hostile_groupmates_frames_are_refused_and_the_reducer_goes_on(frame: str):
     """Groupmate 2 passes the handshake with reducer 0, then sends a length header claiming 2**40 bytes, a part

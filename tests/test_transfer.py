@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from diloco.swarm import transfer
+from diloco.swarm import tcp, transfer
 from diloco.swarm.digest import CanonicalDigest
 from diloco.swarm.layout import RankLayout, Shape, group_layout
 from diloco.swarm.listener import Listener, listen_socket
@@ -103,6 +103,38 @@ def test_a_request_for_values_a_rank_does_not_hold_is_dropped() -> None:
         with socket.create_connection(tuple([endpoints[0][0][0], endpoints[0][1]]), timeout=10) as sock:
             sock.sendall(transfer.MAGIC + transfer.COUNT.pack(1) + transfer.RUN.pack(0, TOTAL))  # rank 0 holds half
             assert sock.recv(1) == b""  # closed without an answer
+
+
+class Probe(socket.socket):
+    """A downloader's socket that, when closed, first looks whether the source still holds its end open."""
+
+    source_open: bool | None = None
+
+    def close(self) -> None:
+        if self.source_open is None:
+            self.settimeout(0.5)
+            try:
+                self.source_open = self.recv(1) != b""
+            except TimeoutError:
+                self.source_open = True
+        super().close()
+
+
+def test_a_source_closes_only_after_the_downloader_did() -> None:
+    """The downloader has every value before the source closes (``tcp.await_close``; over p2pd, a source that closed
+    first could have its daemon reset the stream under the last bytes)."""
+    outer = torch.randn(TOTAL)
+    probes: list[Probe] = []
+
+    def connect(endpoint, timeout, handshake):
+        probes.append(Probe(fileno=tcp.connect(endpoint, timeout).detach()))
+        return probes[-1]
+
+    with serving(Shape("FULL_SHARD", 1), [outer], {"outer_step": 1}) as endpoints:
+        layout = group_layout(SHAPES, Shape("FULL_SHARD", 1))
+        got = transfer.download(layout[0], layout, endpoints, timeout=10, connect=connect)
+    assert got is not None and torch.equal(got[1][0], outer)
+    assert [probe.source_open for probe in probes] == [True]
 
 
 @pytest.mark.parametrize("answer", ["short", "three tensors", "huge metadata"])

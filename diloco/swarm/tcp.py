@@ -22,6 +22,7 @@ Wire protocol, one TCP connection per (sender, reducer) pair, opened by the send
   its byte length (u64) and its bytes; sealed, AES-256-GCM under the connection's keys);
 * averages, reducer -> sender: per part, its encoded average as one message; a reducer that bans the sender closes
   early.
+* end: the sender closes once it has every average; the reducer closes after that (``await_close``).
 
 Only the group knows its id (matchmaking hands it out over libp2p), so the HMACs keep strangers out. In an open
 swarm the tensor bytes travel unencrypted; in a keyed one the group id is the round's secret
@@ -38,6 +39,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
@@ -134,6 +136,23 @@ def close_socket(sock: socket.socket) -> None:
             call()
         except OSError:
             pass
+
+
+def await_close(sock: socket.socket, timeout: float) -> None:
+    """Wait until the peer closed its end of ``sock`` (dropping anything it still sends), at most ``timeout`` s.
+
+    For the side that sent the last bytes, before it closes: over p2pd (``diloco.swarm.tunnel``) a client closing
+    its end makes its daemon close the stream both ways, and p2pd's pipe may then reset it before the end-of-stream
+    goes out; a reset stream loses whatever the other daemon had not handed on yet. So the side that received last
+    closes first. (Over TCP nothing is lost either way.)"""
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(2**16):
+                return
+    except OSError:  # timed out, reset, or closed on our side (an abort)
+        pass
 
 
 def connect(endpoint: Endpoint, timeout: float, handshake: Handshake | None = None) -> socket.socket:
@@ -235,7 +254,8 @@ class Round:
 
     def run(self) -> None:
         """Average with the group; raises ``RoundFailed`` unless ``out`` holds the whole average. Returns only once
-        this peer's replies to its groupmates are sent (or they were dropped), so leaving right after is safe."""
+        this peer's groupmates received its replies and closed (or were dropped, or let ``timeout`` pass), so leaving
+        right after is safe."""
         # reducers we send nothing to (a vector shorter than the group, or parts held by our groupmates)
         self._complete.update(j for j in range(self.k) if j != self.index and not self._sends[j])
         workers = [self._thread(self._reduce)]
@@ -427,6 +447,8 @@ class Round:
                     self._replied[sender] = i + 1
                     self._release()
                     self._cv.notify_all()
+            # the sender's parts were all read (its last average needed its last part): nothing else reads the socket
+            await_close(frames.sock, self.timeout)
         except OSError as e:
             with self._cv:
                 if not self._aborted:

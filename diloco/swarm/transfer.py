@@ -14,7 +14,8 @@ Wire protocol, one connection per (downloading rank, source rank), opened by the
 
 * request: ``MAGIC``, the number of runs (u32), then each run's canonical ``[start, stop)`` (u64, u64);
 * answer: the metadata as JSON (u32 length first), the number of tensors (u8: the outer parameters, and the
-  momentum once there is one), then per tensor the float32 values of every run, in the order asked.
+  momentum once there is one), then per tensor the float32 values of every run, in the order asked;
+* end: the downloader closes, then the source (``tcp.await_close``).
 
 In an open swarm anyone who reaches the listener may download the state, as with hivemind's own state download.
 With a swarm key (``diloco.swarm.swarm_key``) the request opens with ``KEYED_MAGIC`` and a random nonce, and ends
@@ -117,15 +118,16 @@ class StateService:
             conn.sendall(COUNT.pack(len(header)) + header + TENSORS.pack(len(tensors)))
             for view in values:
                 conn.sendall(view)
-            return
-        ours = os.urandom(NONCE_BYTES)
-        conn.sendall(ours)
-        frames = Frames(conn, send_key=_answer_key(self.key, nonce, ours))
-        frames.send(header)
-        frames.send(TENSORS.pack(len(tensors)))
-        for view in values:
-            for at in range(0, view.nbytes, CHUNK):
-                frames.send(view[at : at + CHUNK])
+        else:
+            ours = os.urandom(NONCE_BYTES)
+            conn.sendall(ours)
+            frames = Frames(conn, send_key=_answer_key(self.key, nonce, ours))
+            frames.send(header)
+            frames.send(TENSORS.pack(len(tensors)))
+            for view in values:
+                for at in range(0, view.nbytes, CHUNK):
+                    frames.send(view[at : at + CHUNK])
+        tcp.await_close(conn, self.timeout)  # the downloader closes first: see ``await_close``
 
 
 def download(
