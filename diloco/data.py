@@ -127,15 +127,18 @@ def hub_documents(name: str, config: str | None = None) -> Iterator[str]:
     import datasets
 
     datasets.disable_progress_bars()  # a bar per rank and file only clutters the run's log
-    snapshot = hub.cached_snapshot(name, "dataset")
-    if snapshot is None:
-        source, options = name, {"name": config}
-    elif config is not None and (snapshot / config).is_dir():
-        source, options = str(snapshot), {"data_dir": config}
-    else:
-        source, options = str(snapshot), {"name": config}
+    snapshot = None
     try:
-        table = datasets.load_dataset(source, split="train", **options)
+        # under the machine's lock: a rank that downloads the id fills its snapshot folder file by file
+        with hub.download_lock(name, "dataset"):
+            snapshot = hub.cached_snapshot(name, "dataset")
+            if snapshot is None:
+                source, options = name, {"name": config}
+            elif config is not None and (snapshot / config).is_dir():
+                source, options = str(snapshot), {"data_dir": config}
+            else:
+                source, options = str(snapshot), {"name": config}
+            table = datasets.load_dataset(source, split="train", **options)
     except Exception as e:  # datasets, huggingface_hub, httpx and pyarrow each raise their own types
         if snapshot is None and not hub.in_datasets_cache(name):
             raise hub.not_found("dataset", name, first_line(e)) from None

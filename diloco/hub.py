@@ -8,10 +8,12 @@ downloaded. Torch-free, and huggingface_hub is imported lazily: the command line
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
 import socket
+from collections.abc import Iterator
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Literal
@@ -116,33 +118,51 @@ def unreachable(timeout_s: float = 3.0) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def download_lock(name: str, repo_type: RepoType = "model") -> Iterator[None]:
+    """Hold this machine's lock on hub id `name`: the ranks and worker groups of one machine share one cache, and
+    the first to need an id downloads it while the others wait. A snapshot folder appears with its first file, long
+    before its last, so whoever looks for one does so under the lock too. A cache this user cannot write holds no
+    lock (and nobody downloads into it from here)."""
+    from filelock import FileLock
+
+    lock = hub_cache() / ".locks" / f"diloco--{repo_type}--{name.replace('/', '--')}.lock"
+    held: FileLock | None = FileLock(str(lock))
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        held.acquire()
+    except OSError:
+        held = None
+    try:
+        yield
+    finally:
+        if held is not None:
+            held.release()
+
+
 def local_folder(field: str, name: str, patterns: list[str]) -> Path:
     """`name` as a local folder: the path itself, the cached snapshot, or (online) a fresh download of the files
     matching `patterns` (plus the first weight format the repository has, for a model)."""
     if not is_hub_id(name):
         return Path(name)
-    if (snapshot := cached_snapshot(name)) is not None:
-        return snapshot
-    if offline():
-        raise not_found(field, name)
-    return _download(field, name, patterns)
+    with download_lock(name):
+        if (snapshot := cached_snapshot(name)) is not None:
+            return snapshot
+        if offline():
+            raise not_found(field, name)
+        return _download(field, name, patterns)
 
 
 def _download(field: str, name: str, patterns: list[str]) -> Path:
-    """Download under a file lock in the cache: the ranks and worker groups of one machine share one cache, so the
-    first one downloads and the others wait, then find the files in place (no download race)."""
-    from filelock import FileLock
+    """Download (under ``download_lock``, held by the caller)."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    lock = hub_cache() / ".locks" / f"diloco--{name.replace('/', '--')}.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with FileLock(str(lock)):
-            if field == "path_model":
-                files = HfApi().list_repo_files(name)
-                patterns = patterns + next((p for p in WEIGHT_FILES if _matches(files, p[0])), [])
-            return Path(snapshot_download(name, allow_patterns=patterns))
+        if field == "path_model":
+            files = HfApi().list_repo_files(name)
+            patterns = patterns + next((p for p in WEIGHT_FILES if _matches(files, p[0])), [])
+        return Path(snapshot_download(name, allow_patterns=patterns))
     except RepositoryNotFoundError:
         raise FieldError(
             f"{{{field}}} {name}: not a local path, and no such repository on the Hugging Face hub (a gated one "

@@ -114,6 +114,40 @@ def test_cached_ids_resolve_to_their_snapshots(tmp_path: Path, monkeypatch: pyte
     assert len(tokens) == 200 * 23  # 22 words and EOS per document
 
 
+def test_a_snapshot_being_downloaded_is_read_once_the_download_ends(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A groupmate on this machine downloads the tokenizer: its snapshot folder is there, still without files, and
+    the other rank waits for the download (the lock) instead of reading a half-written folder."""
+    import threading
+
+    from diloco import hub
+    from diloco.data import HFTokenizer
+
+    monkeypatch.setattr(hub, "hub_cache", lambda: tmp_path / "hf" / "hub")
+    partial = snapshot(tmp_path / "hf", "model", "tiny-org/words")  # refs/main and an empty folder, as at the start
+    downloading, done = threading.Event(), threading.Event()
+
+    def groupmate() -> None:
+        with hub.download_lock("tiny-org/words"):
+            downloading.set()
+            done.wait(30)
+            shutil.rmtree(partial.parent.parent)  # the download ends: the snapshot, whole
+            cache_tokenizer(tmp_path / "hf", "tiny-org/words")
+
+    thread = threading.Thread(target=groupmate)
+    thread.start()
+    assert downloading.wait(30)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(HFTokenizer("tiny-org/words")))
+    reader.start()
+    reader.join(1.0)
+    waited = reader.is_alive() and not got  # still waiting on the lock, not failed on an empty folder
+    done.set()
+    thread.join(30)
+    reader.join(30)
+    assert waited and len(got) == 1 and got[0].inner.eos_token == "</s>"
+
+
 def test_a_hub_dataset_configuration_is_its_subfolder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--dataset ID --dataset-config NAME`, as seed 003's load_dataset('wikitext', 'wikitext-2-raw-v1')."""
     from diloco import hub
