@@ -144,7 +144,7 @@ def await_close(sock: socket.socket, timeout: float) -> None:
     For the side that sent the last bytes, before it closes: over p2pd (``diloco.swarm.tunnel``) a client closing
     its end makes its daemon close the stream both ways, and p2pd's pipe may then reset it before the end-of-stream
     goes out; a reset stream loses whatever the other daemon had not handed on yet. So the side that received last
-    closes first. (Over TCP nothing is lost either way.)"""
+    closes first. (Over TCP, with nothing left unread, nothing is lost either way.)"""
     deadline = time.monotonic() + timeout
     try:
         while (left := deadline - time.monotonic()) > 0:
