@@ -73,6 +73,7 @@ ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SH
 Compression = Literal["none", "fp16", "int8", "int4"]
 Transport = Literal["tcp", "p2pd"]
 Aggregation = Literal["mean", "trimmed-mean", "centered-clip"]  # see diloco.aggregation
+InnerMoment = Literal["group", "galaxy"]  # see diloco.galaxy_moment
 ROBUST_MIN = 3  # contributions a robust aggregation needs (fewer: the mean)
 METRIC_SINKS = ("dummy", "tensorboard", "wandb")  # what --metric-logger-type may list; dummy adds no sink
 Maddrs = Annotated[list[str], Parameter(consume_multiple=True)]
@@ -118,6 +119,20 @@ def auto_outer(h: float, galaxy_size: int, warmup_steps: int, max_steps: int) ->
     return OuterSetting(lr, 0.0, warmup if warmup > 1 else 0)  # one step of warm-up is none
 
 
+# --hv.inner-moment auto: the galaxy's second moment (diloco.galaxy_moment) for AUTO_GALAXY_MIN_K groups or more
+# at H up to AUTO_GALAXY_MAX_H. `bench convergence` and scratch runs (docs/benchmarks.md, 2026-11-26 09:25-10:10):
+# on the defaults' workload (H = 25) it took 4 groups from +2.9/+4.6/+5.2% above DDP to +1.8/+3.8/+1.3% and 8
+# groups (seed 0) from +1.8% to -0.1%; on the map's (0.14M model, 2000 steps, 4 groups) it helped at H = 10 and 25
+# (by 1.6-4.6 points, three cells and seeds) and hurt at H = 50 and 100 (by 1.0-2.5 points, four); with 2 groups it
+# was even at H = 25 on the defaults' workload (+0.5 to -0.5 points) and worse on the map's (0.9 and 1.8 points).
+AUTO_GALAXY_MIN_K, AUTO_GALAXY_MAX_H = 4, 25
+
+
+def auto_inner_moment(h: float, galaxy_size: int) -> InnerMoment:
+    """The inner AdamW's second moment `auto` picks for H inner steps per outer step and `galaxy_size` groups."""
+    return "galaxy" if galaxy_size >= AUTO_GALAXY_MIN_K and h <= AUTO_GALAXY_MAX_H else "group"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -143,6 +158,13 @@ class HvConfig(_Strict):
     galaxy_size: int = Field(1, ge=1, description="Number of worker groups expected in the swarm.")
     world_rank: int = Field(0, ge=0, description="Index of this worker group, 0 <= world rank < galaxy size.")
     local_steps: int = Field(500, gt=0, description="H: inner steps between two outer steps.")
+    inner_moment: InnerMoment | Literal["auto"] = Field(
+        "auto",
+        description="The second moment the inner AdamW divides by: group (its own batch's, plain AdamW), galaxy "
+        "(that of all --hv.galaxy-size groups' batches together, from each step's gradient variance over two halves "
+        "of its micro-batches: steps as long as DDP's over the galaxy; see diloco/galaxy_moment.py), or auto "
+        "(galaxy for 4 groups or more at H <= 25, else group).",
+    )
     target_tokens: int | None = Field(
         None,
         gt=0,
@@ -257,6 +279,13 @@ class HvConfig(_Strict):
                 raise ValueError(f"{value!r}: announce an explicit port, not port 0")
         return values
 
+    def steps_per_round(self, tokens_per_step: int) -> float:
+        """H: --hv.local-steps, or under --hv.target-tokens that of equal groups (target tokens ÷ (galaxy size ×
+        tokens per inner step))."""
+        if self.target_tokens is not None:
+            return self.target_tokens / (self.galaxy_size * max(tokens_per_step, 1))
+        return self.local_steps
+
     def outer_setting(self, tokens_per_step: int, warmup_steps: int, max_steps: int) -> OuterSetting:
         """The outer SGD's lr, momentum and lr warm-up: each as set, or for "auto" from ``auto_outer`` for this
         run's H (with --hv.target-tokens, that of equal groups: target tokens ÷ (galaxy size × tokens per inner
@@ -266,10 +295,7 @@ class HvConfig(_Strict):
         :param warmup_steps: the inner lr's warm-up steps (``Config.warmup_steps``).
         :param max_steps: the run's inner steps (--max-steps, or from --epochs).
         """
-        h = self.local_steps
-        if self.target_tokens is not None:
-            h = self.target_tokens / (self.galaxy_size * max(tokens_per_step, 1))
-        auto = auto_outer(h, self.galaxy_size, warmup_steps, max_steps)
+        auto = auto_outer(self.steps_per_round(tokens_per_step), self.galaxy_size, warmup_steps, max_steps)
         return OuterSetting(
             auto.lr if self.outer_lr == "auto" else self.outer_lr,
             auto.momentum if self.outer_momentum == "auto" else self.outer_momentum,
@@ -435,6 +461,30 @@ class Config(_Strict):
             raise ValueError(f"--cpu-offload needs an FSDP --sharding-strategy; {self.sharding_strategy} keeps the "
                              "model and optimizer state on the device")  # fmt: skip
         return self
+
+    @model_validator(mode="after")
+    def _galaxy_moment_needs_the_whole_state(self) -> Config:
+        if self.hv.inner_moment == "galaxy" and self.sharding_strategy == "ZERO1":
+            raise ValueError("--hv.inner-moment galaxy needs each rank's whole AdamW state (or its FSDP shards); "
+                             "ZERO1 partitions it: use DDP or an FSDP --sharding-strategy")  # fmt: skip
+        return self
+
+    def galaxy_moment(self, tokens_per_step: int, grad_accum: int) -> bool:
+        """Whether the inner AdamW takes the galaxy's second moment (--hv.inner-moment, auto resolved for this
+        run's H and galaxy size). It splits each step's micro-batches in two halves: `auto` keeps plain AdamW
+        where there are none (one micro-batch of one sequence) or under ZERO1; `galaxy` refuses such a run."""
+        hv = self.hv
+        if hv.galaxy_size == 1:
+            return False
+        choice = hv.inner_moment
+        if choice == "auto":
+            choice = auto_inner_moment(hv.steps_per_round(tokens_per_step), hv.galaxy_size)
+        halves = grad_accum > 1 or self.per_device_train_batch_size > 1
+        if choice == "galaxy" and not halves and hv.inner_moment == "galaxy":
+            raise UsageError("--hv.inner-moment galaxy needs two halves of each inner step: a "
+                             "--per-device-train-batch-size of at least 2, or a --total-batch-size of two "
+                             "micro-batches per rank")  # fmt: skip
+        return choice == "galaxy" and halves and self.sharding_strategy != "ZERO1"
 
     def outer_setting(self, tokens_per_step: int, max_steps: int) -> OuterSetting:
         """The swarm's outer SGD setting (``HvConfig.outer_setting`` with this run's inner warm-up) for a run of

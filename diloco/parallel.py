@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import FieldError, Precision, ShardingStrategy
 from diloco.distenv import DistEnv
+from diloco.galaxy_moment import GalaxyAdamW
 
 
 def pick_device(env: DistEnv) -> torch.device:
@@ -110,10 +111,18 @@ class DataParallel(DistributedDataParallel):
 
 
 def build_optimizer(
-    model: torch.nn.Module, strategy: ShardingStrategy, lr: float, betas: tuple[float, float], weight_decay: float
+    model: torch.nn.Module,
+    strategy: ShardingStrategy,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    galaxy_batches: float | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW; under ZERO1 each rank keeps and steps the AdamW state of a 1/n partition of the parameters only
-    (ZeroRedundancyOptimizer), then broadcasts its updated partition. Elementwise, so float32 results match."""
+    (ZeroRedundancyOptimizer), then broadcasts its updated partition. Elementwise, so float32 results match.
+    With `galaxy_batches` k: `GalaxyAdamW`, whose second moment is that of a k times larger batch."""
+    if galaxy_batches is not None:
+        return GalaxyAdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, galaxy_batches=galaxy_batches)
     kwargs = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "foreach": True}
     if strategy == "ZERO1":
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from transformers import get_cosine_schedule_with_warmup
 
-from diloco import checkpoint, console, parallel, preflight
+from diloco import checkpoint, console, galaxy_moment, parallel, preflight
 from diloco.config import Config, FieldError, UsageError
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
@@ -79,6 +79,7 @@ class Run:
     scaler: ShardedGradScaler
     data: Data
     grad_accum: int
+    halves: galaxy_moment.Halves | None  # under --hv.inner-moment galaxy: the variance of each step's gradient
     max_steps: int  # --max-steps, or --epochs × steps_per_epoch
     steps_per_epoch: int | None  # one pass over this group's share of the data; None on fake data
     metrics: Metrics
@@ -94,19 +95,35 @@ class Run:
 
 
 def inner_step(run: Run) -> torch.Tensor:
-    """One optimizer step over `grad_accum` micro-batches. Returns this rank's mean loss (no sync)."""
-    model, batches = run.model, run.data.train
+    """One optimizer step over `grad_accum` micro-batches. Returns this rank's mean loss (no sync).
+    Under --hv.inner-moment galaxy the step's gradient is also reduced after its first half of micro-batches (one
+    micro-batch is split in two), whose snapshot gives the optimizer the gradient's variance (`galaxy_moment`)."""
+    model, halves = run.model, run.halves
+    pieces = [run.data.train.next_batch() for _ in range(run.grad_accum)]
+    first, share = 0, 0.0
+    if halves is not None:
+        pieces, first, share = halves.split(pieces)
     total = torch.zeros((), device=run.device)
-    for micro in range(run.grad_accum):
-        batch = batches.next_batch().to(run.device, non_blocking=True)
-        model.set_requires_gradient_sync(micro == run.grad_accum - 1)  # reduce once per step, not per micro-batch
+    for micro, piece in enumerate(pieces):
+        batch = piece.to(run.device, non_blocking=True)
+        last = micro == len(pieces) - 1
+        model.set_requires_gradient_sync(last or micro == first - 1)  # reduce once per step (twice for halves)
         # use_cache=False: a KV cache is for generation; building one per forward costs memory and recompiles
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss / run.grad_accum
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss = loss / run.grad_accum if halves is None else loss * (len(piece) / sum(len(p) for p in pieces))
         run.scaler.scale(loss).backward()
         total += loss.detach()
+        if halves is not None and micro == first - 1:
+            halves.snapshot()
     run.scaler.unscale_(run.optimizer)
+    clip = 1.0
     if run.config.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), run.config.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.config.max_grad_norm)
+        if halves is not None:  # reading the norm waits for the device: only when the variance needs it
+            clip = galaxy_moment.clip_factor(norm, run.config.max_grad_norm)
+    if halves is not None:
+        scale = float(run.scaler.get_scale()) if run.scaler.is_enabled() else 1.0
+        halves.observe(run.optimizer, share, scale, clip)  # type: ignore[arg-type]
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.scheduler.step()
@@ -211,6 +228,7 @@ def log_eval(run: Run) -> None:
 
 def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path, stop: StopRequest) -> Run:
     grad_accum = config.grad_accumulation(env.world_size)
+    galaxy = config.galaxy_moment(config.total_batch_size * config.seq_length, grad_accum)  # tokens per step
     model = load_model(config.path_model, config.seed)
     data = build_data(
         dataset=config.dataset,
@@ -235,7 +253,12 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         model, layers, config.sharding_strategy, env, device, config.precision, config.cpu_offload
     )
     optimizer = parallel.build_optimizer(
-        model, config.sharding_strategy, lr=config.lr, betas=config.adam_betas, weight_decay=config.weight_decay
+        model,
+        config.sharding_strategy,
+        lr=config.lr,
+        betas=config.adam_betas,
+        weight_decay=config.weight_decay,
+        galaxy_batches=float(config.hv.galaxy_size) if galaxy else None,  # groups of equal batches: k of them
     )
     steps_per_epoch = data.steps_per_epoch(grad_accum)
     max_steps = total_steps(config, steps_per_epoch)
@@ -263,6 +286,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         scaler=ShardedGradScaler(device=device.type, enabled=config.precision == "fp16-mixed"),
         data=data,
         grad_accum=grad_accum,
+        halves=galaxy_moment.Halves(model.parameters()) if galaxy else None,
         max_steps=max_steps,
         steps_per_epoch=steps_per_epoch,
         metrics=metrics,
@@ -432,9 +456,11 @@ def describe(run: Run) -> dict[str, str]:
         outer = cfg.outer_setting(tokens_per_step, run.max_steps)
         warmup = f" rising over {outer.warmup} outer steps" if outer.warmup else ""
         auto = " (auto for this H and galaxy size: --hv.outer-* set them)" if hv.outer_is_auto() else ""
+        moment = "galaxy" if run.halves is not None else "group"
+        moment += " (auto: --hv.inner-moment sets it)" if hv.inner_moment == "auto" else ""
         swarm = (
             f"galaxy size {hv.galaxy_size}, world rank {hv.world_rank}, {pace}, outer lr {outer.lr:g}{warmup} "
-            f"momentum {outer.momentum:g}{auto}, {hv.compression} over {hv.transport}"
+            f"momentum {outer.momentum:g}{auto}, inner AdamW moment {moment}, {hv.compression} over {hv.transport}"
         )
     return {
         "run dir": str(run.run_dir),

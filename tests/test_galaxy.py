@@ -178,8 +178,10 @@ def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_pa
     """A 1-rank group, a 2-rank FULL_SHARD group and a 2-rank NO_SHARD group: whole groups meet in one round (rank 0
     matchmakes for its group), each rank sends its shard's parts to their reducers, the NO_SHARD replicas split
     theirs; all three stay bit-identical after every round. Three rounds: under load the first can time out on a
-    group still starting up (its reducers drop it), after which a group loads the swarm's state at the second."""
-    groups = [(1, []), (2, []), (2, ["--sharding-strategy", "NO_SHARD"])]
+    group still starting up (its reducers drop it), after which a group loads the swarm's state at the second.
+    Their inner AdamW takes the galaxy's second moment (halves of two micro-batches or of one, sharded or not)."""
+    galaxy = ["--hv.inner-moment", "galaxy"]
+    groups = [(1, galaxy), (2, galaxy), (2, ["--sharding-strategy", "NO_SHARD", *galaxy])]
     assert_trained_together(train_groups(tmp_path, dht_peer, 12, groups), groups=3, outer_steps=3)
 
 
