@@ -48,9 +48,10 @@ from diloco.bench import BenchError
 from diloco.bench.attacks import Attacker
 from diloco.bench.convergence_report import PAPER, PLAIN, Setting, markdown, plot, stem, summarize
 from diloco.bench.models import model_folder
-from diloco.config import Config, FieldError, auto_outer
+from diloco.config import Config, FieldError, auto_inner_moment, auto_outer
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
 from diloco.fragments import fragment_params, local_runs
+from diloco.galaxy_moment import GalaxyAdamW, Halves, clip_factor
 from diloco.links import solo_group
 from diloco.membership import DiLoCo
 from diloco.model import load_model, parameter_layers
@@ -103,6 +104,7 @@ class ArmSpec:
     mix: float = 0.5  # --hv.overlap-mix
     aggregation: str = "mean"  # --hv.aggregation (`bench poison`)
     attack: str = ""  # the last group forges its pseudo-gradients (`bench.attacks`); its data is group 0's
+    inner_moment: str = "group"  # --hv.inner-moment: galaxy divides by the second moment of all groups' batches
 
     @property
     def setting(self) -> Setting | None:
@@ -129,8 +131,11 @@ def setting_name(setting: Setting) -> str:
 
 
 def diloco_arm(k: int, w: Workload, h: int, setting: Setting, seed: int, auto: bool = False) -> ArmSpec:
+    """DiLoCo at galaxy size k; `auto`: what the trainer picks with no outer flags, the inner moment too."""
     name = f"diloco-H{h}-{'auto' if auto else setting_name(setting)}"
-    return ArmSpec(name, k, k, w.batch, w.steps, h, setting[:2], outer_warmup=setting[2], seed=seed)
+    moment = auto_inner_moment(h, k) if auto else "group"
+    return ArmSpec(name, k, k, w.batch, w.steps, h, setting[:2], outer_warmup=setting[2], seed=seed,
+                   inner_moment=moment)  # fmt: skip
 
 
 def baselines(k: int, w: Workload, seed: int) -> list[ArmSpec]:
@@ -150,6 +155,8 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
             auto = auto_outer(h, k, w.warmup_steps, w.steps)
             specs += baselines(k, w, seed)[1:]
             specs.append(diloco_arm(k, w, h, auto, seed, auto=True))
+            other = "group" if specs[-1].inner_moment == "galaxy" else "galaxy"  # auto with the other moment
+            specs.append(replace(specs[-1], name=f"{specs[-1].name}+{other}-moment", inner_moment=other))
             specs += [diloco_arm(k, w, h, s, seed) for s in (PLAIN, PAPER) if s != auto]
     first = w.seeds[0]
     for k in ks[:2]:
@@ -274,7 +281,7 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
     def group(g: int) -> None:
         model = models[g]
         data = BlockBatches(corpus.train, Shard(g % honest, honest), spec.batch, seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
+        opt, halves = inner_optimizer(model, spec, lr)
         schedule = get_cosine_schedule_with_warmup(opt, warmup, spec.steps)
         outer = None
         if spec.outer is not None:
@@ -287,11 +294,7 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
                            outer_warmup=spec.outer_warmup, final_step=spec.steps, fragments=fragment_runs(spec, model),
                            overlap_steps=spec.overlap, overlap_mix=spec.mix)  # fmt: skip
         for step in range(1, spec.steps + 1):
-            batch = data.next_batch()
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-            opt.step()
+            loss = inner_step(model, data.next_batch(), opt, halves)
             schedule.step()
             opt.zero_grad(set_to_none=True)
             if not math.isfinite(loss.item()):
@@ -325,6 +328,39 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
         "groups_identical": identical,
         "wall_s": time.perf_counter() - started,
     }
+
+
+def inner_optimizer(model: torch.nn.Module, spec: ArmSpec, lr: float) -> tuple[torch.optim.Optimizer, Halves | None]:
+    """The trainer's inner AdamW for this arm (`parallel.build_optimizer`'s choice) and, under the galaxy's
+    second moment (k = the arm's groups, all of one batch), what estimates each step's gradient variance."""
+    if spec.inner_moment == "group" or spec.groups == 1:
+        return torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY), None
+    opt = GalaxyAdamW(model.parameters(), lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY,
+                      galaxy_batches=float(spec.groups))  # fmt: skip
+    return opt, Halves(model.parameters())
+
+
+def inner_step(model: torch.nn.Module, batch: torch.Tensor, opt: torch.optim.Optimizer, halves: Halves | None) -> torch.Tensor:
+    """One inner step as `train.inner_step` takes it on one rank with one micro-batch: split in two halves under
+    the galaxy's second moment. Returns the step's loss."""
+    if halves is None:
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        opt.step()
+        return loss
+    pieces, first, share = halves.split([batch])
+    total = torch.zeros(())
+    for i, piece in enumerate(pieces):
+        loss = model(input_ids=piece, labels=piece, use_cache=False).loss * (len(piece) / len(batch))
+        loss.backward()
+        total += loss.detach()
+        if i == first - 1:
+            halves.snapshot()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    halves.observe(opt, share, 1.0, clip_factor(norm, GRAD_CLIP))  # type: ignore[arg-type]
+    opt.step()
+    return total
 
 
 def fragment_runs(spec: ArmSpec, model: torch.nn.Module) -> list[list[tuple[int, int]]] | None:

@@ -49,7 +49,7 @@ def _arm(runs: list[dict[str, Any]]) -> dict[str, Any]:
     runs = sorted(runs, key=lambda r: r["seed"])
     first, losses = runs[0], [r["final_eval_loss"] for r in runs]
     kept = ("name", "k", "groups", "batch", "steps", "h", "outer", "outer_warmup", "lr", "warmup_steps", "trial",
-            "tokens", "fragments", "layout", "overlap", "mix")  # fmt: skip
+            "tokens", "fragments", "layout", "overlap", "mix", "inner_moment")  # fmt: skip
     return {key: first[key] for key in kept} | {
         "seeds": [r["seed"] for r in runs],
         "final_eval_loss": losses,
@@ -59,6 +59,11 @@ def _arm(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "curve": first["curve"],  # the first seed's
         "wall_s": sum(r["wall_s"] for r in runs),
     }
+
+
+def _moment(arm: dict[str, Any]) -> str:
+    """What the outer column adds for an arm whose inner AdamW took the galaxy's second moment."""
+    return ", galaxy moment" if arm.get("inner_moment") == "galaxy" else ""
 
 
 def _setting(arm: dict[str, Any]) -> Setting | None:
@@ -171,7 +176,7 @@ def markdown(result: dict[str, Any]) -> str:
         losses = ", ".join(f"{loss:.4f}" for loss in a["final_eval_loss"])
         gaps = ", ".join(f"{g * 100:+.1f}%" for g in a["gap_by_seed"])
         lines.append(
-            f"| {a['k']} | {a['name']} | {a['h'] or '–'} | {_name(_setting(a))} | {losses} | "
+            f"| {a['k']} | {a['name']} | {a['h'] or '–'} | {_name(_setting(a))}{_moment(a)} | {losses} | "
             f"{a['mean_eval_loss']:.4f} | {gaps} | {a['gap_vs_ddp'] * 100:+.1f}% | {a['wall_s']:.0f} |"
         )
     if "target" in result:
