@@ -9,6 +9,9 @@ a key of an arm's `extra`:
 - norm_match a / tensor_match a / row_match a: the averaged pseudo-gradient scaled by (mean over groups of the
   pseudo-gradient's norm ÷ the mean's norm) ** a, over the whole model / per tensor / per row (RMS over groups;
   `cap` bounds it), on top of the outer lr and its warm-up
+- nadam K (with seq: true, the variance from two consecutive steps' gradients instead): the first version of the
+  galaxy's second moment (`NoiseAdam` below; the trainer's is diloco/galaxy_moment.py), AdamW's second moment
+  corrected to a K times larger batch from the variance of two half-batch gradients (2026-11-26 09:25-09:50 UTC)
 
 Run from the repository root: PYTHONPATH=. python docs/bench/scratch/gap_trials.py OUT.jsonl ARMS_JSON [STUDY], each
 arm [k, H, outer lr (0: DDP at k·B), momentum, outer-lr warm-up, seed, extra]; STUDY: the bench's workload
@@ -34,6 +37,74 @@ class EarlyPace(FixedSteps):
     def round_index(self, step, outer_step):
         n = sum(1 for s in range(1, step + 1) if self.due(s, 0, 0))
         return n if self.due(step, 0, 0) else n + 1
+
+
+class NoiseAdam:
+    """AdamW whose second moment is corrected towards what a K-times larger batch would see: two half-batch
+    gradients g1, g2 give an unbiased estimate n = ((g1 - g2) / 2)^2 of the gradient's variance per coordinate, and
+    v tracks EMA(g^2) - (1 - 1/K) EMA(n), floored at EMA(g^2) / K. The lr comes from `opt` (its schedule)."""
+    def __init__(self, params, K, opt, seq=False):
+        self.params, self.K, self.opt, self.t = params, float(K), opt, 0
+        self.m = [torch.zeros_like(p) for p in params]
+        self.sq = [torch.zeros_like(p) for p in params]
+        self.n = [torch.zeros_like(p) for p in params]
+        self.seq, self.prev = seq, None
+
+    def step_seq(self, model, batch):
+        """One gradient per step; the variance estimate from two consecutive steps' gradients, ((g_t - g_t-1)^2 / 2)."""
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), C.GRAD_CLIP)
+        g = [p.grad.detach().clone() for p in self.params]
+        for p in self.params:
+            p.grad = None
+        n = [torch.zeros_like(x) for x in g] if self.prev is None else [(a - b) ** 2 / 2 for a, b in zip(g, self.prev)]
+        self.prev = [x.clone() for x in g]
+        self.apply(g, n, 1.0)
+        return loss.detach()
+
+    def apply(self, g, n, c):
+        group = self.opt.param_groups[0]
+        lr, (b1, b2), wd, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
+        self.t += 1
+        with torch.no_grad():
+            for p, gi, ni, m, sq, nn in zip(self.params, g, n, self.m, self.sq, self.n):
+                gi.mul_(c); ni.mul_(c * c)
+                m.mul_(b1).add_(gi, alpha=1 - b1)
+                sq.mul_(b2).addcmul_(gi, gi, value=1 - b2)
+                nn.mul_(b2).add_(ni, alpha=1 - b2)
+                v = torch.maximum(sq - (1 - 1 / self.K) * nn, sq / self.K) / (1 - b2 ** self.t)
+                p.mul_(1 - lr * wd)
+                p.addcdiv_(m / (1 - b1 ** self.t), v.sqrt().add_(eps), value=-lr)
+    def step(self, model, batch):
+        if self.seq:
+            return self.step_seq(model, batch)
+        half = batch.shape[0] // 2
+        grads, losses = [], []
+        for b in (batch[:half], batch[half:]):
+            loss = model(input_ids=b, labels=b, use_cache=False).loss
+            loss.backward()
+            grads.append([p.grad.detach().clone() for p in self.params])
+            losses.append(loss.detach())
+            for p in self.params:
+                p.grad = None
+        g = [(a + b) / 2 for a, b in zip(*grads)]
+        n = [((a - b) / 2) ** 2 for a, b in zip(*grads)]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in g]))
+        c = min(1.0, C.GRAD_CLIP / (float(norm) + 1e-6))
+        group = self.opt.param_groups[0]
+        lr, (b1, b2), wd, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
+        self.t += 1
+        with torch.no_grad():
+            for p, gi, ni, m, sq, nn in zip(self.params, g, n, self.m, self.sq, self.n):
+                gi.mul_(c); ni.mul_(c * c)
+                m.mul_(b1).add_(gi, alpha=1 - b1)
+                sq.mul_(b2).addcmul_(gi, gi, value=1 - b2)
+                nn.mul_(b2).add_(ni, alpha=1 - b2)
+                v = torch.maximum(sq - (1 - 1 / self.K) * nn, sq / self.K) / (1 - b2 ** self.t)
+                p.mul_(1 - lr * wd)
+                p.addcdiv_(m / (1 - b1 ** self.t), v.sqrt().add_(eps), value=-lr)
+        return (losses[0] + losses[1]) / 2
 
 
 def run_arm(spec, extra, w, corpus):
@@ -91,12 +162,17 @@ def run_arm(spec, extra, w, corpus):
                 base = outer.params
                 sched = extra["lr_sched"]
                 base.lr_at = lambda s: sched[min(s, len(sched) - 1)]
+        nadam = NoiseAdam(list(model.parameters()), extra["nadam"], opt, extra.get("seq", False)) if "nadam" in extra else None
         for step in range(1, spec.steps + 1):
             batch = data.next_batch()
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), C.GRAD_CLIP)
-            opt.step(); schedule.step(); opt.zero_grad(set_to_none=True)
+            if nadam is not None:
+                loss = nadam.step(model, batch)
+                schedule.step()
+            else:
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), C.GRAD_CLIP)
+                opt.step(); schedule.step(); opt.zero_grad(set_to_none=True)
             if not math.isfinite(loss.item()):
                 raise RuntimeError(f"loss {loss.item()}")
             if "norm_match" in extra and step % spec.h == 0:
