@@ -143,7 +143,7 @@ def launch(
     seen: list[Config] = []
     run_app(build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0), list(train_args))
     seen[0].check_files()  # fail here, before a DHT or any worker starts (each worker checks the rest itself)
-    seen[0].grad_accumulation(nproc_per_worker)
+    seen[0].check_batch(nproc_per_worker)
     _setup_logging(0)
     return launcher.launch(seen[0], list(train_args), workers, nproc_per_worker)
 
@@ -180,7 +180,7 @@ def slurm(
     checked = [*train_args, "--hv.galaxy-size", str(groups), "--hv.world-rank", str(groups - 1)]
     run_app(build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0), checked)
     seen[0].check_files()  # here, not in the job an hour later (the cluster's nodes see the same files)
-    seen[0].grad_accumulation(nodes_per_group * per_node)
+    seen[0].check_batch(nodes_per_group * per_node)
     text = slurm_script.script(layout, job, seen[0], list(train_args), Path.cwd())
     (Path.cwd() / output).mkdir(parents=True, exist_ok=True)
     if script_file is None and not submit:

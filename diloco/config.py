@@ -158,7 +158,7 @@ class HvConfig(_Strict):
     galaxy_size: int = Field(1, ge=1, description="Number of worker groups expected in the swarm.")
     world_rank: int = Field(0, ge=0, description="Index of this worker group, 0 <= world rank < galaxy size.")
     local_steps: int = Field(500, gt=0, description="H: inner steps between two outer steps.")
-    inner_moment: InnerMoment | Literal["auto"] = Field(
+    inner_moment: Literal["auto", "group", "galaxy"] = Field(
         "auto",
         description="The second moment the inner AdamW divides by: group (its own batch's, plain AdamW), galaxy "
         "(that of all --hv.galaxy-size groups' batches together, from each step's gradient variance over two halves "
@@ -500,6 +500,13 @@ class Config(_Strict):
                 f"{self.per_device_train_batch_size} × {world_size} ranks = {per_step}"
             )
         return self.total_batch_size // per_step
+
+    def check_batch(self, world_size: int) -> int:
+        """`grad_accumulation`, and that the galaxy moment, where asked for, finds two halves in a step; returns
+        the micro-batches per inner step."""
+        grad_accum = self.grad_accumulation(world_size)
+        self.galaxy_moment(self.total_batch_size * self.seq_length, grad_accum)
+        return grad_accum
 
     def check_files(self) -> None:
         """Fail before any work starts when a named file or folder is missing, or a hub id is in no cache while

@@ -25,10 +25,11 @@ def ckpt_folder(config: Config, run_dir: Path | None) -> Path:
 
 
 def check_run(config: Config, world_size: int) -> Path | None:
-    """Named files exist, the batch divides over the ranks, the run folder is free (or resumed), and the checkpoint
-    to resume from holds every file. Returns that checkpoint's folder, None when not resuming."""
+    """Named files exist, the batch divides over the ranks (and in two halves for the galaxy moment), the run
+    folder is free (or resumed), and the checkpoint to resume from holds every file. Returns that checkpoint's
+    folder, None when not resuming."""
     config.check_files()
-    config.grad_accumulation(world_size)
+    config.check_batch(world_size)
     if config.hv.galaxy_size > 1:
         check_tempdir()
     if config.run_dir is not None and config.ckpt.resume is None and (config.run_dir / "metrics.jsonl").exists():

@@ -127,6 +127,11 @@ CASES = {
     "unknown flag": (lambda t: ["--learning-rate", "1"], "--learning-rate"),
     "bad multiaddr": (lambda t: ["--hv.initial-peers", "/ip4/300.1.1.1/tcp/1"], "--hv.initial-peers"),
     "world rank >= galaxy": (lambda t: ["--hv.galaxy-size", "2", "--hv.world-rank", "2"], "--hv.world-rank"),
+    "galaxy moment under ZERO1": (lambda t: [*SWARM, "--hv.inner-moment", "galaxy", "--sharding-strategy", "ZERO1"],
+                                  "--hv.inner-moment galaxy needs each rank's whole AdamW state"),  # fmt: skip
+    "galaxy moment without halves": (lambda t: [*SWARM, "--hv.inner-moment", "galaxy", "--total-batch-size", "1",
+                                                "--per-device-train-batch-size", "1"],
+                                     "--hv.inner-moment galaxy needs two halves of each inner step"),  # fmt: skip
     "announced port 0": (lambda t: [*SWARM, "--hv.announce-maddrs", "/ip4/1.2.3.4/tcp/0"], "--hv.announce-maddrs"),
     "fragments not dividing H": (lambda t: [*SWARM, "--hv.local-steps", "10", "--hv.fragments", "3"],
                                  "--hv.local-steps 10 must be a multiple of --hv.fragments 3"),  # fmt: skip
