@@ -76,6 +76,7 @@ class NoiseAdam:
                 v = torch.maximum(sq - (1 - 1 / self.K) * nn, sq / self.K) / (1 - b2 ** self.t)
                 p.mul_(1 - lr * wd)
                 p.addcdiv_(m / (1 - b1 ** self.t), v.sqrt().add_(eps), value=-lr)
+
     def step(self, model, batch):
         if self.seq:
             return self.step_seq(model, batch)
@@ -91,19 +92,7 @@ class NoiseAdam:
         g = [(a + b) / 2 for a, b in zip(*grads)]
         n = [((a - b) / 2) ** 2 for a, b in zip(*grads)]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in g]))
-        c = min(1.0, C.GRAD_CLIP / (float(norm) + 1e-6))
-        group = self.opt.param_groups[0]
-        lr, (b1, b2), wd, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
-        self.t += 1
-        with torch.no_grad():
-            for p, gi, ni, m, sq, nn in zip(self.params, g, n, self.m, self.sq, self.n):
-                gi.mul_(c); ni.mul_(c * c)
-                m.mul_(b1).add_(gi, alpha=1 - b1)
-                sq.mul_(b2).addcmul_(gi, gi, value=1 - b2)
-                nn.mul_(b2).add_(ni, alpha=1 - b2)
-                v = torch.maximum(sq - (1 - 1 / self.K) * nn, sq / self.K) / (1 - b2 ** self.t)
-                p.mul_(1 - lr * wd)
-                p.addcdiv_(m / (1 - b1 ** self.t), v.sqrt().add_(eps), value=-lr)
+        self.apply(g, n, min(1.0, C.GRAD_CLIP / (float(norm) + 1e-6)))
         return (losses[0] + losses[1]) / 2
 
 
