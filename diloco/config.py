@@ -120,12 +120,13 @@ def auto_outer(h: float, galaxy_size: int, warmup_steps: int, max_steps: int) ->
 
 
 # --hv.inner-moment auto: the galaxy's second moment (diloco.galaxy_moment) for AUTO_GALAXY_MIN_K groups or more
-# at H up to AUTO_GALAXY_MAX_H. `bench convergence` and scratch runs (docs/benchmarks.md, 2026-11-26 09:25-10:10):
-# on the defaults' workload (H = 25) it took 4 groups from +2.9/+4.6/+5.2% above DDP to +1.8/+3.8/+1.3% and 8
-# groups (seed 0) from +1.8% to -0.1%; on the map's (0.14M model, 2000 steps, 4 groups) it helped at H = 10 and 25
-# (by 1.6-4.6 points, three cells and seeds) and hurt at H = 50 and 100 (by 1.0-2.5 points, four); with 2 groups it
-# was even at H = 25 on the defaults' workload (+0.5 to -0.5 points) and worse on the map's (0.9 and 1.8 points).
-AUTO_GALAXY_MIN_K, AUTO_GALAXY_MAX_H = 4, 25
+# at H up to AUTO_GALAXY_MAX_H. Scratch runs of `bench convergence`'s arms (docs/benchmarks.md, 2026-11-26
+# 09:25-10:40 UTC), gap to DDP on seeds 0, 1, 2: on the defaults' workload (H = 25) 3 groups went from +2.5/+3.9/
+# +4.5% to -0.2/+2.4/+2.4%, 4 from +2.9/+4.6/+5.2% to +1.8/+3.8/+1.3%, 8 from +1.8/+8.4/+6.0% to -0.1/+6.1/+5.5%;
+# on the map's (0.14M model, 2000 steps) k = 4 and 8 gained 2.4-3.7 points at H = 10 and 25 (six cells and
+# seeds) and k = 4 lost 1.0-2.5 at H = 50 and 100; 2 groups were even on the defaults' workload (-0.5 to +0.1
+# points) and lost 0.9 and 1.6 points on the map's (H = 25, 50).
+AUTO_GALAXY_MIN_K, AUTO_GALAXY_MAX_H = 3, 25
 
 
 def auto_inner_moment(h: float, galaxy_size: int) -> InnerMoment:
@@ -163,7 +164,7 @@ class HvConfig(_Strict):
         description="The second moment the inner AdamW divides by: group (its own batch's, plain AdamW), galaxy "
         "(that of all --hv.galaxy-size groups' batches together, from each step's gradient variance over two halves "
         "of its micro-batches: steps as long as DDP's over the galaxy; see diloco/galaxy_moment.py), or auto "
-        "(galaxy for 4 groups or more at H <= 25, else group).",
+        "(galaxy for 3 groups or more at H <= 25, else group).",
     )
     target_tokens: int | None = Field(
         None,
