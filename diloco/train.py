@@ -103,6 +103,7 @@ def inner_step(run: Run) -> torch.Tensor:
     first, share = 0, 0.0
     if halves is not None:
         pieces, first, share = halves.split(pieces)
+        sequences = sum(len(piece) for piece in pieces)  # a piece's loss weighs by its share of them
     total = torch.zeros((), device=run.device)
     for micro, piece in enumerate(pieces):
         batch = piece.to(run.device, non_blocking=True)
@@ -110,7 +111,7 @@ def inner_step(run: Run) -> torch.Tensor:
         model.set_requires_gradient_sync(last or micro == first - 1)  # reduce once per step (twice for halves)
         # use_cache=False: a KV cache is for generation; building one per forward costs memory and recompiles
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss = loss / run.grad_accum if halves is None else loss * (len(piece) / sum(len(p) for p in pieces))
+        loss = loss / run.grad_accum if halves is None else loss * (len(piece) / sequences)
         run.scaler.scale(loss).backward()
         total += loss.detach()
         if halves is not None and micro == first - 1:
