@@ -88,6 +88,15 @@ class OuterSetting(NamedTuple):
     warmup: int
 
 
+# --hv.inner-moment auto: the galaxy's second moment (diloco.galaxy_moment) for AUTO_GALAXY_MIN_K groups or more
+# at H up to AUTO_GALAXY_MAX_H. Scratch runs of `bench convergence`'s arms (docs/benchmarks.md, 2026-11-26
+# 09:25-10:40 UTC), gap to DDP on seeds 0, 1, 2: on the defaults' workload (H = 25) 3 groups went from +2.5/+3.9/
+# +4.5% to -0.2/+2.4/+2.4%, 4 from +2.9/+4.6/+5.2% to +1.8/+3.8/+1.3%, 8 from +1.8/+8.4/+6.0% to -0.1/+6.1/+5.5%;
+# on the map's (0.14M model, 2000 steps) k = 4 and 8 gained 2.4-3.7 points at H = 10 and 25 (six cells and
+# seeds) and k = 4 lost 1.0-2.5 at H = 50 and 100; 2 groups were even on the defaults' workload (-0.5 to +0.1
+# points) and lost 0.9 and 1.6 points on the map's (H = 25, 50).
+AUTO_GALAXY_MIN_K, AUTO_GALAXY_MAX_H = 3, 25
+
 # --hv.outer-lr / --hv.outer-momentum auto, from `diloco bench convergence` (docs/benchmarks.md, 2026-11-24; README,
 # "The outer step"). A run of at least AUTO_MOMENTUM_STEPS outer steps takes the paper's 0.7 / 0.9: in the map's
 # 2000-step runs at H = 10 and 25 (200 and 80 outer steps) it was the best or within 1.5 points of it (mean of
@@ -97,12 +106,21 @@ class OuterSetting(NamedTuple):
 # and by H and the galaxy size k, (largest H, largest k, lr): an outer lr above 1 helped at H = 25, but only with
 # the warm-up below (1.2 without it: +8.6% at k = 4). With it, 2 groups did best at 1.4 (seeds 0-2: -3.3%, +0.5%,
 # +0.8% against 1.0's -2.3%, +1.3%, +2.3%), 4 groups at 1.2 (1.5: +2.9%, +5.3%; 1.7 and 2.0 worse on seed 1).
+# 3+ groups at H <= AUTO_GALAXY_MAX_H, where auto also takes the galaxy moment (above): 1.3, the best of the lrs
+# tried with it at k = 4 (docs/benchmarks.md, 2026-11-26 11:30-12:40 UTC): seeds 0-4 +1.4/+3.0/+1.3/+0.5/-4.0%
+# against 1.2's +1.8/+3.8/+1.3/-0.3/-3.7%; 8 groups -0.0/+5.4/+5.3% against -0.1/+6.1/+5.5%. The lr depends on H
+# and k alone, not on the moment a group ends up with, so that every group of a swarm takes the same outer step.
 AUTO_MOMENTUM_STEPS = 50
 # Not taken: 1.0 / 0.5 for 3+ groups over 20-49 outer steps. On the map's workload (0.14M model, H = 50 and 100)
 # it beat 1.2 / 0 with the warm-up by 0.7-5.1 points at k = 4 and 8, but on the defaults' (1.1M model, H = 25, S =
 # 400 and 500: 16 and 20 outer steps, k = 4) it lost by 5-11 points on every seed, and with the warm-up by 0.1-2.5
 # (docs/benchmarks.md, 2026-11-26 01:00-01:34).
-AUTO_LR: tuple[tuple[float, float, float], ...] = ((100, 2, 1.4), (100, math.inf, 1.2), (math.inf, math.inf, 1.0))
+AUTO_LR: tuple[tuple[float, float, float], ...] = (
+    (100, 2, 1.4),
+    (AUTO_GALAXY_MAX_H, math.inf, 1.3),
+    (100, math.inf, 1.2),
+    (math.inf, math.inf, 1.0),
+)
 # --hv.outer-lr-warmup auto, up to this H: the outer lr rises over the outer steps that cover this many inner
 # warm-ups (--warmup-steps). The same bench found the harm in the first outer steps, while the inner lr warms up:
 # an outer warm-up over 3 outer steps or an inner warm-up 3× as long each took k = 4 from +7.1% to +4.1% / +2.9%.
@@ -117,16 +135,6 @@ def auto_outer(h: float, galaxy_size: int, warmup_steps: int, max_steps: int) ->
     lr = next(lr for max_h, max_k, lr in AUTO_LR if h <= max_h and galaxy_size <= max_k)
     warmup = math.ceil(AUTO_WARMUP_SPAN * warmup_steps / h) if h <= AUTO_WARMUP_H else 0
     return OuterSetting(lr, 0.0, warmup if warmup > 1 else 0)  # one step of warm-up is none
-
-
-# --hv.inner-moment auto: the galaxy's second moment (diloco.galaxy_moment) for AUTO_GALAXY_MIN_K groups or more
-# at H up to AUTO_GALAXY_MAX_H. Scratch runs of `bench convergence`'s arms (docs/benchmarks.md, 2026-11-26
-# 09:25-10:40 UTC), gap to DDP on seeds 0, 1, 2: on the defaults' workload (H = 25) 3 groups went from +2.5/+3.9/
-# +4.5% to -0.2/+2.4/+2.4%, 4 from +2.9/+4.6/+5.2% to +1.8/+3.8/+1.3%, 8 from +1.8/+8.4/+6.0% to -0.1/+6.1/+5.5%;
-# on the map's (0.14M model, 2000 steps) k = 4 and 8 gained 2.4-3.7 points at H = 10 and 25 (six cells and
-# seeds) and k = 4 lost 1.0-2.5 at H = 50 and 100; 2 groups were even on the defaults' workload (-0.5 to +0.1
-# points) and lost 0.9 and 1.6 points on the map's (H = 25, 50).
-AUTO_GALAXY_MIN_K, AUTO_GALAXY_MAX_H = 3, 25
 
 
 def auto_inner_moment(h: float, galaxy_size: int) -> InnerMoment:

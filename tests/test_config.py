@@ -149,10 +149,11 @@ SWARM = "--path-model m --fake-data --warmup-steps 20 --hv.galaxy-size"
         ("2", 25_000, (0.7, 0.9, 0)),  # H = 500 by default; 50 outer steps or more: the paper's setting
         ("2", 4_000, (1.0, 0.0, 0)),  # 8 outer steps of H = 500: no momentum, no warm-up above H = 100
         ("2 --hv.local-steps 25", 200, (1.4, 0.0, 3)),  # 3 outer steps cover 3 inner warm-ups of 20 steps
-        ("4 --hv.local-steps 25", 200, (1.2, 0.0, 3)),  # more groups: a larger outer lr
-        ("8 --hv.local-steps 10", 200, (1.2, 0.0, 6)),
+        ("4 --hv.local-steps 25", 200, (1.3, 0.0, 3)),  # 3+ groups up to H = 25 (with the galaxy moment): 1.3
+        ("3 --hv.local-steps 26", 260, (1.2, 0.0, 3)),  # above H = 25: 1.2
+        ("8 --hv.local-steps 10", 200, (1.3, 0.0, 6)),
         ("4 --hv.local-steps 25", 1250, (0.7, 0.9, 0)),  # 50 outer steps: momentum pays off
-        ("4 --hv.local-steps 25", 1249, (1.2, 0.0, 3)),  # 49: still none
+        ("4 --hv.local-steps 25", 1249, (1.3, 0.0, 3)),  # 49: still none
         ("8 --hv.local-steps 100", 2000, (1.2, 0.0, 0)),  # ⌈60 / 100⌉ = 1 outer step of warm-up is none
         ("2 --hv.local-steps 50", 2000, (1.4, 0.0, 2)),  # 40 outer steps, a warm-up of ⌈60 / 50⌉
         ("4 --hv.local-steps 101", 2100, (1.0, 0.0, 0)),  # above H = 100: 1.0, no warm-up
@@ -161,11 +162,12 @@ SWARM = "--path-model m --fake-data --warmup-steps 20 --hv.galaxy-size"
         ("4 --hv.local-steps 101", 1000, (1.0, 0.0, 0)),
         ("4 --hv.local-steps 25 --hv.outer-lr 0.7 --hv.outer-momentum 0.9 --hv.outer-lr-warmup 0", 200, (0.7, 0.9, 0)),
         ("2 --hv.local-steps 25 --hv.outer-momentum 0.5", 200, (1.4, 0.5, 3)),  # each on its own
-        ("4 --hv.local-steps 25 --hv.outer-lr-warmup 5", 200, (1.2, 0.0, 5)),
+        ("4 --hv.local-steps 25 --hv.outer-lr-warmup 5", 200, (1.3, 0.0, 5)),
         ("2 --hv.outer-lr auto --hv.outer-momentum 0.0", 50_000, (0.7, 0.0, 0)),
         # the token budget: the H of equal groups, 2048 tokens per step each: 102400 / 2 / 2048 = 25
         ("2 --hv.target-tokens 102400", 200, (1.4, 0.0, 3)),
         ("2 --hv.target-tokens 1024000", 2000, (1.0, 0.0, 0)),  # H = 250, 8 outer steps
+        ("4 --hv.target-tokens 204800", 200, (1.3, 0.0, 3)),  # 204800 / 4 / 2048 = 25
     ],
 )
 def test_outer_auto_picks_by_h_galaxy_warmup_and_length_and_set_values_win(
