@@ -107,8 +107,9 @@ AUTO_GALAXY_MIN_K, AUTO_GALAXY_MAX_H = 3, 25
 # the warm-up below (1.2 without it: +8.6% at k = 4). With it, 2 groups did best at 1.4 (seeds 0-2: -3.3%, +0.5%,
 # +0.8% against 1.0's -2.3%, +1.3%, +2.3%), 4 groups at 1.2 (1.5: +2.9%, +5.3%; 1.7 and 2.0 worse on seed 1).
 # 3+ groups at H <= AUTO_GALAXY_MAX_H, where auto also takes the galaxy moment (above): 1.3, the best of the lrs
-# tried with it at k = 4 (docs/benchmarks.md, 2026-11-26 11:30-12:40 UTC): seeds 0-4 +1.4/+3.0/+1.3/+0.5/-4.0%
-# against 1.2's +1.8/+3.8/+1.3/-0.3/-3.7%; 8 groups -0.0/+5.4/+5.3% against -0.1/+6.1/+5.5%. The lr depends on H
+# tried with it at k = 4 (docs/benchmarks.md, 2026-11-26 11:30-12:58 UTC): seeds 0-4 +1.4/+3.0/+1.3/+0.5/-4.0%
+# against 1.2's +1.8/+3.8/+1.3/-0.3/-3.7%, fresh seeds 5 and 6 +1.7/+5.9% against +1.8/+6.1%; 8 groups
+# -0.0/+5.4/+5.3% against -0.1/+6.1/+5.5%; 3 groups even (+0.6/+2.5/+1.3% against -0.2/+2.4/+2.4%). The lr depends on H
 # and k alone, not on the moment a group ends up with, so that every group of a swarm takes the same outer step.
 AUTO_MOMENTUM_STEPS = 50
 # Not taken: 1.0 / 0.5 for 3+ groups over 20-49 outer steps. On the map's workload (0.14M model, H = 50 and 100)

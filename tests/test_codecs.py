@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
-from diloco.swarm.codecs import INT4, INT4_BLOCK, WIRE_FORMATS, decode_int4, encode_int4
+from diloco.swarm.codecs import INT4, INT4_BLOCK, WIRE_FORMATS, Uniform8Bit, decode_int4, encode_int4
 
 
 def roundtrip(values: torch.Tensor) -> torch.Tensor:
@@ -62,3 +64,21 @@ def test_int4_exists_only_for_rounds_of_whole_groups():
     with pytest.raises(ValueError, match="only in rounds of whole groups"):
         SwarmAverager(object(), prefix="p", tensors=[torch.zeros(1)], compression="int4", matchmaking_time=1,
                       averaging_timeout=1)  # fmt: skip
+
+
+def test_int8_decodes_without_a_warning_about_the_received_buffer():
+    """hivemind's 8-bit parts arrive as read-only bytes; decoding copies them rather than handing torch a
+    read-only view (torch warns that writing to it would be undefined)."""
+    import warnings
+
+    from diloco.swarm.codecs import Uniform8Bit
+
+    codec, values = Uniform8Bit(), torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # hivemind's encoder uses torch's deprecated quantize_per_tensor
+        encoded = codec.compress(values, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decoded = codec.extract(encoded)
+    inside = values.abs() < 2.5  # 256 levels over mean ± 3 sigma: the tails beyond are clipped
+    assert decoded.shape == values.shape and float((decoded - values)[inside].abs().max()) < 0.05

@@ -36,7 +36,8 @@ class Uniform8Bit(Uniform8BitQuantization):
         codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
         codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
         indices = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
-        values = torch.as_tensor(codebook)[torch.as_tensor(indices, dtype=torch.int64)]
+        # copies: torch warns on (and must never write to) a read-only view of the received buffer
+        values = torch.from_numpy(codebook.copy())[torch.from_numpy(indices.astype(np.int64))]
         values = values.to(getattr(torch, serialized_tensor.dtype)).reshape(tuple(serialized_tensor.size))
         return values.requires_grad_(serialized_tensor.requires_grad)
 
