@@ -79,8 +79,8 @@ class GalaxyAdamW(torch.optim.Optimizer):
 class Halves:
     """Splits an inner step's micro-batches in two parts and estimates the variance of the step's gradient.
 
-    The caller syncs gradients after the first part's last micro-batch too (`sync_after`), calls `snapshot` there,
-    and `observe` once the step's gradient is unscaled and clipped."""
+    The caller also reduces the gradients over the group after the first part's last micro-batch, calls `snapshot`
+    there, and `observe` once the step's gradient is unscaled and clipped."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
         self.params = [p for p in params if p.requires_grad]
