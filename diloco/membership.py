@@ -80,6 +80,8 @@ class DiLoCo:
     :param overlap_mix: how much of its own values a parameter keeps when an overlapped round lands.
     :param aggregation: how reducers combine pseudo-gradients (``--hv.aggregation``): part of the outer setting the
         groups of a run must share.
+    :param schedule: the group's schedule (``fingerprint.schedule``), which the groups of a run must share too;
+        empty: not compared.
     """
 
     def __init__(
@@ -107,11 +109,13 @@ class DiLoCo:
         overlap_steps: int = 0,
         overlap_mix: float = 0.5,
         aggregation: str = "mean",
+        schedule: str = "",
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup, fragments)
         # in the status record; the mean is left out, as records from before --hv.aggregation have it
         robust = "" if aggregation == "mean" else f" {aggregation}"
         self.outer_setting = f"{outer_lr:g}/{outer_momentum:g} w{outer_warmup}{robust}"
+        self.schedule = schedule
         self.fragments = len(fragments) if fragments else 1
         self.overlap, self.mix = overlap_steps, overlap_mix
         self.in_flight: InFlight | None = None
@@ -174,7 +178,7 @@ class DiLoCo:
                 other_model = rival_model(joining, self.swarm.status_records(), self.claims.answers)
         verdict, other_model = self.group.broadcast((verdict, other_model))
         if other_model is not None:
-            raise mismatch_error(other_model, self.model, self.transport, self.outer_setting)
+            raise mismatch_error(other_model, self.model, self.transport, self.outer_setting, self.schedule)
         if verdict is not None:
             raise FieldError(
                 f"{{world_rank}} {self.world_rank} is taken by a running worker group (peer {verdict}); give each "
@@ -517,6 +521,7 @@ class DiLoCo:
             sharding=self.sharding,
             transport=self.transport,
             outer=self.outer_setting,
+            schedule=self.schedule,
             state=state,
             step=self.position(self.step if step is None else step),
             max_steps=self.final_step,

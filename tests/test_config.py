@@ -116,6 +116,10 @@ def test_a_field_error_is_spelled_by_the_command_line() -> None:
     assert isinstance(spelled, RankUsageError)
     assert str(spelled) == "--hv.world-rank 4 is taken; ask --hv.ckpt.resume or --hv.run-dir ({not a field})"
     assert type(as_flags(FieldError("{dataset} x"))) is UsageError
+    # a field of the whole config handed to a slice as a plain value keeps its name under the slice's prefix
+    rooted = FieldError("{/max_steps} 200 here, {local_steps} 25").within("hv")
+    assert rooted.fields == ["max_steps", "hv.local_steps"] and str(rooted) == "max_steps 200 here, hv.local_steps 25"
+    assert str(as_flags(rooted)) == "--max-steps 200 here, --hv.local-steps 25"
 
 
 def test_inner_optimizer_flags_default_to_todays_values_and_parse() -> None:

@@ -378,8 +378,8 @@ def test_a_sign_flipped_scaled_attacker_is_outvoted_by_a_robust_aggregation(
 def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path: Path, dht_peer: list[str]) -> None:
     """A group of a running swarm is never disturbed by a newcomer that got its flags wrong: one that takes the
     same world rank (also with another number of ranks: whole groups of any shape share one progress key), or
-    trains another model (it never exchanged a byte with it), leaves with one line, exit 2, having written
-    nothing."""
+    trains another model (it never exchanged a byte with it), or another schedule (here --max-steps), leaves with
+    one line, exit 2, having written nothing."""
     log = tmp_path / "first.log"
     first = start_group(group_args(0, 2, dht_peer, tmp_path / "first", "--max-steps", "100000"), log)
     other_model = ROOT / "tests" / "models" / "llama-1m-fresh"
@@ -393,7 +393,8 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path
                 [sys.executable, "-m", "diloco.train", *group_args(rank, 2, dht_peer, tmp_path / name), *extra],
                 cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
             )
-            for rank, name, extra in [(0, "second", []), (1, "other", ["--path-model", str(other_model)])]
+            for rank, name, extra in [(0, "second", []), (1, "other", ["--path-model", str(other_model)]),
+                                      (1, "short", ["--max-steps", "90000"])]
         ]  # fmt: skip
         wide = subprocess.run(
             [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train",
@@ -416,7 +417,9 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path
     assert re.search(rf"^error: --hv.run-id: worker group 0 \(peer \w+\) trains another model \([\d,]+ parameters, "
                      rf"fingerprint {fingerprint}\) than this group \([\d,]+ parameters, fingerprint (?!{fingerprint})"
                      r"\w+\); the groups of a run must train the same model", errors[1]), errors[1]  # fmt: skip
-    assert not (tmp_path / "second").exists() and not (tmp_path / "other").exists()
+    assert re.search(r"^error: --max-steps: worker group 0 \(peer \w+\) runs 100000 steps, H 5, this group 90000 "
+                     r"steps, H 5; the groups of a run must share one schedule", errors[2]), errors[2]  # fmt: skip
+    assert not any((tmp_path / name).exists() for name in ("second", "other", "short"))
     # under torchrun: its rank 0 says it once, and the launcher exits with an error
     ours = [line for line in wide.stderr.splitlines() if line.startswith("error:")]
     assert wide.returncode != 0 and len(ours) == 1 and "--hv.world-rank 0 is taken" in ours[0], wide.stderr[-3000:]

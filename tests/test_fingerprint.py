@@ -12,7 +12,7 @@ import torch
 from diloco.config import FieldError
 from diloco.links import solo_group
 from diloco.membership import DiLoCo
-from diloco.swarm.fingerprint import ModelId, mismatch_error, model_id, rival_model
+from diloco.swarm.fingerprint import ModelId, mismatch_error, model_id, rival_model, schedule
 from diloco.swarm.memory import MemorySwarm
 from diloco.swarm.status import Status
 
@@ -137,6 +137,49 @@ def test_a_group_of_another_aggregation_leaves_naming_the_flag() -> None:
         "hv.aggregation mean: worker group 0 (peer peer-0) combines pseudo-gradients with trimmed-mean; the groups "
         "of a run must use one --hv.aggregation (a reducer with another rule decides the spans it reduces)"
     )
+
+
+def test_the_schedule_names_what_sets_the_rounds_and_the_end() -> None:
+    assert schedule(200, 25, None, 1024) == "200 steps, H 25"
+    assert schedule(200, 25, 819200, 1024, fragments=2, overlap_steps=1) == (
+        "200 steps, 819200 tokens per round of 1024-token steps, 2 fragments, 1 overlapped steps")
+    assert schedule(None, 25, None, 1024) == "no last step, H 25"
+
+
+@pytest.mark.parametrize(
+    ("theirs", "ours", "flag"),
+    [
+        (schedule(30, 5, None, 64), schedule(60, 5, None, 64), "max_steps"),
+        (schedule(30, 5, None, 64), schedule(30, 10, None, 64), "hv.local_steps"),
+        (schedule(30, 5, None, 64), schedule(30, 5, 640, 64), "hv.local_steps"),
+        (schedule(30, 5, 640, 64), schedule(30, 5, 640, 128), "hv.target_tokens"),  # other tokens per step
+        (schedule(30, 5, None, 64, fragments=2), schedule(30, 5, None, 64), "hv.fragments"),
+        (schedule(30, 5, None, 64, 2, 1), schedule(30, 5, None, 64, 2), "hv.overlap_steps"),
+    ],
+)
+def test_a_group_of_another_schedule_leaves_naming_the_flag_that_differs(theirs: str, ours: str, flag: str) -> None:
+    """Groups with another last step, H, token budget (or tokens per step under one), fragments or overlap would
+    not go to the same rounds or not end with one outer step: the later one leaves with one line naming the first
+    field that differs; the same schedule is welcome, and a record without one (an earlier trainer) is not held
+    against anyone."""
+    hub = MemorySwarm(3)
+    first = group(hub, 0, net(), schedule=theirs)
+    first.claim_world_rank()
+    first.join(0)
+    assert hub.statuses[0].schedule == theirs
+    group(hub, 1, net(seed=3), schedule=theirs).claim_world_rank()
+    with pytest.raises(FieldError) as refused:
+        group(hub, 2, net(seed=4), schedule=ours).claim_world_rank()
+    error = refused.value.within("hv")
+    assert error.fields[0] == flag
+    assert str(error) == (
+        f"{flag}: worker group 0 (peer peer-0) runs {theirs}, this group {ours}; the groups of a run must share one "
+        "schedule to go to the same rounds and end on one model: give every group the same --max-steps (or "
+        "--epochs), --hv.local-steps or --hv.target-tokens (with a token budget also --total-batch-size and "
+        "--seq-length), --hv.fragments and --hv.overlap-steps"
+    )
+    mine = status(1, "aaa", state="joining", schedule=ours)
+    assert rival_model(mine, [status(0, "aaa", schedule="")], lambda peer: True) is None
 
 
 def test_records_of_trainers_before_fingerprints_still_read() -> None:

@@ -107,7 +107,7 @@ def join(
     from diloco.swarm.budget import tokens_key
     from diloco.swarm.digest import CanonicalDigest
     from diloco.swarm.dht import rendezvous, start_dht
-    from diloco.swarm.fingerprint import run_key
+    from diloco.swarm.fingerprint import run_key, schedule
     from diloco.swarm.ownership import Owner
     from diloco.swarm.peer import SwarmPeer
     from diloco.swarm.progress import progress_key
@@ -181,6 +181,8 @@ def join(
             overlap_steps=hv.overlap_steps,
             overlap_mix=hv.overlap_mix,
             aggregation=hv.aggregation,
+            schedule=schedule(final_step, hv.local_steps, hv.target_tokens if isinstance(pace, TokenBudget) else None,
+                              tokens_per_step, hv.fragments, hv.overlap_steps),  # fmt: skip
         )
         outer.claim_world_rank()
         # groups start seconds apart (imports, data loading): meeting here first lets the first round find them all

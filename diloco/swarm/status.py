@@ -50,6 +50,8 @@ class Status:
     :param peer: the peer id of the group's rank 0.
     :param transport: its ``--hv.transport``; empty from trainers before groups of any shape.
     :param outer: its outer SGD setting, ``lr/momentum wN`` (``DiLoCo.outer_setting``); empty from earlier trainers.
+    :param schedule: when it takes outer steps and its last inner step (``fingerprint.schedule``), e.g. ``200
+        steps, H 25``; empty from earlier trainers.
     """
 
     world_rank: int
@@ -69,6 +71,7 @@ class Status:
     peer: str = ""
     transport: str = ""
     outer: str = ""
+    schedule: str = ""
 
     @property
     def round(self) -> str | None:
@@ -102,7 +105,7 @@ def _well_typed(record: Status) -> bool:
         and all(v is None or isinstance(v, (int, float)) for v in optional_numbers)
         and isinstance(record.heard_at, (int, float))
         and all(isinstance(v, str) for v in (record.sharding, record.state, record.digest, record.model, record.peer,
-                                             record.transport, record.outer))  # fmt: skip
+                                             record.transport, record.outer, record.schedule))  # fmt: skip
         and (record.parameters is None or isinstance(record.parameters, int))
     )
 
