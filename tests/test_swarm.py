@@ -454,64 +454,6 @@ def test_matchmaking_closes_once_the_expected_groups_are_in(bootstrap):
     assert max(r.seconds for r in told) < matchmaking / 2, told
 
 
-def test_a_round_that_waits_two_matchmaking_periods_meets_a_group_a_round_behind(bootstrap):
-    """The phase lock seen under load: group B reaches round 1 just after A gave it up alone, so A is in round 2
-    when B goes alone in round 1, and with one matchmaking period each A gives round 2 up just before B arrives,
-    round after round. Waiting two periods after a lone round (`set_patience`), A is still there when B comes."""
-    matchmaking, late = 6.0, 2.0
-    dhts = [start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in range(2)]
-    averagers: list[SwarmAverager] = []
-    reports: dict[str, list[RoundReport]] = {"a": [], "b": []}
-    a_gave_up = threading.Event()
-    try:
-        averagers = [
-            SwarmAverager(dht, prefix="phase", tensors=[torch.zeros(8)], matchmaking_time=matchmaking,
-                          averaging_timeout=20.0, grace=1.0, target_group_size=2)
-            for dht in dhts
-        ]  # fmt: skip
-
-        def rounds(name: str, averager: SwarmAverager) -> None:
-            if name == "b":
-                assert a_gave_up.wait(timeout=60)
-                time.sleep(late)
-            reports[name].append(averager.average([torch.ones(8)], round_index=1))
-            a_gave_up.set()
-            averager.set_patience(2.0)  # what a trainer does after a lone round while others are alive
-            reports[name].append(averager.average([torch.ones(8)], round_index=2))
-
-        threads = [threading.Thread(target=rounds, args=args) for args in zip("ab", averagers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            shutdown_dht(dht)
-    assert [r.num_peers for r in reports["a"] + reports["b"]] == [1, 2, 1, 2], reports
-    assert all(r.ok for r in reports["a"] + reports["b"]), reports
-
-
-def test_after_a_lone_round_a_trainer_waits_two_periods_once_while_others_are_alive() -> None:
-    """Two periods after a lone round, not after two (a group left alone loses one period every other round until
-    the others' records are stale), and never when no other group is expected."""
-    from types import SimpleNamespace
-
-    from diloco.swarm.peer import SwarmPeer
-
-    periods: list[float] = []
-    averager = SimpleNamespace(peer_id="me", expect=lambda groups: None, set_patience=periods.append)
-    outcomes = iter([1, 1, 1, 2, 1, 1])  # groups in each round: alone, alone, alone, together, alone, alone
-    rounds = SimpleNamespace(average=lambda *args: RoundReport(next(outcomes), 1.0, 0, 0, True))
-    peer = SwarmPeer(SimpleNamespace(), averager, "progress", 1.0, "status", rounds=rounds)
-    others = [2, 2, 2, 2, 2, 1]  # groups expected before each round (status records); the last: none but itself
-    peer.expected_groups = lambda: others[len(periods)]
-    for index in range(6):
-        peer.average([torch.zeros(1)], index, 1.0, lambda: False)
-    assert periods == [1.0, 2.0, 1.0, 2.0, 1.0, 1.0]
-
-
 def test_a_trainer_expects_the_groups_whose_status_records_are_fresh() -> None:
     """Itself, the others heard from within two heartbeats and a failed round (5 + 20 s here) that have not left,
     and never fewer than its last round had."""

@@ -384,7 +384,6 @@ class SwarmAverager:
         self._gather = None if listening is None else {"tcp": [hosts, listening.getsockname()[1]]}
         self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
         self.grace = min(grace, matchmaking_time / 2)
-        self.patience = 1.0  # matchmaking periods a round waits for groupmates (`set_patience`)
         self.target_group_size = self._expected = target_group_size
         try:
             self._averager = ExactAverager(
@@ -421,18 +420,6 @@ class SwarmAverager:
         if size != self._expected:
             self._averager.set_target_group_size(size)
             self._expected = size
-
-    def set_patience(self, periods: float) -> None:
-        """Matchmaking periods the next rounds wait for groupmates before going alone (1: the usual). Two groups
-        that each gave up a round just before the other arrived stay a round apart, each alone in turn, as long as
-        both wait one period; a round that waits two meets the other."""
-        self.patience = max(1.0, periods)
-
-    def _give_up_at(self) -> float:
-        """When a round that found nobody gives up: after `patience` matchmaking periods (within hivemind's step
-        timeout, matchmaking_time + averaging_timeout) and the grace."""
-        wait = min(self.patience * self.matchmaking_time, self.matchmaking_time + self.averaging_timeout / 2)
-        return time.monotonic() + wait + self.grace
 
     def average(
         self,
@@ -487,7 +474,7 @@ class SwarmAverager:
     ) -> tuple[bool, int, float]:
         """Trigger the all-reduce once a group is formed, or give up when nobody came. Returns (ok, num_peers,
         seconds from the group's forming to the result)."""
-        grouped = self._trigger_when_grouped(control, self._give_up_at(), stop)
+        grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
         if grouped is None:
             return False, 0, 0.0  # stopped
         if not grouped:
@@ -520,7 +507,7 @@ class SwarmAverager:
         (``num_peers`` 1) or it failed or was stopped (``ok`` False)."""
         started = time.monotonic()
         control = self._start_step(round_index, 1.0, gather)
-        grouped = self._trigger_when_grouped(control, self._give_up_at(), stop)
+        grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
         if not grouped:
             return None, RoundReport(1 if grouped is False else 0, time.monotonic() - started, 0, 0, grouped is False)
         try:

@@ -74,7 +74,6 @@ class SwarmPeer:
         self._storing: set[Future] = set()  # record stores under way (a future nobody holds drops its result)
         self._store_failed = False  # one warning, not one per heartbeat
         self._last_peers = 0  # groups in the last round that did not fail
-        self._alone = self._patient = False  # the last round went alone; it waited two matchmaking periods
         self.rejected_states = 0  # state downloads refused: short, malformed, unproven (``transfer.download``)
 
     def average(
@@ -85,19 +84,11 @@ class SwarmPeer:
         stop: Callable[[], bool],
         fragment: int | None = None,
     ) -> RoundReport:
-        patient = False
         if self.averager is not None:
-            expected = self.expected_groups()
-            self.averager.expect(expected)
-            # two groups that each gave up a round just before the other came would stay a round apart: after a
-            # lone round while others are alive, wait two matchmaking periods (not twice in a row, so a group left
-            # alone loses one period every other round until the others' records are stale)
-            patient = self._alone and not self._patient and expected > 1
-            self.averager.set_patience(2.0 if patient else 1.0)
+            self.averager.expect(self.expected_groups())
         report = self.rounds.average(tensors, round_index, weight, stop, fragment)
         if report.ok:
             self._last_peers = report.num_peers
-        self._alone, self._patient = report.ok and report.num_peers == 1, patient
         return report
 
     def expected_groups(self) -> int:
