@@ -69,10 +69,6 @@ def test_int4_exists_only_for_rounds_of_whole_groups():
 def test_int8_decodes_without_a_warning_about_the_received_buffer():
     """hivemind's 8-bit parts arrive as read-only bytes; decoding copies them rather than handing torch a
     read-only view (torch warns that writing to it would be undefined)."""
-    import warnings
-
-    from diloco.swarm.codecs import Uniform8Bit
-
     codec, values = Uniform8Bit(), torch.randn(1000, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # hivemind's encoder uses torch's deprecated quantize_per_tensor
