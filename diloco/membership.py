@@ -110,12 +110,14 @@ class DiLoCo:
         overlap_mix: float = 0.5,
         aggregation: str = "mean",
         schedule: str = "",
+        claim_settle_s: float = 1.0,
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup, fragments)
         # in the status record; the mean is left out, as records from before --hv.aggregation have it
         robust = "" if aggregation == "mean" else f" {aggregation}"
         self.outer_setting = f"{outer_lr:g}/{outer_momentum:g} w{outer_warmup}{robust}"
         self.schedule = schedule
+        self.claim_settle_s = claim_settle_s  # how long a claim waits for a group that started at the same moment
         self.fragments = len(fragments) if fragments else 1
         self.overlap, self.mix = overlap_steps, overlap_mix
         self.in_flight: InFlight | None = None
@@ -173,7 +175,7 @@ class DiLoCo:
             if verdict is None:
                 self._publish()
                 joining = self._publish_status("joining")
-                time.sleep(1.0)  # a group starting at the same moment: the later record wins, the other leaves
+                time.sleep(self.claim_settle_s)  # a group starting at the same moment: the later record wins
                 verdict = self.claims.rival()
                 other_model = rival_model(joining, self.swarm.status_records(), self.claims.answers)
         verdict, other_model = self.group.broadcast((verdict, other_model))

@@ -20,8 +20,6 @@ import pytest
 
 from .conftest import FAST, TINY_MODEL, TORCHRUN, Result, child_env, python_train, run_cmd, torchrun
 
-pytestmark = pytest.mark.slow
-
 FAKE = [*FAST, "--fake-data", "--total-batch-size", "4", "--max-steps", "2"]
 DILOCO = Path(sys.executable).parent / "diloco"
 SWARM = ["--hv.galaxy-size", "2"]  # a DHT starts (before the run folder is made)

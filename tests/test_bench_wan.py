@@ -22,11 +22,10 @@ from tests.conftest import ROOT, child_env
 from tests.test_bench import DILOCO, STOP_GRACE_S, bench
 from tests.test_bench_wire import assert_none_left, namespaces
 
-pytestmark = pytest.mark.slow
-
 CORPUS = ROOT / "diloco" / "corpus" / "tinyshakespeare.txt"
 
 
+@pytest.mark.slow
 def test_wan_quick(tmp_path) -> None:
     """The quick bench with --train-cores: each worker's training held to 0.9 of its core once it trains (the
     default, pinned workers alone, differs only in skipping that)."""
@@ -62,6 +61,7 @@ def test_wan_quick(tmp_path) -> None:
     assert (tmp_path / "wan-cores0.9-quick.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_a_stopped_wan_bench_leaves_nothing_behind(tmp_path: Path) -> None:
     """SIGTERM to the bench's process group while its first arm trains (a test's timeout, a user's `kill`): it exits
     with 128 + 15 within STOP_GRACE_S, and nothing it started is left: no process (its bootstrap DHTs with their

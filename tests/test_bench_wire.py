@@ -16,8 +16,6 @@ from diloco.bench import BenchError, netns, wire
 from diloco.bench.arms import Workload
 from tests.test_bench import bench
 
-pytestmark = pytest.mark.slow
-
 ARMS = ["diloco-none", "diloco-fp16", "diloco-int8", "ddp"]
 
 
@@ -51,6 +49,7 @@ def per_worker_total(arm: dict) -> float:
     return sum(w["os_sent_bytes"] + w["os_received_bytes"] for w in arm["workers"]) / len(arm["workers"])
 
 
+@pytest.mark.slow
 def test_wire_quick(tmp_path: Path) -> None:
     before = namespaces()
     data, doc = bench("wire", tmp_path, timeout=480)  # 80 s alone, 206 s seen under the suite's load
@@ -115,6 +114,7 @@ def recording(made: list[netns.Host]):
     return hosts
 
 
+@pytest.mark.slow
 def test_failed_arm_leaves_no_namespace_and_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model folder without a config: the first arm's workers fail, the bench raises one line, and every
     namespace, bridge and process it made is gone (the DHT peers of all three arms were already running)."""

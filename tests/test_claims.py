@@ -96,7 +96,6 @@ def test_a_groups_record_key_is_kept_once_it_holds_its_rank_and_read_back_on_res
     assert Owner.load(path).id == fresh.id
 
 
-@pytest.mark.slow
 def test_only_its_owner_can_change_a_groups_record_in_the_dht() -> None:
     """Real DHT peers: group 0's peer (its owner key in its validator) and a stranger's peer that signs its own
     records and checks nobody's. The stranger stores group 0's record again, altered, under group 0's subkey with a

@@ -20,8 +20,6 @@ import pytest
 from .conftest import FAST, ROOT, TORCHRUN, child_env, metrics, summary
 from .test_galaxy import descendants, dht_peer, kill_group, left_running  # noqa: F401 (dht_peer: a fixture)
 
-pytestmark = pytest.mark.slow
-
 SWARM = [*FAST, "--fake-data", "--total-batch-size", "2", "--log-interval", "10", "--hv.local-steps", "5",
          "--hv.matchmaking-time", "3", "--hv.averaging-timeout", "15"]  # fmt: skip
 
@@ -173,7 +171,8 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
 
 
 @pytest.mark.parametrize(
-    ("transport", "early_ranks", "joiner_ranks"), [("tcp", (1, 1), 2), ("p2pd", (2, 1), 1)], ids=["tcp", "p2pd"]
+    ("transport", "early_ranks", "joiner_ranks"),
+    [pytest.param("tcp", (1, 1), 2, id="tcp"), pytest.param("p2pd", (2, 1), 1, id="p2pd", marks=pytest.mark.slow)],
 )
 def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(
     tmp_path: Path, dht_peer: list[str], transport: str, early_ranks: tuple[int, int], joiner_ranks: int
@@ -252,6 +251,7 @@ def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: l
     assert "ok=False" in logs[2].read_text()  # the poisoned peer's own rounds fail
 
 
+@pytest.mark.slow
 def test_a_peer_that_sends_bad_frames_is_dropped_and_counted(tmp_path: Path, dht_peer: list[str]) -> None:
     """A third peer joins the rounds and, in each round it is matched with the honest groups, opens another bad
     connection to every reducer (``tests.hostile_peer``'s ``frames``): a length header claiming 2**40 bytes, a part
@@ -286,6 +286,7 @@ def test_a_peer_that_sends_bad_frames_is_dropped_and_counted(tmp_path: Path, dht
     assert all(summary(d)["status"] == "ok" for d in dirs)
 
 
+@pytest.mark.slow
 def test_a_forged_record_of_a_huge_outer_step_draws_no_group_away(tmp_path: Path, dht_peer: list[str]) -> None:
     """In an open swarm a stranger stores a progress record claiming outer step 10**6, and its listener answers
     state downloads with a state of the wrong size. The swarm's first group tries it three times, refuses every
@@ -318,6 +319,7 @@ def test_a_forged_record_of_a_huge_outer_step_draws_no_group_away(tmp_path: Path
     assert "answered state download 4" in logs[2].read_text() and "answered state download 7" not in logs[2].read_text()
 
 
+@pytest.mark.slow
 def test_a_stranger_claiming_a_running_groups_world_rank_changes_nothing(tmp_path: Path, dht_peer: list[str]) -> None:
     """In an open swarm a stranger goes after group 0 once it trains: every second it stores group 0's progress
     record again, altered (outer step 10**6, naming its own listener, which answers downloads with the wrong size)
@@ -349,6 +351,7 @@ def test_a_stranger_claiming_a_running_groups_world_rank_changes_nothing(tmp_pat
     assert {s["outer_steps"] for s in finals} == {len(outer_rows(dirs[0]))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aggregation", ["trimmed-mean"])
 def test_a_sign_flipped_scaled_attacker_is_outvoted_by_a_robust_aggregation(
     tmp_path: Path, dht_peer: list[str], aggregation: str
@@ -375,6 +378,7 @@ def test_a_sign_flipped_scaled_attacker_is_outvoted_by_a_robust_aggregation(
     assert all(summary(d)["status"] == "ok" for d in dirs)
 
 
+@pytest.mark.slow
 def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path: Path, dht_peer: list[str]) -> None:
     """A group of a running swarm is never disturbed by a newcomer that got its flags wrong: one that takes the
     same world rank (also with another number of ranks: whole groups of any shape share one progress key), or
@@ -426,6 +430,7 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path
     assert not (tmp_path / "wide").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill", "term"])
 def test_a_group_that_dies_or_stops_with_a_round_in_flight_resumes_and_matches(
     tmp_path: Path, dht_peer: list[str], how: str

@@ -63,7 +63,7 @@ def group(hub: MemorySwarm, world_rank: int, module: torch.nn.Module, transport:
     model = model_id(module.named_parameters())
     outer = {"outer_lr": 0.7, "outer_momentum": 0.0} | outer
     return DiLoCo(shards, hub.member(f"peer-{world_rank}"), solo_group(), world_rank=world_rank, local_steps=5,
-                  final_step=30, model=model, transport=transport, **outer)  # fmt: skip
+                  final_step=30, model=model, transport=transport, claim_settle_s=0.0, **outer)  # fmt: skip
 
 
 def test_a_group_of_another_model_leaves_with_one_line_naming_both() -> None:

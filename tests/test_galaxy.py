@@ -21,8 +21,6 @@ from .conftest import (
     CORPUS, FAST, ROOT, TORCHRUN, assert_ok, child_env, metrics, read_until, run_cmd, summary,
 )  # fmt: skip
 
-pytestmark = pytest.mark.slow
-
 DILOCO = Path(sys.executable).parent / "diloco"
 TEXT = [*FAST, "--dataset", str(CORPUS), "--seq-length", "64", "--per-device-train-batch-size", "4",
         "--lr", "3e-3", "--hv.matchmaking-time", "10", "--hv.averaging-timeout", "30",
@@ -161,6 +159,7 @@ def train_groups(tmp_path: Path, dht_peer: list[str], steps: int, groups: list[t
     return run_dirs
 
 
+@pytest.mark.slow
 def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Path, dht_peer: list[str]) -> None:
     """Two 2-rank groups, int8 on the wire, stay identical, and leave no multiprocessing temp folder (``pymp-*``, one
     per rank) in their TMPDIR: a rank leaves without interpreter finalization, which would have removed it."""
@@ -195,7 +194,7 @@ def test_over_p2pd_a_one_rank_and_a_two_rank_group_average_together(tmp_path: Pa
     assert rows and all(r["transport"] == "p2pd" for r in rows), rows
 
 
-@pytest.mark.parametrize("transport", ["tcp", "p2pd"])
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("p2pd", marks=pytest.mark.slow)])
 def test_fragments_overlapping_the_inner_steps_keep_one_outer_state(
     tmp_path: Path, dht_peer: list[str], transport: str
 ) -> None:
@@ -223,6 +222,7 @@ def assert_fragment_rounds_shared(run_dirs: list[Path]) -> None:
     assert len({f["outer_steps"] for f in finals}) == 1 and finals[0]["outer_steps"] >= 3, finals
 
 
+@pytest.mark.slow
 def test_fragments_overlapped_under_a_token_budget_keep_one_outer_state(tmp_path: Path, dht_peer: list[str]) -> None:
     """--hv.target-tokens 4096 (4 inner steps of each of two groups of 8 × 64 tokens per step) with two fragments:
     a fragment's round every 2048 tokens of the swarm, landed an inner step after it was sent, between a 1-rank
@@ -235,6 +235,7 @@ def test_fragments_overlapped_under_a_token_budget_keep_one_outer_state(tmp_path
     assert all(r["weight"] == r["tokens"] > 0 and r["tokens"] % 512 == 0 for r in rounds), rounds
 
 
+@pytest.mark.slow
 def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Path, dht_peer: list[str]) -> None:
     """Under DDP and ZERO1 every rank's local shards are the whole model (as under NO_SHARD): the replicas of a
     group each exchange a slice of it and pass each other the averages, and both groups end on one model."""
@@ -244,6 +245,7 @@ def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Pat
     assert_trained_together(train_two_groups(tmp_path, dht_peer, 12, ddp, zero1), groups=2, outer_steps=3)
 
 
+@pytest.mark.slow
 def test_launch_three_groups_with_fp16(tmp_path: Path) -> None:
     run_dir = tmp_path / "launched"
     proc = spawn([str(DILOCO), "launch", "--workers", "3", "--nproc-per-worker", "1", "--", *TEXT,

@@ -137,7 +137,6 @@ def test_zero1_keeps_adamw_under_auto_and_refuses_galaxy() -> None:
                                "hv": {**hv, "inner_moment": "galaxy"}})  # fmt: skip
 
 
-@pytest.mark.slow
 def test_every_sharding_strategy_takes_the_same_galaxy_moment_steps(tmp_path) -> None:
     """Two torchrun ranks, a small llama, 3 inner steps of `train.inner_step` with the galaxy's second moment:
     FULL_SHARD (each rank holds shards, the first part's gradient reduce-scattered mid-step), NO_SHARD and DDP

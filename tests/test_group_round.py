@@ -28,7 +28,6 @@ def start(folder: Path, group: int, size: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen([*launch, *worker], cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
 
 
-@pytest.mark.slow
 def test_groups_of_three_shapes_end_bit_identical_and_replicas_complete_each_other(tmp_path: Path) -> None:
     procs = [start(tmp_path, g, size) for g, (_, size, _) in enumerate(GROUPS)]
     try:

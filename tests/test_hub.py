@@ -173,7 +173,6 @@ def test_a_dataset_configuration_needs_a_hub_dataset(capsys: pytest.CaptureFixtu
     assert "--dataset-config x: --dataset" in local.stderr and "local path" in local.stderr
 
 
-@pytest.mark.slow
 def test_hub_ids_load_weights_tokenizer_and_dataset_from_the_cache(tmp_path: Path) -> None:
     hf_home, run_dir = tmp_path / "hf", tmp_path / "run"
     saved = cache_model(hf_home, "tiny-org/llama", weights=True)
@@ -187,7 +186,6 @@ def test_hub_ids_load_weights_tokenizer_and_dataset_from_the_cache(tmp_path: Pat
     assert f"{200 * 23:,} tokens" in result.output  # 22 words and EOS per document: the cached word tokenizer
 
 
-@pytest.mark.slow
 def test_a_cached_config_alone_trains_a_fresh_model_on_a_prepared_dataset(tmp_path: Path) -> None:
     hf_home, run_dir = tmp_path / "hf", tmp_path / "run"
     cache_model(hf_home, "tiny-org/fresh", weights=False)
@@ -206,7 +204,6 @@ def online_env(hf_home: Path, endpoint: str) -> dict[str, str]:
     return env | {name: "" for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")}
 
 
-@pytest.mark.slow
 def test_ids_missing_from_the_cache_are_downloaded_once_per_machine(tmp_path: Path) -> None:
     """Online, with an empty cache: both ranks of a group need the model, the tokenizer and the dataset; the first
     downloads each under a lock in the cache, the other finds the files, and the weights are the hub's."""
@@ -270,7 +267,6 @@ def test_an_unreachable_hub_is_one_line_in_seconds(tmp_path: Path) -> None:
     assert "--path-model gpt3/foo: not a local path" in line and "the hub 127.0.0.1 is unreachable" in line
 
 
-@pytest.mark.slow
 def test_a_dataset_without_text_column_is_one_line(tmp_path: Path) -> None:
     work = tmp_path / "cwd"
     work.mkdir()

@@ -14,8 +14,6 @@ from .conftest import ROOT, child_env, summary
 from .test_faults import finish, group_args, outer_rows, start_group
 from .test_galaxy import DILOCO, dht_peer  # noqa: F401 (dht_peer: a fixture)
 
-pytestmark = pytest.mark.slow
-
 
 def keygen(path: Path) -> Path:
     done = subprocess.run([str(DILOCO), "keygen", str(path)], capture_output=True, text=True, timeout=60)
@@ -30,6 +28,7 @@ def status_json(peers: list[str], *extra: str) -> dict:
     return json.loads(done.stdout) if done.returncode == 0 else {"groups": []}
 
 
+@pytest.mark.slow
 def test_only_holders_of_the_key_meet(tmp_path: Path, dht_peer: list[str]) -> None:
     key, other = keygen(tmp_path / "swarm.key"), keygen(tmp_path / "other.key")
     steps = ["--max-steps", "15", "--hv.run-id", "private", "--hv.averaging-timeout", "10"]

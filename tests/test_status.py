@@ -309,7 +309,6 @@ def _name(proc: psutil.Process) -> str:
         return ""
 
 
-@pytest.mark.slow
 def test_an_unreachable_dht_exits_1_with_one_line() -> None:
     with socket_nobody_listens_on() as port:
         maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/QmXfBXa5vNXe1U66aJcRQMjRzgz5JtgTnY1xZ6yjHrAmcA"
@@ -374,7 +373,6 @@ def full_round(run_dir: Path) -> bool:
     return (run_dir / "metrics.jsonl").is_file() and any(r.get("num_peers") == 2 for r in metrics(run_dir))
 
 
-@pytest.mark.slow
 @SHARES_THE_SWARM
 def test_status_lists_both_training_groups_and_leaves_no_p2pd(swarm: SimpleNamespace) -> None:
     for _look in range(3):  # a round under the suite's load can miss the other group; a later look sees a full one
@@ -405,7 +403,6 @@ def look_at_the_swarm(swarm: SimpleNamespace) -> list[dict]:
     return groups
 
 
-@pytest.mark.slow
 @SHARES_THE_SWARM
 def test_the_table_prints_one_row_per_group(swarm: SimpleNamespace) -> None:
     look = Watched(["--hv.initial-peers", *swarm.peers])
@@ -416,7 +413,6 @@ def test_the_table_prints_one_row_per_group(swarm: SimpleNamespace) -> None:
     assert all(row.split()[-1] == "training" for row in rows)
 
 
-@pytest.mark.slow
 @SHARES_THE_SWARM
 def test_a_run_id_without_groups_exits_3_with_one_line(swarm: SimpleNamespace) -> None:
     look = Watched(["--hv.initial-peers", *swarm.peers, "--hv.run-id", "nobody-here"])
@@ -426,7 +422,6 @@ def test_a_run_id_without_groups_exits_3_with_one_line(swarm: SimpleNamespace) -
     assert look.started_p2pd and not look.left_running()
 
 
-@pytest.mark.slow
 @SHARES_THE_SWARM
 def test_watch_redraws_until_ctrl_c_then_exits_0_leaving_no_p2pd(swarm: SimpleNamespace) -> None:
     proc = spawn([str(DILOCO), "status", "--hv.initial-peers", *swarm.peers, "--watch", "0.5"])

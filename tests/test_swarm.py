@@ -207,7 +207,6 @@ sys.exit(serve_dht(Path(sys.argv[1]), ["/ip4/127.0.0.1/tcp/0"], [], print_fn=lam
 """
 
 
-@pytest.mark.slow
 def test_serve_dht_until_sigterm_and_stock_clients_join(tmp_path: Path):
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVE_SCRIPT, str(tmp_path / "dht.key")], stdout=subprocess.PIPE, text=True
@@ -260,7 +259,6 @@ def test_serve_dht_stops_on_event_in_a_thread(tmp_path: Path):
     assert leftover(p2pds) == []
 
 
-@pytest.mark.slow
 def test_start_dht_bootstraps_from_stock_hivemind_dht():
     command = [str(Path(sys.executable).parent / "hivemind-dht"), "--host_maddrs", *LOCAL, "--refresh_period", "600"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -353,7 +351,6 @@ def run_peers(
             kill_tree(proc)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("num_peers", "transport"), [(2, "tcp"), (3, "tcp"), (2, "p2pd")])
 def test_peers_end_bit_identical(bootstrap, num_peers: int, transport: str):
     results, leftovers = run_peers(num_peers, visible_maddrs(bootstrap), transport)
@@ -374,7 +371,6 @@ def test_peers_end_bit_identical(bootstrap, num_peers: int, transport: str):
     assert leftovers == [[]] * num_peers
 
 
-@pytest.mark.slow
 def test_a_stopped_averager_leaves_no_socket_behind(bootstrap):
     """hivemind's averager process opens a replica of its DHT's p2p client (a unix socket in /tmp) and never closes
     it; ours does, so a machine's /tmp does not gain a dead socket with every run (a suite left 167)."""
@@ -386,7 +382,6 @@ def test_a_stopped_averager_leaves_no_socket_behind(bootstrap):
     assert [path for path in sockets if os.path.exists(path)] == []
 
 
-@pytest.mark.slow
 def test_killed_trainer_leaves_no_processes():
     """SIGKILLed trainers skip every cleanup; their DHT, averager and p2pd processes must still go away."""
     code = (
@@ -412,7 +407,6 @@ def test_killed_trainer_leaves_no_processes():
                 child.kill()
 
 
-@pytest.mark.slow
 def test_matchmaking_closes_once_the_expected_groups_are_in(bootstrap):
     """Two peers of a galaxy of four: untold, a round waits out the matchmaking time for the two that are gone;
     told to expect two (`expect`: what a trainer counts from the groups' status records), it forms at once."""
@@ -498,7 +492,6 @@ def test_lone_averager_keeps_tensors(bootstrap):
     assert bootstrap.is_alive()
 
 
-@pytest.mark.slow
 def test_dht_survives_averagers_shut_down_mid_matchmaking(bootstrap):
     """An averager that exits with a DHT request in flight must not take the (stock: crashing) DHT process down."""
     started = time.monotonic()
@@ -516,7 +509,6 @@ def test_dht_survives_averagers_shut_down_mid_matchmaking(bootstrap):
     assert bootstrap.is_alive()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tcp", "p2pd"])
 def test_groupmate_dying_mid_round_reports_failure(bootstrap, transport: str):
     """A groupmate whose averager dies after the group formed: the round fails and the tensors stay as they were.
@@ -594,7 +586,6 @@ def average_in_process(
             assert shutdown_dht(dht) == []
 
 
-@pytest.mark.slow
 def test_a_group_with_a_p2pd_peer_averages_over_libp2p(bootstrap):
     """tcp and p2pd peers in one group: all of them take the libp2p path, and end with the same exact mean."""
     inputs = [[peer_tensors(seed)[0][:400].clone()] for seed in range(2)]
@@ -616,7 +607,6 @@ def honest_and_bad_inputs(bad: str) -> list[list[torch.Tensor]]:
     return inputs
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("bad", ["nan", "huge"])
 def test_bad_contribution_rejected_and_round_completes(bootstrap, bad: str):
     """A groupmate passing NaNs (or 1e6x larger values): the others average without it and end bit-identical."""
@@ -632,7 +622,6 @@ def test_bad_contribution_rejected_and_round_completes(bootstrap, bad: str):
     assert digest(inputs[0]) == digest(inputs[1])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tcp", "p2pd"])
 def test_inf_in_a_later_part_is_rejected_from_that_part_on(bootstrap, transport: str):
     """+Inf in one value of the second part of a reducer's span: the first part keeps the bad peer's (finite)

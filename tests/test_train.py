@@ -36,8 +36,6 @@ from .conftest import (
     torchrun,
 )
 
-pytestmark = pytest.mark.slow
-
 FAKE = [*FAST, "--fake-data", "--total-batch-size", "8"]
 # The reference run: two ranks, FULL_SHARD, float32, 4 steps, evaluated every 2. Every run whose model is compared
 # with it trains with these flags (and its own, which win); it runs once per module (per xdist worker).
@@ -153,6 +151,7 @@ def test_clipping_ddp_and_zero1_match_no_shard(reference: Reference, variants: d
     assert shas["DDP"] != reference.sha  # clipping did change the model
 
 
+@pytest.mark.slow
 @ONE_WORKER
 def test_hybrid_shard_across_two_nodes(tmp_path: Path, reference: Reference) -> None:
     """Two torchrun 'nodes' on loopback, one rank each: HYBRID_SHARD replicates across them."""
