@@ -474,6 +474,93 @@ def test_a_trainer_expects_the_groups_whose_status_records_are_fresh() -> None:
     assert peer.expected_groups() == 4
 
 
+def test_only_the_group_ahead_waits_longer_and_by_how_far_it_is_ahead() -> None:
+    """`late_s`: a group at this outer step that finished its last round Δ later comes Δ later (wait Δ); one still in
+    the round this group finished (an outer step lower) comes within a period (wait one more). Not the group behind,
+    nor for groups further back, nor before this group's first round."""
+    from diloco.swarm.peer import late_s
+
+    from .test_status import record
+
+    mine = record(0, outer_step=5, round_at=100.0)
+    assert late_s([record(1, outer_step=5, round_at=107.5)], mine, 10.0) == 7.5  # a round apart: ahead by 7.5 s
+    assert late_s([record(1, outer_step=5, round_at=99.0)], mine, 10.0) == 0.0  # behind it: no longer than usual
+    assert late_s([record(1, outer_step=4, round_at=90.0)], mine, 10.0) == 10.0  # still in the round done here
+    assert late_s([record(1, outer_step=3, round_at=80.0), record(2, outer_step=6, round_at=120.0)], mine, 10.0) == 0
+    assert late_s([record(1, outer_step=5, round_at=None)], mine, 10.0) == 0.0  # joined, no round yet
+    assert late_s([record(1, outer_step=5, round_at=107.5)], record(0, round_at=None), 10.0) == 0.0
+    both = [record(1, outer_step=5, round_at=103.0), record(2, outer_step=4, round_at=90.0)]
+    assert late_s(both, mine, 10.0) == 10.0
+
+
+def test_a_trainer_tells_matchmaking_how_long_to_wait_for_the_groups_behind_it() -> None:
+    """Before each round rank 0 reads the status records once: the groups to expect, and from its own last record
+    (what it published, not what the DHT returns) how far it is ahead of the others."""
+    from types import SimpleNamespace
+
+    from diloco.swarm.peer import SwarmPeer
+
+    from .test_status import record
+
+    told: list[tuple[str, float]] = []
+    averager = SimpleNamespace(peer_id="me", matchmaking_time=5.0, averaging_timeout=20.0, target_group_size=4,
+                               expect=lambda n: told.append(("expect", n)),
+                               wait_longer=lambda s: told.append(("wait", s)))  # fmt: skip
+    rounds = SimpleNamespace(average=lambda *args: RoundReport(2, 1.0, 0, 0, True))
+    peer = SwarmPeer(SimpleNamespace(), averager, "progress", 1.0, "status", rounds=rounds)
+    peer._subkey = lambda world_rank: "k"
+    peer._store_later = lambda store: None
+    now = time.time()
+    others = [record(1, peer="b", heard_at=now - 1, outer_step=5, round_at=now - 2.5)]
+    peer.status_records = lambda: [record(0, peer="me", heard_at=now - 1, outer_step=5, round_at=now - 60), *others]
+    peer.average([torch.zeros(1)], 0, 1.0, lambda: False)  # before its first record: no wait
+    peer.publish_status(record(0, peer="me", outer_step=5, round_at=now - 4.0))
+    peer.average([torch.zeros(1)], 1, 1.0, lambda: False)
+    assert told[:2] == [("expect", 2), ("wait", 0.0)]
+    assert told[2] == ("expect", 2) and told[3][0] == "wait" and told[3][1] == pytest.approx(1.5)
+
+
+@pytest.mark.slow
+def test_a_group_that_waits_for_the_one_behind_it_breaks_a_phase_lock(bootstrap):
+    """The phase lock seen under load, on a real DHT: group B reaches round 1 just after A gave it up alone, so A is
+    in round 2 while B goes alone in round 1, and with one matchmaking period each A would give round 2 up just
+    before B arrives, round after round. A, which knows it is ahead (`late_s`), waits one more period and meets B."""
+    matchmaking, late = 10.0, 1.0
+    dhts = [start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in range(2)]
+    averagers: list[SwarmAverager] = []
+    reports: dict[str, list[RoundReport]] = {"a": [], "b": []}
+    a_gave_up = threading.Event()
+    try:
+        averagers = [
+            SwarmAverager(dht, prefix="phase", tensors=[torch.zeros(8)], matchmaking_time=matchmaking,
+                          averaging_timeout=30.0, grace=1.0, target_group_size=2)
+            for dht in dhts
+        ]  # fmt: skip
+
+        def rounds(name: str, averager: SwarmAverager) -> None:
+            if name == "b":
+                assert a_gave_up.wait(timeout=60)
+                time.sleep(late)
+            reports[name].append(averager.average([torch.ones(8)], round_index=1))
+            a_gave_up.set()
+            if name == "a":  # what its trainer does, B's record being an outer step behind its own
+                averager.wait_longer(matchmaking)
+            reports[name].append(averager.average([torch.ones(8)], round_index=2))
+
+        threads = [threading.Thread(target=rounds, args=args) for args in zip("ab", averagers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=150)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            shutdown_dht(dht)
+    assert [r.num_peers for r in reports["a"] + reports["b"]] == [1, 2, 1, 2], reports
+    assert all(r.ok for r in reports["a"] + reports["b"]), reports
+
+
 def test_lone_averager_keeps_tensors(bootstrap):
     tensors = peer_tensors(7)
     original = [t.clone() for t in tensors]
