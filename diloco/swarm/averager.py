@@ -384,7 +384,6 @@ class SwarmAverager:
         self._gather = None if listening is None else {"tcp": [hosts, listening.getsockname()[1]]}
         self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
         self.grace = min(grace, matchmaking_time / 2)
-        self.late_s = 0.0  # seconds beyond `matchmaking_time` the next rounds wait for groups behind (`wait_longer`)
         self.target_group_size = self._expected = target_group_size
         try:
             self._averager = ExactAverager(
@@ -421,16 +420,6 @@ class SwarmAverager:
         if size != self._expected:
             self._averager.set_target_group_size(size)
             self._expected = size
-
-    def wait_longer(self, seconds: float) -> None:
-        """Let the next rounds wait `seconds` beyond ``matchmaking_time`` for groupmates before going alone (at most
-        half the averaging timeout, which the all-reduce needs after the group forms): for a group known to come
-        later (``SwarmPeer``), which one period would just miss."""
-        self.late_s = min(max(0.0, seconds), self.averaging_timeout / 2)
-
-    def _give_up_at(self) -> float:
-        """When a round that found nobody gives up: one matchmaking period, the wait for late groups, the grace."""
-        return time.monotonic() + self.matchmaking_time + self.late_s + self.grace
 
     def average(
         self,
@@ -485,7 +474,7 @@ class SwarmAverager:
     ) -> tuple[bool, int, float]:
         """Trigger the all-reduce once a group is formed, or give up when nobody came. Returns (ok, num_peers,
         seconds from the group's forming to the result)."""
-        grouped = self._trigger_when_grouped(control, self._give_up_at(), stop)
+        grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
         if grouped is None:
             return False, 0, 0.0  # stopped
         if not grouped:
@@ -518,7 +507,7 @@ class SwarmAverager:
         (``num_peers`` 1) or it failed or was stopped (``ok`` False)."""
         started = time.monotonic()
         control = self._start_step(round_index, 1.0, gather)
-        grouped = self._trigger_when_grouped(control, self._give_up_at(), stop)
+        grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
         if not grouped:
             return None, RoundReport(1 if grouped is False else 0, time.monotonic() - started, 0, 0, grouped is False)
         try:

@@ -74,7 +74,6 @@ class SwarmPeer:
         self._storing: set[Future] = set()  # record stores under way (a future nobody holds drops its result)
         self._store_failed = False  # one warning, not one per heartbeat
         self._last_peers = 0  # groups in the last round that did not fail
-        self._own_status: Status | None = None  # the last status record this group published
         self.rejected_states = 0  # state downloads refused: short, malformed, unproven (``transfer.download``)
 
     def average(
@@ -86,38 +85,28 @@ class SwarmPeer:
         fragment: int | None = None,
     ) -> RoundReport:
         if self.averager is not None:
-            others = self.live_others()
-            self.averager.expect(self.expected_groups(others))
-            self.averager.wait_longer(0.0 if others is None else late_s(others, self._own_status,
-                                                                        self.averager.matchmaking_time))
+            self.averager.expect(self.expected_groups())
         report = self.rounds.average(tensors, round_index, weight, stop, fragment)
         if report.ok:
             self._last_peers = report.num_peers
         return report
 
-    def live_others(self) -> list[Status] | None:
-        """Rank 0: the status records of the other groups that may come to the next round: fresh, and not saying
-        they left. A group killed a moment ago still counts until its record is stale (then matchmaking stops
-        waiting for it); one counted too few would be turned away, so a record is fresh for two heartbeats plus a
-        whole failed round, in which none is written. None when the records cannot be read."""
+    def expected_groups(self) -> int:
+        """Rank 0: the groups that may come to the next round: this one, the others whose status record is fresh
+        and says they have not left, and at least as many as the last round had. A group killed a moment ago still
+        counts until its record is stale (then matchmaking stops waiting for it); one counted too few would be
+        turned away, so a record is fresh for two heartbeats plus a whole failed round, in which none is written."""
         averager = self.averager
         fresh_s = 2 * status.HEARTBEAT_S + averager.matchmaking_time + averager.averaging_timeout
         now = time.time()
         try:
             records = self.status_records()
-        except Exception as e:  # the DHT is shutting down
-            log.debug("status records unreadable (%s)", e)
-            return None
-        return [r for r in records if r.peer != self.peer_id and r.state not in status.LEFT
-                and now - r.heard_at <= fresh_s]  # fmt: skip
-
-    def expected_groups(self, others: list[Status] | None = None) -> int:
-        """Rank 0: the groups that may come to the next round: this one, the `others` (default: `live_others`),
-        and at least as many as the last round had; every group when the records cannot be read."""
-        others = self.live_others() if others is None else others
-        if others is None:
-            return self.averager.target_group_size or 2
-        return max(1 + len({r.world_rank for r in others}), self._last_peers)
+        except Exception as e:  # the DHT is shutting down: expect everyone, as without records
+            log.debug("status records unreadable (%s): expecting every group", e)
+            return averager.target_group_size or 2
+        others = {r.world_rank for r in records
+                  if r.peer != self.peer_id and r.state not in status.LEFT and now - r.heard_at <= fresh_s}  # fmt: skip
+        return max(1 + len(others), self._last_peers)
 
     def publish(self, record: Progress) -> None:
         if self.rounds is not None:  # where a group of any shape downloads this group's state
@@ -133,7 +122,6 @@ class SwarmPeer:
 
     def publish_status(self, record: Status) -> None:
         """Returns at once: the DHT process stores it while training goes on; a failure is logged once."""
-        self._own_status = record
         subkey = self._subkey(record.world_rank)
         self._store_later(lambda: status.publish(self.dht, self.status_key, record, subkey, return_future=True))
 
@@ -238,22 +226,3 @@ class SwarmPeer:
 async def _ping(peer_id: str, dht: hivemind.DHT, node: hivemind.DHTNode) -> bool:
     """Runs in the DHT process: whether the peer answers a DHT ping (within the protocol's wait timeout)."""
     return await node.protocol.call_ping(PeerID.from_base58(peer_id)) is not None
-
-
-def late_s(others: list[Status], mine: Status | None, matchmaking_s: float) -> float:
-    """Seconds beyond one matchmaking period this group's next round waits for the groups behind it in time.
-    Two groups that each give up a round just before the other arrives stay that far apart round after round, each
-    alone in turn, as long as both wait the same (it was seen: 21 and 14 lone rounds in a minute); so only the one
-    ahead waits longer. Ahead of a group means: that group finished its last round at the same outer step later
-    than this one did (it comes that much later: wait the difference), or it is still in the round this one
-    finished, one outer step lower (wait one more period). Groups in step with this one arrive together, and
-    matchmaking closes once they are in; a wait longer than needed costs only a lone round's time."""
-    if mine is None or mine.round_at is None:
-        return 0.0
-    late = 0.0
-    for other in others:
-        if other.outer_step == mine.outer_step - 1:
-            late = max(late, matchmaking_s)
-        elif other.outer_step == mine.outer_step and other.round_at is not None:
-            late = max(late, other.round_at - mine.round_at)
-    return late
