@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.conftest import ROOT, TORCHRUN, child_env
