@@ -162,7 +162,9 @@ SWARM = "--path-model m --fake-data --warmup-steps 20 --hv.galaxy-size"
         ("2 --hv.local-steps 50", 2000, (1.4, 0.0, 2)),  # 40 outer steps, a warm-up of ⌈60 / 50⌉
         ("4 --hv.local-steps 101", 2100, (1.0, 0.0, 0)),  # above H = 100: 1.0, no warm-up
         ("2 --hv.local-steps 60", 600, (1.4, 0.0, 0)),  # ⌈60 / 60⌉ = 1 outer step of warm-up is none
-        ("2 --hv.local-steps 100 --warmup-steps 1000", 3000, (1.4, 0.0, 30)),
+        # 3 inner warm-ups would span all 30 outer steps: at most 3 of every 8, ⌈30 · 3 / 8⌉
+        ("2 --hv.local-steps 100 --warmup-steps 1000", 3000, (1.4, 0.0, 12)),
+        ("4 --hv.local-steps 25 --warmup-steps 150", 200, (1.3, 0.0, 3)),  # ⌈18⌉ capped at ⌈8 · 3 / 8⌉
         ("4 --hv.local-steps 101", 1000, (1.0, 0.0, 0)),
         ("4 --hv.local-steps 25 --hv.outer-lr 0.7 --hv.outer-momentum 0.9 --hv.outer-lr-warmup 0", 200, (0.7, 0.9, 0)),
         ("2 --hv.local-steps 25 --hv.outer-momentum 0.5", 200, (1.4, 0.5, 3)),  # each on its own
