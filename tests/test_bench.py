@@ -110,6 +110,39 @@ def test_convergence_quick(tmp_path: Path) -> None:
     assert f"--data {CORPUS}" in data["command"] and "--study" not in data["command"]
 
 
+def test_convergence_gaps_are_against_the_best_ddp_and_the_verdict_takes_autos_best() -> None:
+    """Of the DDP arms at one k (inner schedules) the one of the lowest mean loss is what every gap at that k is
+    measured against, and the verdict judges auto at its best schedule: neither side at a schedule that suits only
+    the other."""
+    from dataclasses import asdict, replace
+
+    from diloco.bench.convergence import ArmSpec
+    from diloco.bench.convergence_report import summarize
+
+    specs = []
+    for k in (2, 4):
+        ddp, auto = ArmSpec("ddp", k, 1, 8 * k, 10), ArmSpec("diloco-H5-auto", k, k, 8, 10, h=5, outer=(1.0, 0.0))
+        specs += [ddp, auto, replace(ddp, name="ddp-lr0.002-wu5", lr=2e-3, warmup_steps=5),
+                  replace(auto, name="diloco-H5-auto-lr0.002-wu5", lr=2e-3, warmup_steps=5),
+                  replace(auto, name="diloco-H5-auto+group-moment")]  # fmt: skip
+    losses = {(2, "ddp"): (2.4, 2.2), (2, "ddp-lr0.002-wu5"): (2.1, 2.2), (2, "diloco-H5-auto"): (2.121, 2.2),
+              (2, "diloco-H5-auto-lr0.002-wu5"): (2.3, 2.3), (4, "ddp"): (2.0, 2.0), (4, "ddp-lr0.002-wu5"): (2.0, 2.1),
+              (4, "diloco-H5-auto"): (2.1, 1.9), (4, "diloco-H5-auto-lr0.002-wu5"): (2.04, 1.94)}  # fmt: skip
+    runs = [asdict(s) | {"seed": seed, "final_eval_loss": losses.get((s.k, s.name), (1.0, 1.0))[seed], "curve": [],
+                         "tokens": 1, "groups_identical": True, "wall_s": 1.0}
+            for s in specs for seed in (0, 1)]  # fmt: skip
+    out = summarize(runs, specs, "defaults")
+    assert out["ddp"] == {"2": "ddp-lr0.002-wu5", "4": "ddp"}
+    arms = {(a["k"], a["name"]): a for a in out["arms"]}
+    assert arms[2, "diloco-H5-auto"]["gap_by_seed"] == pytest.approx([0.01, 0.0])
+    assert arms[2, "ddp"]["gap_by_seed"] == pytest.approx([2.4 / 2.1 - 1, 0.0])
+    assert arms[4, "diloco-H5-auto"]["gap_by_seed"] == pytest.approx([0.05, -0.05])
+    verdict = out["target"]["by_k"]  # the +group-moment arm (loss 1.0) is no auto arm of its own
+    assert verdict["2"]["arm"] == "diloco-H5-auto" and verdict["2"]["met"]
+    assert verdict["4"]["arm"] == "diloco-H5-auto-lr0.002-wu5" and verdict["4"]["worst_gap"] == pytest.approx(0.02)
+    assert verdict["4"]["met"]
+
+
 @pytest.mark.slow
 def test_convergence_map_quick(tmp_path: Path) -> None:
     """The map study: every outer setting at every H against DDP, the best per cell, what auto picks there and

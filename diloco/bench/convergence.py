@@ -9,6 +9,9 @@ galaxy size k sees the same number of training tokens:
 - `diloco-…`: k groups at batch B for S steps each, an outer step every H; `auto` is the outer setting the
   trainer picks with no outer flags (`diloco.config.auto_outer`), the others a fixed (lr, momentum, warm-up);
 - `m1`: DiLoCo with one group (M = 1) at batch B for k·S steps;
+- `ddp-lrX-wuN`, `diloco-H25-auto-lrX-wuN` (`defaults`): DDP and auto at another inner schedule, lr X with N
+  warm-up steps. Every gap is against the best DDP arm of its k (DDP tuned, not at the groups' schedule), and the
+  verdict on the defaults takes auto at its best schedule;
 - at k = 4 (`defaults` only), trials of what else might close the gap to DDP: the inner lr, the inner warm-up,
   a smaller batch for more steps (against a DDP of that batch too).
 
@@ -79,6 +82,10 @@ class Workload:
     evals: int  # evaluations along the way (besides the final one)
     seeds: tuple[int, ...] = (0,)
     seed: int = 0  # the seed of `run_arm` when an arm names none (`bench compression`)
+    # inner schedules (lr, warm-up steps) besides (`lr`, `warmup_steps`) that DDP and DiLoCo with no outer flags
+    # also train with: every gap is against the DDP arm of the lowest mean loss at its k (DDP tuned), and the
+    # verdict takes auto's best schedule, so that neither side is judged at a schedule that suits only the other
+    schedules: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,8 +128,10 @@ def workload(quick: bool, study: str = "defaults") -> Workload:
             return Workload("llama-0.1m-bytes", 32, 4, 20, 3e-3, 2, 2, 2)
         return Workload("llama-0.1m-bytes", 64, 4, 2000, 3e-3, 100, 16, 8, seeds=(0, 1))
     if quick:  # a smoke run: every kind of arm, and an outer step at both H, in a few seconds of compute
-        return Workload("llama-1m-bytes", 32, 4, 10, 3e-3, 2, 2, 2)
-    return Workload("llama-1m-bytes", 128, 8, 200, 3e-3, 20, 16, 4, seeds=(0, 1, 2))
+        return Workload("llama-1m-bytes", 32, 4, 10, 3e-3, 2, 2, 2, schedules=((2e-3, 5),))
+    # 3e-3 with 150 warm-up steps: DDP's best of lr 2e-3 to 4e-3 with 20 to 190 warm-up steps at k = 4, and
+    # DiLoCo's best of the warm-ups tried (docs/benchmarks.md, 2026-11-26 19:10-20:00 UTC)
+    return Workload("llama-1m-bytes", 128, 8, 200, 3e-3, 20, 16, 4, seeds=(0, 1, 2), schedules=((3e-3, 150),))
 
 
 def setting_name(setting: Setting) -> str:
@@ -144,19 +153,38 @@ def baselines(k: int, w: Workload, seed: int) -> list[ArmSpec]:
             ArmSpec("ddp", k, 1, k * w.batch, w.steps, seed=seed)]  # fmt: skip
 
 
+def scheduled(arm: ArmSpec, schedule: tuple[float, int]) -> ArmSpec:
+    """`arm` at another inner schedule (lr, warm-up steps), named after it (`…-lr…-wu…`)."""
+    lr, warmup = schedule
+    return replace(arm, name=f"{arm.name}-lr{lr:g}-wu{warmup}", lr=lr, warmup_steps=warmup)
+
+
+def tuned_pair(k: int, w: Workload, h: int, seed: int) -> list[ArmSpec]:
+    """DDP and DiLoCo with no outer flags at the workload's inner schedule and at each of `w.schedules`; auto's
+    outer setting follows the inner warm-up, as the trainer's does."""
+    arms = []
+    for lr, warmup in ((w.lr, w.warmup_steps), *w.schedules):
+        auto = diloco_arm(k, w, h, auto_outer(h, k, warmup, w.steps), seed, auto=True)
+        pair = [baselines(k, w, seed)[1], auto]
+        arms += pair if (lr, warmup) == (w.lr, w.warmup_steps) else [scheduled(a, (lr, warmup)) for a in pair]
+    return arms
+
+
 def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
-    """Per k and seed: DDP, DiLoCo with no outer flags (auto), plain averaging and the paper's setting at H = 25
-    (k = 8: the first seed only); once (the first seed): single and M = 1 at k = 2 and 4, and at k = 4 the
-    trials (the last two: a smaller batch for more steps, DiLoCo and its DDP)."""
+    """Per k and seed: DDP and DiLoCo with no outer flags (auto) at every inner schedule, auto with the other
+    inner moment, plain averaging and the paper's setting at H = 25 (k = 8: the first seed only); once (the first
+    seed): single and M = 1 at k = 2 and 4, and at k = 4 the trials (the last two: a smaller batch for more
+    steps, DiLoCo and its DDP)."""
     h, ks = (5, (2,)) if quick else (25, (2, 4, 8))
     specs = []
     for seed in w.seeds:
         for k in ks if seed == w.seeds[0] else ks[:2]:  # k = 8 once: its DDP arm alone is the longest of all
-            auto = auto_outer(h, k, w.warmup_steps, w.steps)
-            specs += baselines(k, w, seed)[1:]
-            specs.append(diloco_arm(k, w, h, auto, seed, auto=True))
-            other = "group" if specs[-1].inner_moment == "galaxy" else "galaxy"  # auto with the other moment
-            specs.append(replace(specs[-1], name=f"{specs[-1].name}+{other}-moment", inner_moment=other))
+            pairs = tuned_pair(k, w, h, seed)
+            specs += pairs
+            auto = pairs[1]  # at the workload's schedule; with the other moment too
+            other = "group" if auto.inner_moment == "galaxy" else "galaxy"
+            specs.append(replace(auto, name=f"{auto.name}+{other}-moment", inner_moment=other))
+            auto = auto.setting
             specs += [diloco_arm(k, w, h, s, seed) for s in (PLAIN, PAPER) if s != auto]
     first = w.seeds[0]
     for k in ks[:2]:
