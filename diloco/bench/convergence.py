@@ -184,8 +184,7 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
             auto = pairs[1]  # at the workload's schedule; with the other moment too
             other = "group" if auto.inner_moment == "galaxy" else "galaxy"
             specs.append(replace(auto, name=f"{auto.name}+{other}-moment", inner_moment=other))
-            auto = auto.setting
-            specs += [diloco_arm(k, w, h, s, seed) for s in (PLAIN, PAPER) if s != auto]
+            specs += [diloco_arm(k, w, h, s, seed) for s in (PLAIN, PAPER) if s != auto.setting]
     first = w.seeds[0]
     for k in ks[:2]:
         specs.append(baselines(k, w, first)[0])
