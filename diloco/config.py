@@ -130,11 +130,13 @@ AUTO_LR: tuple[tuple[float, float, float], ...] = (
 # warm-ups (--warmup-steps). The same bench found the harm in the first outer steps, while the inner lr warms up:
 # an outer warm-up over 3 outer steps or an inner warm-up 3× as long each took k = 4 from +7.1% to +4.1% / +2.9%.
 AUTO_WARMUP_H, AUTO_WARMUP_SPAN = 100, 3
-# At most AUTO_WARMUP_SHARE of the run's outer steps: with a long inner warm-up the span above covers most of a
-# short run and leaves the outer lr below its value in most rounds. 4 groups, H = 25, 8 outer steps (seeds 0 and
-# 6, docs/benchmarks.md, 2026-11-26 19:10-20:00): with 60, 100 and 150 inner warm-up steps 3 outer steps of
-# warm-up beat the span's 8, 12 and 18 (60: by 1.4-2.3 points) and beat none (100 and 150: by 0.3-1.2 points).
-AUTO_WARMUP_SHARE = 3 / 8
+# At most AUTO_WARMUP_SHARE of the run's outer steps, but never capped below AUTO_WARMUP_FLOOR: with a long inner
+# warm-up the span above covers most of a short run and leaves the outer lr below its value in most rounds.
+# 4 groups, H = 25, 8 outer steps (seeds 0 and 6, docs/benchmarks.md, 2026-11-26 19:10-19:55): with 60, 100 and
+# 150 inner warm-up steps 3 outer steps of warm-up beat the span's 8, 12 and 18 (60: by 1.4-2.3 points) and beat
+# none (100 and 150: by 0.3-1.2 points). The floor keeps the measured 3 in runs of a few outer steps, where the
+# first rounds need the warm-up most (none: +7.8% against +3.8% at 8 outer steps, k = 4).
+AUTO_WARMUP_SHARE, AUTO_WARMUP_FLOOR = 3 / 8, 3
 
 
 def auto_outer(h: float, galaxy_size: int, warmup_steps: int, max_steps: int) -> OuterSetting:
@@ -144,7 +146,7 @@ def auto_outer(h: float, galaxy_size: int, warmup_steps: int, max_steps: int) ->
         return OuterSetting(0.7, 0.9, 0)
     lr = next(lr for max_h, max_k, lr in AUTO_LR if h <= max_h and galaxy_size <= max_k)
     warmup = math.ceil(AUTO_WARMUP_SPAN * warmup_steps / h) if h <= AUTO_WARMUP_H else 0
-    warmup = min(warmup, math.ceil(AUTO_WARMUP_SHARE * max_steps / h))
+    warmup = min(warmup, max(AUTO_WARMUP_FLOOR, math.ceil(AUTO_WARMUP_SHARE * max_steps / h)))
     return OuterSetting(lr, 0.0, warmup if warmup > 1 else 0)  # one step of warm-up is none
 
 
@@ -230,7 +232,7 @@ class HvConfig(_Strict):
         "auto",
         description="Outer steps over which the outer lr rises linearly to its value (0: none); auto: in runs of "
         "fewer than 50 outer steps up to H = 100, the outer steps that cover 3 × --warmup-steps inner steps, at "
-        "most 3 of every 8 outer steps of the run.",
+        "most 3 of every 8 outer steps of the run (or 3).",
     )
     aggregation: Aggregation = Field(
         "mean",

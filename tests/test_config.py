@@ -165,6 +165,7 @@ SWARM = "--path-model m --fake-data --warmup-steps 20 --hv.galaxy-size"
         # 3 inner warm-ups would span all 30 outer steps: at most 3 of every 8, ⌈30 · 3 / 8⌉
         ("2 --hv.local-steps 100 --warmup-steps 1000", 3000, (1.4, 0.0, 12)),
         ("4 --hv.local-steps 25 --warmup-steps 150", 200, (1.3, 0.0, 3)),  # ⌈18⌉ capped at ⌈8 · 3 / 8⌉
+        ("2 --hv.local-steps 25", 50, (1.4, 0.0, 3)),  # 2 outer steps (the demo): never capped below 3
         ("4 --hv.local-steps 101", 1000, (1.0, 0.0, 0)),
         ("4 --hv.local-steps 25 --hv.outer-lr 0.7 --hv.outer-momentum 0.9 --hv.outer-lr-warmup 0", 200, (0.7, 0.9, 0)),
         ("2 --hv.local-steps 25 --hv.outer-momentum 0.5", 200, (1.4, 0.5, 3)),  # each on its own
