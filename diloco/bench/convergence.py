@@ -130,7 +130,7 @@ def workload(quick: bool, study: str = "defaults") -> Workload:
     if quick:  # a smoke run: every kind of arm, and an outer step at both H, in a few seconds of compute
         return Workload("llama-1m-bytes", 32, 4, 10, 3e-3, 2, 2, 2, schedules=((2e-3, 5),))
     # 3e-3 with 150 warm-up steps: DDP's best of lr 2e-3 to 4e-3 with 20 to 190 warm-up steps at k = 4, and
-    # DiLoCo's best of the warm-ups tried (docs/benchmarks.md, 2026-11-26 19:10-20:00 UTC)
+    # DiLoCo's best of the warm-ups tried (docs/benchmarks.md, 2026-11-26 19:10-19:55 UTC)
     return Workload("llama-1m-bytes", 128, 8, 200, 3e-3, 20, 16, 4, seeds=(0, 1, 2), schedules=((3e-3, 150),))
 
 
