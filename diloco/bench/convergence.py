@@ -159,15 +159,12 @@ def scheduled(arm: ArmSpec, schedule: tuple[float, int]) -> ArmSpec:
     return replace(arm, name=f"{arm.name}-lr{lr:g}-wu{warmup}", lr=lr, warmup_steps=warmup)
 
 
-def tuned_pair(k: int, w: Workload, h: int, seed: int) -> list[ArmSpec]:
-    """DDP and DiLoCo with no outer flags at the workload's inner schedule and at each of `w.schedules`; auto's
-    outer setting follows the inner warm-up, as the trainer's does."""
-    arms = []
-    for lr, warmup in ((w.lr, w.warmup_steps), *w.schedules):
-        auto = diloco_arm(k, w, h, auto_outer(h, k, warmup, w.steps), seed, auto=True)
-        pair = [baselines(k, w, seed)[1], auto]
-        arms += pair if (lr, warmup) == (w.lr, w.warmup_steps) else [scheduled(a, (lr, warmup)) for a in pair]
-    return arms
+def auto_arm(k: int, w: Workload, h: int, seed: int, schedule: tuple[float, int] | None = None) -> ArmSpec:
+    """DiLoCo with no outer flags at the workload's inner schedule or at `schedule`: the outer setting follows the
+    inner warm-up, as the trainer's does."""
+    warmup = w.warmup_steps if schedule is None else schedule[1]
+    arm = diloco_arm(k, w, h, auto_outer(h, k, warmup, w.steps), seed, auto=True)
+    return arm if schedule is None else scheduled(arm, schedule)
 
 
 def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
@@ -179,10 +176,10 @@ def defaults_specs(w: Workload, quick: bool) -> list[ArmSpec]:
     specs = []
     for seed in w.seeds:
         for k in ks if seed == w.seeds[0] else ks[:2]:  # k = 8 once: its DDP arm alone is the longest of all
-            pairs = tuned_pair(k, w, h, seed)
-            specs += pairs
-            auto = pairs[1]  # at the workload's schedule; with the other moment too
-            other = "group" if auto.inner_moment == "galaxy" else "galaxy"
+            ddp, auto = baselines(k, w, seed)[1], auto_arm(k, w, h, seed)
+            specs += [ddp, auto]
+            specs += [a for s in w.schedules for a in (scheduled(ddp, s), auto_arm(k, w, h, seed, s))]
+            other = "group" if auto.inner_moment == "galaxy" else "galaxy"  # auto with the other moment too
             specs.append(replace(auto, name=f"{auto.name}+{other}-moment", inner_moment=other))
             specs += [diloco_arm(k, w, h, s, seed) for s in (PLAIN, PAPER) if s != auto.setting]
     first = w.seeds[0]
@@ -233,9 +230,9 @@ def map_specs(w: Workload, quick: bool) -> list[ArmSpec]:
             more = MAP_MORE if k in MAP_MORE_KS else ()
             specs += baselines(k, w, seed)[1:]
             for h in hs:
-                auto = auto_outer(h, k, w.warmup_steps, w.steps)
-                specs.append(diloco_arm(k, w, h, auto, seed, auto=True))
-                specs += [diloco_arm(k, w, h, s, seed) for s in (PAPER, PLAIN, *more) if s != auto]
+                auto = auto_arm(k, w, h, seed)
+                specs.append(auto)
+                specs += [diloco_arm(k, w, h, s, seed) for s in (PAPER, PLAIN, *more) if s != auto.setting]
     return specs
 
 
@@ -248,8 +245,7 @@ def streaming_specs(w: Workload, quick: bool) -> list[ArmSpec]:
     shorter = () if quick else (2, 4)
     specs = []
     for seed in w.seeds:
-        auto = auto_outer(h, 2, w.warmup_steps, w.steps)
-        blocking = diloco_arm(2, w, h, auto, seed, auto=True)
+        blocking = auto_arm(2, w, h, seed)
         specs += [baselines(2, w, seed)[1], blocking]
         for layout in ("strided", "contiguous"):
             split = replace(blocking, name=f"streaming-F{fragments}-{layout}", fragments=fragments, layout=layout)
