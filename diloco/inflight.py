@@ -32,7 +32,6 @@ class InFlight:
     weight: float
     tokens: int
     source: int | None
-    state: str  # the digest of the outer state the pseudo-gradient was taken from: the round's peers hold it too
     summary: dict[str, Any] = field(default_factory=dict)  # the pace's fields for its row, as of the send
     report: RoundResult | None = None
     error: BaseException | None = None
@@ -47,7 +46,7 @@ class InFlight:
             try:
                 self.report = swarm.average(
                     [self.pseudo_gradient], round_index=self.index, weight=self.weight, stop=stop,
-                    fragment=self.fragment, state=self.state,
+                    fragment=self.fragment,
                 )  # fmt: skip
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by `wait`
                 self.error = e

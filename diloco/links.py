@@ -48,11 +48,9 @@ class Swarm(Protocol):
         weight: float,
         stop: Callable[[], bool],
         fragment: int | None = None,
-        state: str = "",
     ) -> RoundResult:
-        """Average in place with the groups averaging the same `round_index` from the same outer `state` (its
-        digest: pseudo-gradients of other parameters are never mixed in); gives up when `stop()` is true. With
-        fragments (``diloco.fragments``) the tensors hold this rank's shard of `fragment`'s parameters."""
+        """Average in place with the groups averaging the same `round_index`; gives up when `stop()` is true.
+        With fragments (``diloco.fragments``) the tensors hold this rank's shard of `fragment`'s parameters."""
         ...
 
     def publish(self, record: Progress) -> None:

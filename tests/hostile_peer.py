@@ -14,8 +14,7 @@ matchmakes for the group) and, in every round, sends
 
 While it takes part in rounds it keeps a status record of a training group fresh, as a group that joined would:
 honest groups count it among those expected in a round and wait (up to their matchmaking time) for it, instead of
-meeting it only when it happens to be matchmaking as they do. Rounds are keyed by the outer state their groups
-average from: it reads that state's digest from the honest groups' progress records (``swarm_state``).
+meeting it only when it happens to be matchmaking as they do.
 
 or, taking part in no round:
 
@@ -56,14 +55,13 @@ from diloco.swarm import transfer
 from diloco.swarm.layout import Shape
 from diloco.swarm.listener import Listener, listen_socket
 from diloco.swarm.ownership import Owner
-from diloco.swarm.progress import Progress, progress_key, publish, read
+from diloco.swarm.progress import Progress, progress_key, publish
 from diloco.swarm import status
 from diloco.swarm.frames import LENGTH, recv_exact
 from diloco.swarm.tcp import HELLO, MAGIC, Round, _mac
 
 MATCHMAKING_S = 8  # as the honest groups of the test: long enough under load for all three to gather
 AVERAGING_S = 15
-STATE_WAIT_S = 4  # for the honest groups' records to show the state of their next round (their round went on)
 
 
 FRAMES = ("huge", "short", "slowloris", "replay")
@@ -218,20 +216,6 @@ def heartbeat(dht, owner: Owner, run_id: str, model: ModelId, world_rank: int, d
         done.wait(status.HEARTBEAT_S)
 
 
-def swarm_state(dht, key: str, world_rank: int, last: str) -> str:
-    """The digest of the outer state the honest groups hold, from their progress records (public: an attacker reads
-    them as any peer can). Rounds are keyed by it (``diloco.swarm.averager.group_bits``): without it this peer would
-    meet nobody. The newest, once it is not `last` (the state of the round before), or after ``STATE_WAIT_S``."""
-    deadline, newest = time.monotonic() + STATE_WAIT_S, ""
-    while True:
-        records = [r for r in read(dht, key) if r.world_rank != world_rank]
-        if records:
-            newest = max(records, key=lambda r: (r.outer_step, not r.tainted)).digest
-        if (newest and newest != last) or time.monotonic() > deadline:
-            return newest or last
-        time.sleep(0.2)
-
-
 def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int, rounds: int, aggregation: str,
          peers: list[str]) -> None:  # fmt: skip
     module = load_model(Path(model_dir), seed=0)
@@ -267,14 +251,12 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
     threading.Thread(target=heartbeat, args=(dht, owner, run_id, model, world_rank, done), daemon=True).start()
     try:
         rendezvous(dht, f"{prefix}-members", str(world_rank), galaxy, 60)
-        state = ""
         for round_index in range(1, rounds + 1):
-            state = swarm_state(dht, progress_key(run_key(run_id, model)), world_rank, state)
             if attack == "nan":
                 sent = torch.full((size,), float("nan"))
             else:  # flip50's forgery; `frame` sends nothing (zeros count only in its own span)
                 sent = -50 * last if attack == "flip50" else torch.zeros(size)
-            report = group.average([sent], round_index, 1.0, lambda: False, state=state)  # in place: the average
+            report = group.average([sent], round_index, 1.0, lambda: False)  # in place: `sent` holds the average
             if report.ok and report.num_peers > 1:
                 last = sent
             print(f"round {round_index}: ok={report.ok} num_peers={report.num_peers} {bad_frame[0]}", flush=True)

@@ -144,8 +144,7 @@ class Fixed(Member):
         self.num_peers, self.ok, self.sent = num_peers, ok, 0
 
     def average(
-        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
-        state: str = "",
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
     ) -> Report:
         return Report(num_peers=self.num_peers if self.ok else 0, ok=self.ok)
 

@@ -25,7 +25,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from diloco.swarm import tcp
-from diloco.swarm.averager import ExactAverager, RoundReport, SwarmAverager, group_bits
+from diloco.swarm.averager import ExactAverager, RoundReport, SwarmAverager
 from diloco.swarm.dht import serve_dht, start_dht, visible_maddrs
 from diloco.swarm.identity import ensure_identity, identity_peer_id
 from diloco.swarm.layout import flat_parts
@@ -446,45 +446,6 @@ def test_matchmaking_closes_once_the_expected_groups_are_in(bootstrap):
     assert all(r.ok and r.num_peers == 2 for r in waited + told), (waited, told)
     assert min(r.seconds for r in waited) >= matchmaking * 0.9, waited
     assert max(r.seconds for r in told) < matchmaking / 2, told
-
-
-def test_peers_of_one_round_meet_only_when_they_hold_the_same_outer_state(bootstrap):
-    """The round index and the digest of the outer state the pseudo-gradient was taken from key matchmaking: two
-    peers at one round index but different states each end alone, tensors untouched; at one state they average."""
-    assert group_bits(5, "") == format(5, "020b") and len(group_bits(5, "d1")) > 20
-    assert group_bits(5, "d1") == group_bits(5, "d1") != group_bits(5, "d2")
-    dhts = [start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in range(2)]
-    averagers: list[SwarmAverager] = []
-    try:
-        averagers = [SwarmAverager(dht, prefix="state", tensors=[torch.zeros(4)], matchmaking_time=3.0,
-                                   averaging_timeout=10.0, target_group_size=2) for dht in dhts]  # fmt: skip
-
-        def round_of_both(index: int, states: tuple[str, str]) -> list[tuple[RoundReport, torch.Tensor]]:
-            results: list[tuple[RoundReport, torch.Tensor] | None] = [None, None]
-
-            def one(i: int) -> None:
-                tensor = torch.full((4,), float(i))
-                results[i] = averagers[i].average([tensor], round_index=index, state=states[i]), tensor
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=60)
-            assert all(r is not None for r in results), results
-            return results
-
-        apart = round_of_both(1, ("digest-a", "digest-b"))
-        together = round_of_both(2, ("digest-a", "digest-a"))
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            shutdown_dht(dht)
-    assert [(r.ok, r.num_peers, r.round_id) for r, _ in apart] == [(True, 1, "")] * 2, apart
-    assert [t.tolist() for _, t in apart] == [[0.0] * 4, [1.0] * 4]
-    assert all(r.ok and r.num_peers == 2 and t.tolist() == [0.5] * 4 for r, t in together), together
-    assert together[0][0].round_id == together[1][0].round_id != ""
 
 
 def test_a_trainer_expects_the_groups_whose_status_records_are_fresh() -> None:

@@ -303,19 +303,6 @@ def round_id(group_id: bytes) -> str:
 
 
 ROUND_BITS = 20  # round indices are told apart modulo 2**20
-STATE_BITS = 16  # and the outer states the groups average from, by 16 bits of their digest's hash
-
-
-def group_bits(round_index: int, state: str = "") -> str:
-    """The matchmaking key's bits of round `round_index` among the groups that hold the outer state `state` (its
-    digest; "": any state). Groups that hold different states never meet: a pseudo-gradient is only averaged with
-    ones taken from the same parameters, so every group of a round holds one model after it (a group behind that
-    could not catch up averages alone instead of mixing a stale pseudo-gradient into the swarm's round)."""
-    bits = format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b")
-    if state:
-        tag = int.from_bytes(hashlib.sha256(b"round-state" + state.encode()).digest()[:4], "big")
-        bits += format(tag % 2**STATE_BITS, f"0{STATE_BITS}b")
-    return bits
 GROUP_ID_MAX = 64  # bytes; hivemind's group ids are 20
 
 
@@ -440,7 +427,6 @@ class SwarmAverager:
         round_index: int | None = None,
         weight: float = 1.0,
         stop: Callable[[], bool] = lambda: False,
-        state: str = "",
     ) -> RoundReport:
         """Average ``tensors`` in place with the peers that are ready; never raises on network failures.
 
@@ -449,8 +435,6 @@ class SwarmAverager:
             that a group that fell behind never mixes its pseudo-gradient into another step's average).
         :param weight: this peer's weight in the average; 0 takes the others' average and adds nothing.
         :param stop: polled while waiting; once it returns True the round is given up (``ok=False``).
-        :param state: with `round_index`, the digest of the outer state the tensors were taken from: only peers
-            that hold the same state meet (``group_bits``).
         :returns: the report; on ``ok=False`` or ``num_peers == 1`` the tensors were not modified. The round
             ends within about ``matchmaking_time + averaging_timeout + grace`` seconds whatever the peers do.
         """
@@ -463,7 +447,7 @@ class SwarmAverager:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
         stats = self._averager.stats
-        control = self._start_step(round_index, weight, self._gather, state)
+        control = self._start_step(round_index, weight, self._gather)
         ok, num_peers, allreduce_s = self._finish_round(control, tensors, stop, started)
         transport = "" if num_peers < 2 else ("tcp" if stats.over_tcp else "p2pd")
         raw = self._averager.matched_id.raw
@@ -473,11 +457,11 @@ class SwarmAverager:
             round_id=round_id(raw[1 : 1 + raw[0]]) if num_peers > 1 else "",
         )  # fmt: skip
 
-    def _start_step(self, round_index: int | None, weight: float, gather: object, state: str = "") -> StepControl:
-        """Clear the round's figures and enter matchmaking, under ``<prefix>.0b<group bits>`` when a round index is
-        given (``group_bits``); the all-reduce waits for our trigger, so giving up cannot race with it."""
+    def _start_step(self, round_index: int | None, weight: float, gather: object) -> StepControl:
+        """Clear the round's figures and enter matchmaking, under ``<prefix>.0b<round bits>`` when a round index is
+        given; the all-reduce waits for our trigger, so giving up cannot race with it."""
         if round_index is not None:
-            self._averager.set_group_bits(group_bits(round_index, state))
+            self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
         self._averager.stats.clear()
         self._averager.matched_id.raw = bytes(1 + GROUP_ID_MAX)  # no group yet: a failed round names none
         return self._averager.step(
@@ -516,14 +500,13 @@ class SwarmAverager:
                     tensor.copy_(buffer)
         return True, len(gathered), time.monotonic() - formed
 
-    def match(self, round_index: int, gather: object, stop: Callable[[], bool] = lambda: False, state: str = ""
+    def match(self, round_index: int, gather: object, stop: Callable[[], bool] = lambda: False
               ) -> tuple[Match | None, RoundReport]:  # fmt: skip
-        """Form this round's group among the peers that hold outer state `state` (see ``average``) and gather what
-        every member brings (an averager made with ``match_only``); no tensor bytes move. Returns (the match, a
-        report of the matchmaking); no match when nobody else came (``num_peers`` 1) or it failed or was stopped
-        (``ok`` False)."""
+        """Form this round's group and gather what every member brings (an averager made with ``match_only``); no
+        tensor bytes move. Returns (the match, a report of the matchmaking); no match when nobody else came
+        (``num_peers`` 1) or it failed or was stopped (``ok`` False)."""
         started = time.monotonic()
-        control = self._start_step(round_index, 1.0, gather, state)
+        control = self._start_step(round_index, 1.0, gather)
         grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
         if not grouped:
             return None, RoundReport(1 if grouped is False else 0, time.monotonic() - started, 0, 0, grouped is False)

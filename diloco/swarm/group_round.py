@@ -210,7 +210,7 @@ class GroupRounds:
             self.listener.close()
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
-                fragment: int | None = None, state: str = ""):  # fmt: skip
+                fragment: int | None = None):  # fmt: skip
         """Collective: one round (see ``SwarmAverager.average`` for the contract), averaged in place: after a round
         that failed the tensors hold averages where they arrived (the caller applies nothing then). With
         `fragment`, the tensors hold this rank's shard of that fragment's parameters. Returns a ``RoundReport``."""
@@ -218,14 +218,14 @@ class GroupRounds:
         if fragment is not None and self.fragments is not None:
             shapes = [self.model_shapes[i] for i in self.fragments[fragment]]
         with self.listener.in_round():  # groupmates that learn of the round first may connect meanwhile
-            return self._average(tensors, round_index, weight, stop, shapes, state)
+            return self._average(tensors, round_index, weight, stop, shapes)
 
     def _average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
-                 shapes: Sequence[Sequence[int]], state: str):  # fmt: skip
+                 shapes: Sequence[Sequence[int]]):  # fmt: skip
         from diloco.swarm.averager import RoundReport, round_id
 
         started = time.monotonic()
-        found = self._match(round_index, weight, stop, state) if self.matcher is not None else None
+        found = self._match(round_index, weight, stop) if self.matcher is not None else None
         info, num_peers, ok = self.broadcast(found)
         if info is None:
             return RoundReport(num_peers, time.monotonic() - started, 0, 0, ok)
@@ -245,12 +245,11 @@ class GroupRounds:
             round_id=round_id(info.group_id), dropped=outcome.dropped,
         )  # fmt: skip
 
-    def _match(self, round_index: int, weight: float, stop: Callable[[], bool], state: str
-               ) -> tuple[RoundInfo | None, int, bool]:  # fmt: skip
-        """Rank 0: (the round among the groups that hold outer state `state`, or None; groups in it; ok)."""
+    def _match(self, round_index: int, weight: float, stop: Callable[[], bool]) -> tuple[RoundInfo | None, int, bool]:
+        """Rank 0: (the round, or None; groups in it; ok)."""
         mine = {"shape": [self.shape.strategy, self.shape.world_size, self.shape.nodes],
                 "endpoints": [[list(hosts), port] for hosts, port in self.endpoints], "weight": weight}  # fmt: skip
-        match, report = self.matcher.match(round_index, self.key.sign_member(mine) if self.key else mine, stop, state)
+        match, report = self.matcher.match(round_index, self.key.sign_member(mine) if self.key else mine, stop)
         if match is None:
             return None, report.num_peers, report.ok
         gathered, me, group_id = list(match.gathered), match.index, match.group_id

@@ -1,10 +1,9 @@
 """An in-memory swarm for worker groups that run as threads of one process: the tests of the outer loop and
 `diloco bench convergence`.
 
-The groups of a round meet at a barrier and each gets the exact weighted mean of the tensors of the groups that
-hold its outer state (the real swarm's matchmaking keys rounds by it; a group alone in its state keeps its tensors),
-summed in one order (by peer id), which is what the real swarm computes with `--hv.compression none`: bit-identical
-in every group. Given a wire format's codec (`diloco.swarm.tcp.Codec`), every contribution and the mean go through it,
+The groups of a round meet at a barrier and each gets the exact weighted mean of their tensors, summed in one
+order (by peer id), which is what the real swarm computes with `--hv.compression none`: bit-identical in every
+group. Given a wire format's codec (`diloco.swarm.tcp.Codec`), every contribution and the mean go through it,
 part by part, as over the wire (a real reducer's own part skips it: this is slightly the more lossy). With a robust
 ``aggregation`` the groups' tensors are laid end to end and combined part by part (``PART_NUMEL`` values, as the TCP
 transport cuts a flat vector) by ``diloco.aggregation``. Progress and status records and served states live in
@@ -62,7 +61,7 @@ class MemorySwarm:
         self.wire_bytes = 0
         self._count_lock = threading.Lock()
         self.barrier = threading.Barrier(groups)
-        self.inbox: dict[str, tuple[list[torch.Tensor], float, str]] = {}  # peer id: (tensors, weight, state)
+        self.inbox: dict[str, tuple[list[torch.Tensor], float]] = {}
         self.records: dict[tuple[str, int], Progress] = {}  # by (owner, world rank): only its owner replaces one
         self.statuses: dict[int, Status] = {}
         self.tokens: dict[int, RoundTokens] = {}
@@ -129,20 +128,16 @@ class Member:
         weight: float,
         stop: Callable[[], bool],
         fragment: int | None = None,
-        state: str = "",
     ) -> Report:
         swarm = self.swarm
-        swarm.inbox[self.peer_id] = ([swarm.wire(t, count=True) for t in tensors], weight, state)
+        swarm.inbox[self.peer_id] = ([swarm.wire(t, count=True) for t in tensors], weight)
         swarm.barrier.wait()
-        # the groups that hold this one's outer state average together (as the real swarm's matchmaking keys
-        # them); one summation order, by peer id: the same bytes in every group
-        inputs = [swarm.inbox[name][:2] for name in sorted(swarm.inbox) if swarm.inbox[name][2] == state]
-        means = swarm.combine(inputs) if len(inputs) > 1 else None
+        inputs = [swarm.inbox[name] for name in sorted(swarm.inbox)]  # one summation order: the same bytes
+        means = swarm.combine(inputs)
         swarm.barrier.wait()  # everyone has read the inbox before the next round overwrites it
-        for tensor, mean in zip(tensors, means or ()):
+        for tensor, mean in zip(tensors, means):
             tensor.copy_(mean)
-        name = f"r{round_index}" + (f"-{state[:8]}" if state else "")
-        return Report(num_peers=len(inputs), round_id=name if len(inputs) > 1 else "")
+        return Report(num_peers=len(inputs), round_id=f"r{round_index}" if len(inputs) > 1 else "")
 
     def publish(self, record: Progress) -> None:
         self.swarm.records[self.owner, record.world_rank] = replace(record, owner=self.owner)

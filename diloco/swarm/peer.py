@@ -83,11 +83,10 @@ class SwarmPeer:
         weight: float,
         stop: Callable[[], bool],
         fragment: int | None = None,
-        state: str = "",
     ) -> RoundReport:
         if self.averager is not None:
             self.averager.expect(self.expected_groups())
-        report = self.rounds.average(tensors, round_index, weight, stop, fragment, state)
+        report = self.rounds.average(tensors, round_index, weight, stop, fragment)
         if report.ok:
             self._last_peers = report.num_peers
         return report
