@@ -32,6 +32,7 @@ class InFlight:
     weight: float
     tokens: int
     source: int | None
+    outer_step: int  # the outer steps applied when it was sent (a group behind the round's others sits it out)
     summary: dict[str, Any] = field(default_factory=dict)  # the pace's fields for its row, as of the send
     report: RoundResult | None = None
     error: BaseException | None = None
@@ -46,7 +47,7 @@ class InFlight:
             try:
                 self.report = swarm.average(
                     [self.pseudo_gradient], round_index=self.index, weight=self.weight, stop=stop,
-                    fragment=self.fragment,
+                    fragment=self.fragment, outer_step=self.outer_step,
                 )  # fmt: skip
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by `wait`
                 self.error = e

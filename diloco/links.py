@@ -48,9 +48,12 @@ class Swarm(Protocol):
         weight: float,
         stop: Callable[[], bool],
         fragment: int | None = None,
+        outer_step: int | None = None,
     ) -> RoundResult:
         """Average in place with the groups averaging the same `round_index`; gives up when `stop()` is true.
-        With fragments (``diloco.fragments``) the tensors hold this rank's shard of `fragment`'s parameters."""
+        With fragments (``diloco.fragments``) the tensors hold this rank's shard of `fragment`'s parameters.
+        `outer_step`: the outer steps this group has applied; a group behind the others' sits the round out
+        (``diloco.swarm.progress.abreast``; not ok)."""
         ...
 
     def publish(self, record: Progress) -> None:

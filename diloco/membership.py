@@ -341,12 +341,12 @@ class DiLoCo:
         if self.overlap and overlap and not last:
             self.in_flight = InFlight(
                 step, step + self.overlap, index, fragment, pseudo_gradient, weight, tokens, source,
-                self.pace.summary(tokens),
+                self.outer_step, self.pace.summary(tokens),
             ).start(self.swarm, self.stop)
             self.round_start = step  # the next round starts now: its tokens count for the pace from here
             self.pace.new_round(self._paced)
             return []
-        report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment)
+        report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment, self.outer_step)
         row = self._apply(step, fragment, report, pseudo_gradient, weight, source, tokens, mix=0.0)
         rows = [] if row is None else [row]
         for more in range(1, self.fragments if last and row is not None else 1):  # the other fragments, each
@@ -354,7 +354,8 @@ class DiLoCo:
             pseudo_gradient = self.params.pseudo_gradient(fragment)
             tokens = self._fragment_tokens(step, fragment)
             weight = self.pace.weight(tokens) if weight else 0.0  # (a group that joined the round adds nothing)
-            report = self.swarm.average([pseudo_gradient], index + more, weight, self.stop, fragment)
+            report = self.swarm.average([pseudo_gradient], index + more, weight, self.stop, fragment,
+                                        self.outer_step)
             row = self._apply(step, fragment, report, pseudo_gradient, weight, None, tokens, mix=0.0)
             if row is None:
                 break  # stopped during the round: the run ends here

@@ -97,7 +97,8 @@ class Recording(Member):
         self.rounds: list[tuple[int, Any, int]] = []
 
     def average(
-        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
+        outer_step: int | None = None,
     ) -> Report:
         self.rounds.append((round_index, fragment, tensors[0].numel()))
         return Report(num_peers=1)

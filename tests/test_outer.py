@@ -21,7 +21,7 @@ from diloco.links import solo_group
 from diloco.membership import DiLoCo, JoinError
 from diloco.outer import OuterReport
 from diloco.swarm.memory import Member, MemorySwarm, Report
-from diloco.swarm.progress import Progress, Refused, sources
+from diloco.swarm.progress import Progress, Refused, abreast, sources
 
 
 def approx(value: float) -> object:
@@ -33,7 +33,8 @@ class Alone(Member):
         super().__init__(MemorySwarm(1), "alone")
 
     def average(
-        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
+        outer_step: int | None = None,
     ) -> Report:
         return Report(num_peers=1)
 
@@ -216,10 +217,11 @@ class FailsOnce(Member):
         self.fail_round, self.failed = fail_round, False
 
     def average(
-        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
+        outer_step: int | None = None,
     ) -> Report:
         inputs = [t.clone() for t in tensors]
-        report = super().average(tensors, round_index, weight, stop)
+        report = super().average(tensors, round_index, weight, stop, fragment, outer_step)
         if not self.failed and self.fail_round in (None, round_index):
             self.failed = True
             for tensor, kept in zip(tensors, inputs):
@@ -245,6 +247,53 @@ def test_group_whose_round_failed_reloads_the_swarm_state_at_the_next_round() ->
     rows = train_phase(outers, nets, range(1, 2))
     assert rows[1][-1]["loaded_state_from"] == 0 and "loaded_state_from" not in rows[0][-1]
     assert torch.equal(outers[0].outer, outers[1].outer) and torch.equal(params(nets[0]), params(nets[1]))
+
+
+class LateRecords(FailsOnce):
+    """FailsOnce whose reads of the progress records can come back stale: while `stale`, the others' records are
+    the ones stored before its failed round (a DHT read that lags a store, as under load)."""
+
+    def __init__(self, hub: MemorySwarm, name: str) -> None:
+        super().__init__(hub, name)
+        self.stale, self.before = False, list(hub.records.values())
+
+    def records(self) -> list[Progress]:
+        mine = [r for r in super().records() if r.owner == self.owner]
+        return mine + [r for r in self.before if r.owner != self.owner] if self.stale else super().records()
+
+
+def test_a_group_behind_that_cannot_see_it_sits_the_swarms_round_out() -> None:
+    """Group 1's round fails on its side and, at the next boundary, its read of the records still shows group 0 where
+    it was: it comes to the round an outer step behind. It sits the round out (applies nothing, mixes nothing in),
+    and group 0's round is its own; at the boundary after, group 1 loads group 0's state and the two are one model
+    again. Mixed in, the two would have named one round and held different models after it (CI's churn soak)."""
+    hub = MemorySwarm(2)
+    nets = {g: model(0) for g in (0, 1)}
+    members = {0: hub.member("g0"), 1: LateRecords(hub, "g1")}
+    outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.9, h=1, world_rank=g) for g in (0, 1)}
+    for g in (0, 1):
+        outers[g].join(0)
+    members[1].before = list(hub.records.values())
+    train_phase(outers, nets, range(0, 1))
+    assert (outers[0].outer_step, outers[1].outer_step) == (1, 0)  # round 1 failed on group 1's side only
+    members[1].stale = True
+    outer_1 = outers[1].outer.clone()
+    stale = train_phase(outers, nets, range(1, 2))
+    assert [stale[g][-1]["num_peers"] for g in (0, 1)] == [1, 0] and "loaded_state_from" not in stale[1][-1]
+    assert outers[1].outer_step == 0 and torch.equal(outers[1].outer, outer_1)  # it applied nothing
+    members[1].stale = False
+    rows = train_phase(outers, nets, range(2, 3))
+    assert rows[1][-1]["loaded_state_from"] == 0 and [rows[g][-1]["num_peers"] for g in (0, 1)] == [2, 2]
+    assert rows[0][-1]["outer_digest"] == rows[1][-1]["outer_digest"] and rows[0][-1]["round"]
+    assert torch.equal(outers[0].outer, outers[1].outer) and torch.equal(params(nets[0]), params(nets[1]))
+
+
+def test_the_groups_abreast_are_those_at_the_highest_outer_step_below_the_round() -> None:
+    assert abreast([4, 4, 3], round_index=5) == [0, 1]  # the group behind sits out
+    assert abreast([3, None, 4], round_index=5) == [1, 2]  # an older version (no field) is not sent out
+    assert abreast([4, 10**6, 4], round_index=5) == [0, 1, 2]  # no group holds round 5's step yet: counts as none
+    assert abreast([4, True, "4", -1], round_index=5) == [0, 1, 2, 3]  # not an outer step: as none
+    assert abreast([None, None], round_index=1) == [0, 1] and abreast([], 1) == []
 
 
 def finish_all(outers: dict[int, DiLoCo]) -> dict[int, dict | None]:
@@ -279,7 +328,8 @@ def test_a_last_step_off_the_h_grid_ends_with_a_shorter_round() -> None:
 
 class AlwaysFails(Member):
     def average(
-        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
+        outer_step: int | None = None,
     ) -> Report:
         return Report(num_peers=0, ok=False)
 

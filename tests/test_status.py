@@ -144,7 +144,8 @@ class Fixed(Member):
         self.num_peers, self.ok, self.sent = num_peers, ok, 0
 
     def average(
-        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None
+        self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
+        outer_step: int | None = None,
     ) -> Report:
         return Report(num_peers=self.num_peers if self.ok else 0, ok=self.ok)
 

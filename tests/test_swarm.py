@@ -448,6 +448,55 @@ def test_matchmaking_closes_once_the_expected_groups_are_in(bootstrap):
     assert max(r.seconds for r in told) < matchmaking / 2, told
 
 
+def test_a_group_behind_the_others_outer_step_sits_their_round_out(bootstrap):
+    """Three one-rank groups matched in one round over TCP, two at outer step 4 and one at 3 (its last round failed
+    and it could not tell it was behind): the two average with each other only, and the third sits the round out
+    with its tensor untouched, not ok (its trainer applies nothing, as after a failed round)."""
+    from diloco.swarm.addresses import announced_hosts
+    from diloco.swarm.codecs import WIRE_FORMATS
+    from diloco.swarm.group_round import GroupRounds
+    from diloco.swarm.layout import Shape
+    from diloco.swarm.listener import Listener
+
+    dhts = [start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in range(3)]
+    averagers: list[SwarmAverager] = []
+    groups: list[GroupRounds] = []
+    try:
+        for dht in dhts:
+            averagers.append(SwarmAverager(dht, prefix="abreast", tensors=[torch.zeros(1)], matchmaking_time=5.0,
+                                           averaging_timeout=10.0, target_group_size=3, match_only=True))
+            listening = listen_socket("127.0.0.1", 0)
+            groups.append(GroupRounds(
+                averagers[-1], rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[(4,)],
+                endpoints=[(announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1])],
+                broadcast=lambda o: o, listener=Listener(listening, 2.5, registration_timeout=10.0).start(),
+                codec=WIRE_FORMATS["none"].tcp, timeout=2.5, replicas=None,
+            ))  # fmt: skip
+        results: list[tuple[RoundReport, torch.Tensor] | None] = [None] * 3
+
+        def one(i: int) -> None:
+            tensor = torch.full((4,), float(i))
+            results[i] = groups[i].average([tensor], 5, 1.0, lambda: False, outer_step=(4, 4, 3)[i]), tensor
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        for group in groups:
+            group.close()
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            shutdown_dht(dht)
+    assert all(r is not None for r in results), results
+    (a, ta), (b, tb), (c, tc) = results
+    assert a.ok and b.ok and a.num_peers == b.num_peers == 2 and a.round_id == b.round_id != "", results
+    assert ta.tolist() == tb.tolist() == [0.5] * 4
+    assert not c.ok and c.round_id == "" and tc.tolist() == [2.0] * 4
+
+
 def test_a_trainer_expects_the_groups_whose_status_records_are_fresh() -> None:
     """Itself, the others heard from within two heartbeats and a failed round (5 + 20 s here) that have not left,
     and never fewer than its last round had."""

@@ -41,7 +41,7 @@ class Attacker:
         return getattr(self.member, name)
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
-                fragment: int | None = None) -> Any:  # fmt: skip
+                fragment: int | None = None, outer_step: int | None = None) -> Any:  # fmt: skip
         for tensor in tensors:
             tensor.copy_(self.forge(tensor, self.generator))
-        return self.member.average(tensors, round_index, weight, stop, fragment)
+        return self.member.average(tensors, round_index, weight, stop, fragment, outer_step)

@@ -28,6 +28,7 @@ from diloco.config import ShardingStrategy
 from diloco.swarm import tcp
 from diloco.swarm.layout import Shape, group_layout, plan, plan_schedule, replica_slice
 from diloco.swarm.listener import Listener
+from diloco.swarm.progress import abreast
 from diloco.swarm.swarm_key import SwarmKey
 
 log = logging.getLogger("diloco")
@@ -210,7 +211,7 @@ class GroupRounds:
             self.listener.close()
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
-                fragment: int | None = None):  # fmt: skip
+                fragment: int | None = None, outer_step: int | None = None):  # fmt: skip
         """Collective: one round (see ``SwarmAverager.average`` for the contract), averaged in place: after a round
         that failed the tensors hold averages where they arrived (the caller applies nothing then). With
         `fragment`, the tensors hold this rank's shard of that fragment's parameters. Returns a ``RoundReport``."""
@@ -218,14 +219,14 @@ class GroupRounds:
         if fragment is not None and self.fragments is not None:
             shapes = [self.model_shapes[i] for i in self.fragments[fragment]]
         with self.listener.in_round():  # groupmates that learn of the round first may connect meanwhile
-            return self._average(tensors, round_index, weight, stop, shapes)
+            return self._average(tensors, round_index, weight, stop, shapes, outer_step)
 
     def _average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
-                 shapes: Sequence[Sequence[int]]):  # fmt: skip
+                 shapes: Sequence[Sequence[int]], outer_step: int | None):  # fmt: skip
         from diloco.swarm.averager import RoundReport, round_id
 
         started = time.monotonic()
-        found = self._match(round_index, weight, stop) if self.matcher is not None else None
+        found = self._match(round_index, weight, stop, outer_step) if self.matcher is not None else None
         info, num_peers, ok = self.broadcast(found)
         if info is None:
             return RoundReport(num_peers, time.monotonic() - started, 0, 0, ok)
@@ -245,10 +246,14 @@ class GroupRounds:
             round_id=round_id(info.group_id), dropped=outcome.dropped,
         )  # fmt: skip
 
-    def _match(self, round_index: int, weight: float, stop: Callable[[], bool]) -> tuple[RoundInfo | None, int, bool]:
-        """Rank 0: (the round, or None; groups in it; ok)."""
+    def _match(self, round_index: int, weight: float, stop: Callable[[], bool], outer_step: int | None
+               ) -> tuple[RoundInfo | None, int, bool]:  # fmt: skip
+        """Rank 0: (the round, or None; groups in it; ok). A group behind the others' outer step sits the round out
+        (``progress.abreast``): no round, not ok (it applies nothing)."""
         mine = {"shape": [self.shape.strategy, self.shape.world_size, self.shape.nodes],
                 "endpoints": [[list(hosts), port] for hosts, port in self.endpoints], "weight": weight}  # fmt: skip
+        if outer_step is not None:
+            mine["outer_step"] = outer_step
         match, report = self.matcher.match(round_index, self.key.sign_member(mine) if self.key else mine, stop)
         if match is None:
             return None, report.num_peers, report.ok
@@ -260,6 +265,12 @@ class GroupRounds:
                             "averaging without them", left_out)  # fmt: skip
             me = sum(entry is not None for entry in signed[:me])
             gathered, group_id = [entry for entry in signed if entry is not None], self.key.round_secret(group_id)
+        kept = abreast([entry.get("outer_step") if isinstance(entry, dict) else None for entry in gathered], round_index)
+        if me not in kept:
+            log.warning("averaging: this group is at outer step %s, others in the round at a later one: it sits the "
+                        "round out and applies nothing", outer_step)  # fmt: skip
+            return None, len(gathered), False
+        gathered, me = [gathered[i] for i in kept], kept.index(me)
         try:
             members = tuple(member_of(entry) for entry in gathered)
         except (TypeError, ValueError, KeyError) as e:  # another version, or a bad actor: no round with them

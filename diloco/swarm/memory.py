@@ -1,7 +1,8 @@
 """An in-memory swarm for worker groups that run as threads of one process: the tests of the outer loop and
 `diloco bench convergence`.
 
-The groups of a round meet at a barrier and each gets the exact weighted mean of their tensors, summed in one
+The groups of a round meet at a barrier (those behind the others' outer step sit it out, as in the real swarm:
+``progress.abreast``) and each gets the exact weighted mean of their tensors, summed in one
 order (by peer id), which is what the real swarm computes with `--hv.compression none`: bit-identical in every
 group. Given a wire format's codec (`diloco.swarm.tcp.Codec`), every contribution and the mean go through it,
 part by part, as over the wire (a real reducer's own part skips it: this is slightly the more lossy). With a robust
@@ -22,7 +23,7 @@ import torch
 from diloco.aggregation import aggregate
 from diloco.config import Aggregation
 from diloco.swarm.budget import RoundTokens
-from diloco.swarm.progress import Progress
+from diloco.swarm.progress import Progress, abreast
 from diloco.swarm.status import Status
 from diloco.swarm.tcp import RAW
 
@@ -61,7 +62,7 @@ class MemorySwarm:
         self.wire_bytes = 0
         self._count_lock = threading.Lock()
         self.barrier = threading.Barrier(groups)
-        self.inbox: dict[str, tuple[list[torch.Tensor], float]] = {}
+        self.inbox: dict[str, tuple[list[torch.Tensor], float, int | None]] = {}  # (tensors, weight, outer step)
         self.records: dict[tuple[str, int], Progress] = {}  # by (owner, world rank): only its owner replaces one
         self.statuses: dict[int, Status] = {}
         self.tokens: dict[int, RoundTokens] = {}
@@ -128,13 +129,18 @@ class Member:
         weight: float,
         stop: Callable[[], bool],
         fragment: int | None = None,
+        outer_step: int | None = None,
     ) -> Report:
         swarm = self.swarm
-        swarm.inbox[self.peer_id] = ([swarm.wire(t, count=True) for t in tensors], weight)
+        swarm.inbox[self.peer_id] = ([swarm.wire(t, count=True) for t in tensors], weight, outer_step)
         swarm.barrier.wait()
-        inputs = [swarm.inbox[name] for name in sorted(swarm.inbox)]  # one summation order: the same bytes
-        means = swarm.combine(inputs)
+        names = sorted(swarm.inbox)  # one summation order: the same bytes
+        kept = [names[i] for i in abreast([swarm.inbox[name][2] for name in names], round_index)]
+        inputs = [swarm.inbox[name][:2] for name in kept]
+        means = swarm.combine(inputs) if self.peer_id in kept else []
         swarm.barrier.wait()  # everyone has read the inbox before the next round overwrites it
+        if self.peer_id not in kept:  # behind the others: it sits the round out, its tensors as they were
+            return Report(num_peers=len(names), ok=False)
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean)
         return Report(num_peers=len(inputs), round_id=f"r{round_index}" if len(inputs) > 1 else "")

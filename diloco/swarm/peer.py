@@ -83,10 +83,11 @@ class SwarmPeer:
         weight: float,
         stop: Callable[[], bool],
         fragment: int | None = None,
+        outer_step: int | None = None,
     ) -> RoundReport:
         if self.averager is not None:
             self.averager.expect(self.expected_groups())
-        report = self.rounds.average(tensors, round_index, weight, stop, fragment)
+        report = self.rounds.average(tensors, round_index, weight, stop, fragment, outer_step)
         if report.ok:
             self._last_peers = report.num_peers
         return report

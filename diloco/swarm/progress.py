@@ -8,7 +8,8 @@ others (`sources`): the swarm's state is the one with the highest outer step; be
 step, a state that came out of a full average beats one that did not (a lone or failed round), then the state more
 groups hold, then the lowest world rank. This order is the same for everyone, so groups that diverged (a round that
 succeeded for some and failed for others, or two halves of a split swarm) converge again on one state. A state whose
-downloads this group refused too often is skipped (`Refused`).
+downloads this group refused too often is skipped (`Refused`). In a round, the groups behind the others sit it out
+(`abreast`).
 
 Plain Python: the DHT is any object with hivemind's `store` / `get`, so importing this costs no hivemind.
 """
@@ -139,6 +140,19 @@ def sources(records: Iterable[Progress], mine: Progress, alive: Callable[[Progre
 
     ranked = sorted(holders, key=rank, reverse=True)
     return [sorted(holders[s], key=lambda r: r.world_rank) for s in ranked[: ranked.index(mine.state)]]
+
+
+def abreast(claims: list[object], round_index: int) -> list[int]:
+    """The members of round `round_index` that average, by the outer step each announced in matchmaking (None: a
+    version from before the field): those at the highest outer step announced, and those that announced none. A
+    group behind (its last round failed, and its read of the others' records lagged, so it could not tell) would mix
+    a pseudo-gradient of older parameters into the others' round and leave it on another model than theirs: every
+    member computes the same list from the same announcements, and the group behind sits the round out (it loads
+    their state at its next boundary). No group holds round `round_index`'s outer step or a later one before the
+    round: such a claim counts as none, so a stranger cannot send the others out by claiming a huge one."""
+    steps = [c if type(c) is int and 0 <= c < round_index else None for c in claims]
+    top = max((s for s in steps if s is not None), default=None)
+    return [i for i, s in enumerate(steps) if s is None or s == top]
 
 
 class Refused:
