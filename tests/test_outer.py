@@ -230,13 +230,19 @@ class FailsOnce(Member):
         return report
 
 
-def test_group_whose_round_failed_reloads_the_swarm_state_at_the_next_round() -> None:
-    hub = MemorySwarm(2)
+def joined_pair(hub: MemorySwarm, second: Member) -> tuple[dict[int, torch.nn.Module], dict[int, DiLoCo]]:
+    """Group 0 (a plain member of `hub`) and group 1 (`second`), from one initialisation, H = 1, joined."""
     nets = {g: model(0) for g in (0, 1)}
-    members = {0: hub.member("g0"), 1: FailsOnce(hub, "g1")}
+    members = {0: hub.member("g0"), 1: second}
     outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.9, h=1, world_rank=g) for g in (0, 1)}
     for g in (0, 1):
         outers[g].join(0)
+    return nets, outers
+
+
+def test_group_whose_round_failed_reloads_the_swarm_state_at_the_next_round() -> None:
+    hub = MemorySwarm(2)
+    nets, outers = joined_pair(hub, FailsOnce(hub, "g1"))
     rows = train_phase(outers, nets, range(0, 1))
     assert (outers[0].outer_step, outers[1].outer_step) == (1, 0)  # the failed group applied nothing
     assert rows[1][-1]["num_peers"] == 0 and not torch.equal(outers[0].outer, outers[1].outer)
@@ -268,20 +274,17 @@ def test_a_group_behind_that_cannot_see_it_sits_the_swarms_round_out() -> None:
     and group 0's round is its own; at the boundary after, group 1 loads group 0's state and the two are one model
     again. Mixed in, the two would have named one round and held different models after it (CI's churn soak)."""
     hub = MemorySwarm(2)
-    nets = {g: model(0) for g in (0, 1)}
-    members = {0: hub.member("g0"), 1: LateRecords(hub, "g1")}
-    outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.9, h=1, world_rank=g) for g in (0, 1)}
-    for g in (0, 1):
-        outers[g].join(0)
-    members[1].before = list(hub.records.values())
+    late = LateRecords(hub, "g1")
+    nets, outers = joined_pair(hub, late)
+    late.before = list(hub.records.values())
     train_phase(outers, nets, range(0, 1))
     assert (outers[0].outer_step, outers[1].outer_step) == (1, 0)  # round 1 failed on group 1's side only
-    members[1].stale = True
+    late.stale = True
     outer_1 = outers[1].outer.clone()
     stale = train_phase(outers, nets, range(1, 2))
     assert [stale[g][-1]["num_peers"] for g in (0, 1)] == [1, 0] and "loaded_state_from" not in stale[1][-1]
     assert outers[1].outer_step == 0 and torch.equal(outers[1].outer, outer_1)  # it applied nothing
-    members[1].stale = False
+    late.stale = False
     rows = train_phase(outers, nets, range(2, 3))
     assert rows[1][-1]["loaded_state_from"] == 0 and [rows[g][-1]["num_peers"] for g in (0, 1)] == [2, 2]
     assert rows[0][-1]["outer_digest"] == rows[1][-1]["outer_digest"] and rows[0][-1]["round"]
