@@ -406,7 +406,8 @@ class DiLoCo:
             else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
                 log.warning(
                     "outer step %d: %s; nothing applied, the inner steps carry over to the next round",
-                    self.outer_step + 1, "averaging failed" if not all_ok else "missed the swarm's round",
+                    self.outer_step + 1, "missed the swarm's round" if all_ok else
+                    "behind the others' outer step, it sat the round out" if report.behind else "averaging failed",
                 )  # fmt: skip
             self._update_digest()
         if self.outer_step > outer_before and landed is not None:  # its successor began at its send (`_round`)

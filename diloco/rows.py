@@ -49,6 +49,8 @@ def round_row(
             row["transport"] = report.transport  # what carried this rank's bytes: tcp or p2pd
         if report.round_id:
             row["round"] = report.round_id  # equal in the rows of the groups that averaged together
+        if report.behind:
+            row["sat_out"] = True  # behind the round's others' outer step: it applied nothing
     if with_sha:
         row["params_sha256"] = sha
     return row

@@ -57,7 +57,9 @@ def test_throughput_counts_what_a_round_took_in_and_the_time_until_the_kill(tmp_
     killed = life_figures(life(tmp_path, 2, rows, end="kill-9", ended_at=9.1), tokens_per_step=10)
     # from its first round (2.1 s) to the kill (9.1 s); steps 3 and 4 made it into a round, 5-7 were thrown away
     assert killed["committed_tokens"] == 20 and killed["live_s"] == pytest.approx(7.0)
-    assert killed["rounds"] == {"ok": 2, "alone": 0, "failed": 0}
+    assert killed["rounds"] == {"ok": 2, "alone": 0, "failed": 0, "sat_out": 0}
+    behind = life_figures(life(tmp_path, 1, [round_row(2, 2.1, "", "x", peers=0) | {"sat_out": True}]), 10)
+    assert behind["rounds"] == {"ok": 0, "alone": 0, "failed": 1, "sat_out": 1}  # a round sat out applied nothing
     ended = life_figures(life(tmp_path, 0, rows), tokens_per_step=10)
     assert ended["live_s"] == pytest.approx(2.0)  # an exit: until its last round
 

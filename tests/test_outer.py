@@ -283,6 +283,7 @@ def test_a_group_behind_that_cannot_see_it_sits_the_swarms_round_out() -> None:
     outer_1 = outers[1].outer.clone()
     stale = train_phase(outers, nets, range(1, 2))
     assert [stale[g][-1]["num_peers"] for g in (0, 1)] == [1, 0] and "loaded_state_from" not in stale[1][-1]
+    assert stale[1][-1]["sat_out"] is True and "sat_out" not in stale[0][-1]
     assert outers[1].outer_step == 0 and torch.equal(outers[1].outer, outer_1)  # it applied nothing
     late.stale = False
     rows = train_phase(outers, nets, range(2, 3))

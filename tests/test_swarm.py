@@ -494,7 +494,8 @@ def test_a_group_behind_the_others_outer_step_sits_their_round_out(bootstrap):
     (a, ta), (b, tb), (c, tc) = results
     assert a.ok and b.ok and a.num_peers == b.num_peers == 2 and a.round_id == b.round_id != "", results
     assert ta.tolist() == tb.tolist() == [0.5] * 4
-    assert not c.ok and c.round_id == "" and tc.tolist() == [2.0] * 4
+    assert not c.ok and c.behind and c.round_id == "" and tc.tolist() == [2.0] * 4
+    assert not a.behind and not b.behind
 
 
 def test_a_trainer_expects_the_groups_whose_status_records_are_fresh() -> None:

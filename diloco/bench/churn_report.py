@@ -67,7 +67,8 @@ def life_figures(life: Life, tokens_per_step: int) -> dict[str, Any]:
         "committed_tokens": committed,
         "live_s": round(live_s, 2),
         "rounds": {"ok": sum(r["num_peers"] >= 2 for r in outers), "alone": sum(r["num_peers"] == 1 for r in outers),
-                   "failed": sum(r["num_peers"] == 0 for r in outers)},  # fmt: skip
+                   "failed": sum(r["num_peers"] == 0 for r in outers),  # of which sat out: behind the others
+                   "sat_out": sum(bool(r.get("sat_out")) for r in outers)},  # fmt: skip
         "catch_ups": sum("loaded_state_from" in r for r in rows),
     }
 
@@ -107,7 +108,7 @@ def phase(swarm: Swarm, tokens_per_step: int) -> dict[str, Any]:
     named, diverged, which = divergences(lives)
     committed = sum(f["committed_tokens"] for f in figures)
     live_s = sum(f["live_s"] for f in figures)
-    rounds = {kind: sum(f["rounds"][kind] for f in figures) for kind in ("ok", "alone", "failed")}
+    rounds = {kind: sum(f["rounds"][kind] for f in figures) for kind in ("ok", "alone", "failed", "sat_out")}
     return {
         "lives": figures,
         "rounds": rounds,

@@ -283,6 +283,8 @@ class RoundReport:
     :param rejected: groupmates' contributions (and this peer's own) that this peer, as a reducer, left out of the
         average for holding NaN/Inf or a norm ``screening.MAX_NORM_RATIO`` times the group's; a rejected peer's round
         fails, the others complete without it (ok=True).
+    :param behind: this group was behind the round's others' outer step and sat the round out (ok=False; see
+        ``progress.abreast``).
     """
 
     num_peers: int
@@ -295,6 +297,7 @@ class RoundReport:
     allreduce_seconds: float = 0.0
     round_id: str = ""
     dropped: int = 0
+    behind: bool = False
 
 
 def round_id(group_id: bytes) -> str:

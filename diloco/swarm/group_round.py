@@ -227,9 +227,9 @@ class GroupRounds:
 
         started = time.monotonic()
         found = self._match(round_index, weight, stop, outer_step) if self.matcher is not None else None
-        info, num_peers, ok = self.broadcast(found)
+        info, num_peers, ok, behind = self.broadcast(found)
         if info is None:
-            return RoundReport(num_peers, time.monotonic() - started, 0, 0, ok)
+            return RoundReport(num_peers, time.monotonic() - started, 0, 0, ok, behind=behind)
         formed = time.monotonic()
         # in place: no second copy of the pseudo-gradient (the trainer's one tensor is viewed flat, not copied)
         vector = tcp.flatten(list(tensors))
@@ -247,16 +247,16 @@ class GroupRounds:
         )  # fmt: skip
 
     def _match(self, round_index: int, weight: float, stop: Callable[[], bool], outer_step: int | None
-               ) -> tuple[RoundInfo | None, int, bool]:  # fmt: skip
-        """Rank 0: (the round, or None; groups in it; ok). A group behind the others' outer step sits the round out
-        (``progress.abreast``): no round, not ok (it applies nothing)."""
+               ) -> tuple[RoundInfo | None, int, bool, bool]:  # fmt: skip
+        """Rank 0: (the round, or None; groups in it; ok; behind). A group behind the others' outer step sits the
+        round out (``progress.abreast``): no round, not ok (it applies nothing), behind."""
         mine = {"shape": [self.shape.strategy, self.shape.world_size, self.shape.nodes],
                 "endpoints": [[list(hosts), port] for hosts, port in self.endpoints], "weight": weight}  # fmt: skip
         if outer_step is not None:
             mine["outer_step"] = outer_step
         match, report = self.matcher.match(round_index, self.key.sign_member(mine) if self.key else mine, stop)
         if match is None:
-            return None, report.num_peers, report.ok
+            return None, report.num_peers, report.ok, False
         gathered, me, group_id = list(match.gathered), match.index, match.group_id
         if self.key is not None:  # every member sees the same announcements: all leave out the same ones
             signed = [self.key.member_signed(entry) for entry in gathered]
@@ -269,16 +269,16 @@ class GroupRounds:
         if me not in kept:
             log.warning("averaging: this group is at outer step %s, others in the round at a later one: it sits the "
                         "round out and applies nothing", outer_step)  # fmt: skip
-            return None, len(gathered), False
+            return None, len(gathered), False, True
         gathered, me = [gathered[i] for i in kept], kept.index(me)
         try:
             members = tuple(member_of(entry) for entry in gathered)
         except (TypeError, ValueError, KeyError) as e:  # another version, or a bad actor: no round with them
             log.warning("averaging: a group announced itself in a form this version cannot read (%s)", e)
-            return None, len(gathered), False
+            return None, len(gathered), False, False
         if len(members) < 2:
-            return None, len(members), True  # alone among strangers: as a round of one
-        return RoundInfo(group_id, members, me, sealed=self.key is not None), len(members), True
+            return None, len(members), True, False  # alone among strangers: as a round of one
+        return RoundInfo(group_id, members, me, sealed=self.key is not None), len(members), True, False
 
 
 def member_of(entry: object) -> Member:

@@ -45,6 +45,7 @@ class Report:
     transport: str = ""
     round_id: str = ""
     dropped: int = 0
+    behind: bool = False
 
 
 class MemorySwarm:
@@ -140,7 +141,7 @@ class Member:
         means = swarm.combine(inputs) if self.peer_id in kept else []
         swarm.barrier.wait()  # everyone has read the inbox before the next round overwrites it
         if self.peer_id not in kept:  # behind the others: it sits the round out, its tensors as they were
-            return Report(num_peers=len(names), ok=False)
+            return Report(num_peers=len(names), ok=False, behind=True)
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean)
         return Report(num_peers=len(inputs), round_id=f"r{round_index}" if len(inputs) > 1 else "")
