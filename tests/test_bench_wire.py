@@ -87,10 +87,13 @@ def test_wire_quick(tmp_path: Path) -> None:
         expected = per_worker_total(ddp) / per_worker_total(arms[name])
         assert data["ddp_over_diloco"][name]["os"] == pytest.approx(expected)
     assert data["ddp_over_diloco"]["diloco-none"]["os"] > 1
-    # per round with both workers: a round a matchmaking split left to each worker alone sends no payload, so the
-    # arms' totals compare only when every round had both (once, under the suite's load, int8's total was the larger)
+    # per round with both workers: a round a matchmaking split left to each worker alone sends no payload, and the
+    # state download that repairs the split (the whole outer state and momentum, uncompressed) counts in the kernel's
+    # total: the totals compare only when every round of both arms had both workers (under the suite's load, int8 once
+    # had 1 round of 3 with both and 12 MB sent, 45 times its payload); the payloads above compare in any case
     per_round = {n: per_worker_total(arms[n]) / arms[n]["rounds_with_all_peers"][0] for n in ARMS[:3]}
-    assert per_round["diloco-none"] > 2 * per_round["diloco-int8"], per_round
+    if all(arms[n]["rounds_with_all_peers"] == arms[n]["outer_rounds"] for n in ("diloco-none", "diloco-int8")):
+        assert per_round["diloco-none"] > 2 * per_round["diloco-int8"], per_round
     assert "## wire (quick): " in doc and "- command: `diloco bench wire --quick --out " in doc
     assert "| arm | worker | OS sent (MB) | OS received (MB) | trainer sent (MB) |" in doc
     for name in ARMS:
