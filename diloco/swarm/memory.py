@@ -138,9 +138,10 @@ class Member:
         names = sorted(swarm.inbox)  # one summation order: the same bytes
         kept = [names[i] for i in abreast([swarm.inbox[name][2] for name in names], round_index)]
         inputs = [swarm.inbox[name][:2] for name in kept]
-        means = swarm.combine(inputs) if self.peer_id in kept else []
+        behind = self.peer_id not in kept  # it sits the round out, its tensors as they were
+        means = [] if behind else swarm.combine(inputs)
         swarm.barrier.wait()  # everyone has read the inbox before the next round overwrites it
-        if self.peer_id not in kept:  # behind the others: it sits the round out, its tensors as they were
+        if behind:
             return Report(num_peers=len(names), ok=False, behind=True)
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean)
