@@ -1,5 +1,5 @@
 """`python -m diloco ...`: the `diloco` console script without an installed entry point."""
 
-from diloco.cli import main
+from diloco.cli.app import main
 
 main()

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diloco.config import FieldError, first_line
+from diloco.errors import FieldError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,10 @@ class ModelAndOptimizer:
         self.partitioned = isinstance(optimizer, ZeroRedundancyOptimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+        )
 
         if self.partitioned:
             return {"model": get_model_state_dict(self.model)}
@@ -48,7 +51,10 @@ class ModelAndOptimizer:
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         if self.partitioned:
             set_model_state_dict(self.model, state["model"])
@@ -98,6 +104,16 @@ def save(
         tmp.rename(final)
     dist.barrier()
     return final
+
+
+def prune(folder: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest complete step-N checkpoints under `folder` (rank 0, after a save); returns
+    what was deleted. Unfinished ``step-N.tmp`` folders are left alone: a save may be writing one."""
+    steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)))
+    gone = [path for _, path in steps[: max(len(steps) - keep, 0)]]
+    for path in gone:
+        shutil.rmtree(path)
+    return gone
 
 
 def latest(folder: Path) -> Path:

@@ -1,5 +1,5 @@
-"""What a person watching a terminal reads: the start-up banner, one compact line per metrics row, and the verdict
-table `diloco launch` prints when its worker groups end.
+"""What a person watching a terminal reads: the start-up banner, one compact line per metrics row, the verdict
+table `diloco launch` prints when its worker groups end, and the log's format.
 
 Files keep every field (`metrics.jsonl`, `summary.json`); the console keeps what a person acts on: where the run
 writes, how fast it goes, when it ends, whether the last round worked. Digests stay in the files. Plain Python.
@@ -8,6 +8,7 @@ writes, how fast it goes, when it ends, whether the last round worked. Digests s
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -170,3 +171,19 @@ def same_model_line(groups: list[GroupResult]) -> str:
 
 def _or_dash(value: Any) -> str:
     return "-" if value is None else str(value)
+
+
+def log_warning(message: Warning | str, category: type[Warning], *_location: Any, **_kwargs: Any) -> None:
+    """``warnings.showwarning`` as one log line (no file name and source line: the message says what to do)."""
+    logging.getLogger("diloco").warning("%s", message)
+
+
+def setup_logging(rank: int) -> None:
+    """Log lines with time and rank; INFO on rank 0, WARNING on the others (every rank sees the same events)."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for chatty in ("httpx", "httpx2", "httpcore"):  # huggingface_hub's HTTP clients log every request at INFO
+        logging.getLogger(chatty).setLevel(logging.WARNING)

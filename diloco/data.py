@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from diloco import hub
-from diloco.config import FieldError, first_line
+from diloco.errors import FieldError, first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 EVAL_FRACTION = 0.1  # share of packed blocks held out for evaluation

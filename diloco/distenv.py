@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from diloco.config import UsageError
+from diloco.errors import UsageError
 
 PR_SET_PDEATHSIG = 1  # prctl(2) option
 SLURM_PORT_BASE = 15000  # rendezvous ports derived from a Slurm job id lie in [15000, 45000)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from diloco.config import FieldError, first_line
+from diloco.errors import FieldError, first_line
 
 RepoType = Literal["model", "dataset"]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # `gpt2` or `org/name`

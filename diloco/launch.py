@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from diloco.config import Config, FieldError
+from diloco.config import Config
+from diloco.errors import FieldError
 from diloco.procs import child_env, stop_tree
 
 log = logging.getLogger("diloco")
@@ -91,7 +92,7 @@ def _relay(stream: TextIO, prefix: str, out: TextIO) -> None:
 
 def launch(config: Config, train_args: Sequence[str], workers: int, nproc_per_worker: int) -> int:
     """Run `workers` groups of `nproc_per_worker` ranks against a DHT started here. Returns the exit code."""
-    from diloco.swarm.dht import start_dht, visible_maddrs
+    from diloco.swarm.records.dht import start_dht, visible_maddrs
 
     try:
         dht = start_dht(initial_peers=config.hv.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[])

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from diloco import hub
-from diloco.config import FieldError, UsageError, first_line
+from diloco.errors import FieldError, UsageError, first_line
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -19,9 +19,10 @@ def has_weights(path: Path) -> bool:
     return any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS)
 
 
-def load_model(name: Path | str, seed: int) -> PreTrainedModel:
+def load_model(name: Path | str, seed: int, attn_implementation: str | None = None) -> PreTrainedModel:
     """Load weights when the folder has them; with only config.json, initialise from `seed`. A hub id is its
-    snapshot folder in the Hugging Face cache, under the same rule.
+    snapshot folder in the Hugging Face cache, under the same rule. `attn_implementation`: the attention kernel
+    (transformers' name; None: its default for the model).
 
     Master weights are float32 whatever the folder holds: mixed precision is FSDP's job.
     """
@@ -30,13 +31,18 @@ def load_model(name: Path | str, seed: int) -> PreTrainedModel:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise FieldError(f"{{path_model}} {name}: not a readable Hugging Face model config ({first_line(e)})") from None
-    if has_weights(path):
-        try:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-        except Exception as e:  # safetensors, torch and transformers each raise their own types
-            raise FieldError(f"{{path_model}} {name}: could not load the weights ({first_line(e)})") from None
-    torch.manual_seed(seed)  # every rank builds the same initial model, so no broadcast is needed
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    attention = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    weights = has_weights(path)
+    try:
+        if weights:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **attention)
+        torch.manual_seed(seed)  # every rank builds the same initial model, so no broadcast is needed
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention)
+    except Exception as e:  # safetensors, torch and transformers each raise their own types
+        if attn_implementation is not None and attn_implementation in str(e):  # an unknown or unusable kernel
+            raise FieldError(f"{{attn_implementation}} {attn_implementation}: {first_line(e)}") from None
+        what = "could not load the weights" if weights else "could not build the model from its config.json"
+        raise FieldError(f"{{path_model}} {name}: {what} ({first_line(e)})") from None
 
 
 def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
@@ -50,7 +56,7 @@ def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
 
 def parameter_layers(model: PreTrainedModel) -> list[int | None]:
     """For each parameter in model order, the decoder layer it belongs to (None: embeddings, final norm, head):
-    what ``diloco.fragments`` cuts fragments from."""
+    what ``diloco.outer.fragments`` cuts fragments from."""
     home = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
     return [home.get(id(p)) for p in model.parameters()]
 

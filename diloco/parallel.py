@@ -7,15 +7,21 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco.config import FieldError, Precision, ShardingStrategy
+from diloco.config import Precision, ShardingStrategy
 from diloco.distenv import DistEnv
+from diloco.errors import FieldError
 from diloco.galaxy_moment import GalaxyAdamW
+from diloco.model import params_sha256
 
 
 def pick_device(env: DistEnv) -> torch.device:
@@ -208,3 +214,15 @@ def all_gather_object(obj: object) -> list[object]:
     box: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(box, obj)
     return box
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the unsharded model on rank 0 (CPU), an empty dict elsewhere."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def sha_of(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """params_sha256 of a full state dict (rank 0), None on the ranks that hold none."""
+    if not state:
+        return None
+    return params_sha256([(name, state[name]) for name, _ in unwrap(model).named_parameters()])

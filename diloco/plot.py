@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diloco.config import UsageError
+from diloco.errors import UsageError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

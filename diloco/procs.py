@@ -1,7 +1,8 @@
 """Child processes: the environment they start with, their memory, stopping them, and dying with the parent.
 
 `diloco launch`, the benches, the swarm's background processes and the tests all start processes; these are
-the four things each of them needs, written once. psutil, signals and the standard library only: no torch.
+the four things each of them needs, written once, and the temp folder their shared memory needs. psutil, signals
+and the standard library only: no torch.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
 
 import psutil
+
+from diloco.errors import UsageError
 
 # What torchrun tells one rank about its group: a child started from a rank is a launch of its own
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -112,3 +116,20 @@ def exit_with_parent(parent_pid: int | None = None, poll_s: float = 0.5) -> None
         os._exit(1)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+# hivemind shares memory through torch's "file_system" strategy, whose manager listens on a unix socket inside the
+# temp folder; a socket path holds at most 107 bytes, so a longer TMPDIR fails deep inside torch (measured limit
+# with torch 2.13: 73 characters)
+TEMPDIR_MAX_CHARS = 73
+
+
+def check_tempdir() -> None:
+    """The temp folder's path is short enough for the socket of torch's shared-memory manager (the swarm needs
+    it); a clear line naming TMPDIR instead of a traceback from torch's C++ side."""
+    folder = tempfile.gettempdir()
+    if len(folder) > TEMPDIR_MAX_CHARS:
+        raise UsageError(
+            f"TMPDIR {folder}: {len(folder)} characters; the swarm needs a temp folder path of at most "
+            f"{TEMPDIR_MAX_CHARS} (torch's shared-memory socket lives there): set TMPDIR to a shorter folder"
+        )

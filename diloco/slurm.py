@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco.config import Config, FieldError, UsageError
+from diloco.config import Config
 from diloco.distenv import SLURM_PORT_BASE, SLURM_PORT_SPAN, SLURM_PORTS_PER_JOB
+from diloco.errors import FieldError, UsageError
 from diloco.launch import group_flags
 
 DHT_WAIT_S = 120  # how long the script waits for the DHT's --hv.initial-peers line before giving up

@@ -1,4 +1,4 @@
-"""One rank of `test_galaxy_moment.py`'s strategy check: 3 inner steps of `train.inner_step` on a small llama under
+"""One rank of `test_galaxy_moment.py`'s strategy check: 3 inner steps of `trainer.inner_step` on a small llama under
 each sharding strategy with the galaxy's second moment (k = 2, two micro-batches per rank, no clipping), plain AdamW
 and k = 1; rank 0 writes each model's largest difference to DDP's, k = 1's to AdamW's, and that of a FULL_SHARD run
 resumed from a checkpoint (DCP: the optimizer's variance average too) before its last step to the uninterrupted one.
@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from diloco import checkpoint, parallel, train
+from diloco import checkpoint, parallel
 from diloco.distenv import DistEnv
 from diloco.galaxy_moment import Halves
 from diloco.model import decoder_layers, load_model
+from diloco.train import trainer
 
 MODEL = Path(__file__).parent / "models" / "llama-0.1m-bytes"
 STEPS, ACCUM, BATCH, SEQ = 3, 2, 2, 32
@@ -57,7 +58,7 @@ def run(env: DistEnv, strategy: str, galaxy_batches: float | None, save: Path | 
         for _ in range(first * ACCUM):  # the data of the steps taken before the checkpoint
             state.data.train.next_batch()
     for step in range(first, STEPS):
-        train.inner_step(state)  # type: ignore[arg-type]
+        trainer.inner_step(state)  # type: ignore[arg-type]
         if save is not None and step == STEPS - 2:
             checkpoint.save(save, step + 1, sharded, {}, env.rank, env.world_size)
     full = {}

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from diloco.swarm import tcp
-from diloco.swarm.group_round import Member, Replicas, RoundInfo, run_round
-from diloco.swarm.layout import Shape, group_layout
-from diloco.swarm.listener import Listener, listen_socket
+from diloco.swarm.rounds import tcp
+from diloco.swarm.rounds.group_round import Member, Replicas, RoundInfo, run_round
+from diloco.swarm.rounds.layout import Shape, group_layout
+from diloco.swarm.rounds.listener import Listener, listen_socket
 
 MODEL_SHAPES = [(200, 16), (16,), (90, 16), (7,), (1, 4), (3, 5, 2)]  # (1, 4): an empty shard at 2 ranks
 GROUP_ID = b"a test round's secret group id.."

@@ -45,20 +45,20 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 
 from diloco.model import load_model
-from diloco.swarm.addresses import announced_hosts
-from diloco.swarm.averager import SwarmAverager
-from diloco.swarm.codecs import WIRE_FORMATS
-from diloco.swarm.dht import rendezvous, start_dht
-from diloco.swarm.fingerprint import ModelId, model_id, run_key
-from diloco.swarm.group_round import GroupRounds
-from diloco.swarm import transfer
-from diloco.swarm.layout import Shape
-from diloco.swarm.listener import Listener, listen_socket
-from diloco.swarm.ownership import Owner
-from diloco.swarm.progress import Progress, progress_key, publish
-from diloco.swarm import status
-from diloco.swarm.frames import LENGTH, recv_exact
-from diloco.swarm.tcp import HELLO, MAGIC, Round, _mac
+from diloco.swarm.records import status
+from diloco.swarm.records.addresses import announced_hosts
+from diloco.swarm.records.dht import rendezvous, start_dht
+from diloco.swarm.records.fingerprint import ModelId, model_id, run_key
+from diloco.swarm.records.ownership import Owner
+from diloco.swarm.records.progress import Progress, progress_key, publish
+from diloco.swarm.rounds import transfer
+from diloco.swarm.rounds.codecs import WIRE_FORMATS
+from diloco.swarm.rounds.frames import LENGTH, recv_exact
+from diloco.swarm.rounds.group_round import GroupRounds
+from diloco.swarm.rounds.layout import Shape
+from diloco.swarm.rounds.listener import Listener, listen_socket
+from diloco.swarm.rounds.matchmaker import Matchmaker
+from diloco.swarm.rounds.tcp import HELLO, MAGIC, Round, _mac
 
 MATCHMAKING_S = 8  # as the honest groups of the test: long enough under load for all three to gather
 AVERAGING_S = 15
@@ -230,9 +230,8 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
         finally:
             dht.shutdown()
     prefix = f"{run_key(run_id, model)}-groups"  # where the rank 0 of every group of this model matchmakes
-    averager = SwarmAverager(
-        dht, prefix=prefix, tensors=[torch.zeros(1)], matchmaking_time=MATCHMAKING_S, averaging_timeout=AVERAGING_S,
-        target_group_size=galaxy, match_only=True,
+    averager = Matchmaker(
+        dht, prefix=prefix, matchmaking_time=MATCHMAKING_S, averaging_timeout=AVERAGING_S, target_group_size=galaxy,
     )  # fmt: skip
     listening = listen_socket("127.0.0.1", 0)
     listener = Listener(listening, AVERAGING_S / 4, registration_timeout=AVERAGING_S).start()

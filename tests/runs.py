@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from diloco.cli import build_app, run_app
+from diloco.cli.app import build_app, run_app
 
 
 def own_store(i: int) -> None:

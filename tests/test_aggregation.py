@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.aggregation import AGGREGATIONS, aggregate, centered_clip, trim_count, trimmed_mean
-from diloco.swarm import tcp
-from diloco.swarm.memory import PART_NUMEL, MemorySwarm
+from diloco.outer.memory import PART_NUMEL, MemorySwarm
+from diloco.swarm.rounds import tcp
+from diloco.swarm.rounds.aggregation import (
+    AGGREGATIONS,
+    aggregate,
+    centered_clip,
+    trim_count,
+    trimmed_mean,
+)
 from tests.test_tcp import randn, run_group
 
 torch.set_num_threads(1)

@@ -18,7 +18,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .conftest import FAST, TINY_MODEL, TORCHRUN, Result, child_env, python_train, run_cmd, torchrun
+from .conftest import (
+    FAST,
+    TINY_MODEL,
+    TORCHRUN,
+    Result,
+    child_env,
+    python_train,
+    run_cmd,
+    torchrun,
+)
 
 FAKE = [*FAST, "--fake-data", "--total-batch-size", "4", "--max-steps", "2"]
 DILOCO = Path(sys.executable).parent / "diloco"
@@ -182,8 +191,8 @@ def test_existing_run_dir_is_left_untouched(tmp_path: Path) -> None:
 QUIET_RANK = """
 import os, signal, sys, time
 os.environ["RANK"] = "1"
-from diloco import cli
-from diloco.config import UsageError
+from diloco.cli import app as cli
+from diloco.errors import UsageError
 cli.QUIET_RANK_WAIT_S = float(sys.argv[1])
 signal.signal(signal.SIGTERM, lambda *_: None)  # as a run that installed its stop handler
 print("reported", flush=True)
@@ -320,7 +329,7 @@ def test_a_temp_folder_too_long_for_torchs_socket_is_one_line_and_exit_2(command
 
 
 def test_dht_with_a_readable_identity_warns_in_one_line_and_starts(tmp_path: Path) -> None:
-    from diloco.swarm.identity import ensure_identity
+    from diloco.swarm.records.identity import ensure_identity
 
     identity = ensure_identity(tmp_path / "id.pem")
     identity.chmod(0o644)
@@ -384,9 +393,9 @@ def test_under_torchrun_the_rank_whose_port_is_taken_reports_it(tmp_path: Path) 
 def test_start_dht_gives_up_on_a_silent_peer_and_leaves_no_process() -> None:
     """A peer that takes no connections (its backlog is full, so SYNs are dropped, like behind a firewall): p2pd
     keeps dialing; ``start_dht`` gives up after ``startup_timeout`` and stops its DHT process and p2pd."""
-    from diloco.cli import as_flags
-    from diloco.config import FieldError
-    from diloco.swarm.dht import start_dht
+    from diloco.cli.app import as_flags
+    from diloco.errors import FieldError
+    from diloco.swarm.records.dht import start_dht
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from diloco import bench as benches
-from diloco.config import auto_outer
+from diloco.outer.auto import auto_outer
 from tests.conftest import CORPUS, ROOT, assert_ok, run_cmd
 
 DILOCO = Path(sys.executable).parent / "diloco"

@@ -55,12 +55,12 @@ def namespaces() -> set[str]:
 def expected_arms() -> list[str]:
     """Both transports once SwarmAverager has the parameter, hivemind's p2pd path alone before; and the trainer's
     rounds of whole groups once there are any, over p2pd too once they can be, and keyed once rounds are sealed."""
-    from diloco.swarm.averager import SwarmAverager
+    from diloco.bench.averager import SwarmAverager
 
     arms = ["tcp", "p2pd"] if "transport" in inspect.signature(SwarmAverager).parameters else ["p2pd"]
-    arms += ["groups"] if importlib.util.find_spec("diloco.swarm.group_round") else []
-    arms += ["groups-p2pd"] if importlib.util.find_spec("diloco.swarm.tunnel") else []
-    return arms + (["groups-keyed"] if importlib.util.find_spec("diloco.swarm.frames") else [])
+    arms += ["groups"] if importlib.util.find_spec("diloco.swarm.rounds.group_round") else []
+    arms += ["groups-p2pd"] if importlib.util.find_spec("diloco.swarm.rounds.tunnel") else []
+    return arms + (["groups-keyed"] if importlib.util.find_spec("diloco.swarm.rounds.frames") else [])
 
 
 def run_quick(tmp_path: Path, mark: str) -> tuple[dict, str, int]:

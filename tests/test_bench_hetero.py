@@ -15,8 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from diloco import throttle
-from diloco.bench import BenchError, hetero
+from diloco.bench import BenchError, hetero, throttle
 from diloco.bench.hetero import Launch
 from diloco.bench.models import write_model
 from tests.conftest import assert_ok, run_cmd

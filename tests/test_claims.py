@@ -1,5 +1,5 @@
 """World-rank claims and owned records: a group's records can be changed by its owner only, and another owner's
-claim of a group's world rank is ignored, logged once and counted (``diloco.claims``, ``diloco.swarm.ownership``)."""
+claim of a group's world rank is ignored, logged once and counted (``diloco.outer.claims``, ``diloco.swarm.records.ownership``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from diloco.swarm import progress
-from diloco.swarm.memory import MemorySwarm
-from diloco.swarm.ownership import Owner
-from diloco.swarm.progress import Progress
+from diloco.outer.memory import MemorySwarm
+from diloco.swarm.records import progress
+from diloco.swarm.records.ownership import Owner
+from diloco.swarm.records.progress import Progress
 from tests.hostile_peer import Lenient
 from tests.test_outer import diloco
 
@@ -101,7 +101,7 @@ def test_only_its_owner_can_change_a_groups_record_in_the_dht() -> None:
     records and checks nobody's. The stranger stores group 0's record again, altered, under group 0's subkey with a
     later expiry, and the same under a subkey without an owner: group 0's peer keeps its own record and reads no
     other, whichever peer answers; the stranger's own record of rank 0 reads back as a claim of its own."""
-    from diloco.swarm.dht import start_dht, visible_maddrs
+    from diloco.swarm.records.dht import start_dht, visible_maddrs
 
     loopback = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "announce_maddrs": []}
     owner, stranger = Owner.ephemeral(), Owner.ephemeral()

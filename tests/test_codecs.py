@@ -1,4 +1,4 @@
-"""The wire formats on their own (`diloco.swarm.codecs`): int4's blocks, bounds, bytes and refusals."""
+"""The wire formats on their own (`diloco.swarm.rounds.codecs`): int4's blocks, bounds, bytes and refusals."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import warnings
 import pytest
 import torch
 
-from diloco.swarm.codecs import INT4, INT4_BLOCK, WIRE_FORMATS, Uniform8Bit, decode_int4, encode_int4
+from diloco.swarm.rounds.codecs import (
+    INT4,
+    INT4_BLOCK,
+    WIRE_FORMATS,
+    Uniform8Bit,
+    decode_int4,
+    encode_int4,
+)
 
 
 def roundtrip(values: torch.Tensor) -> torch.Tensor:
@@ -58,7 +65,7 @@ def test_int4_refuses_a_message_of_the_wrong_length():
 
 
 def test_int4_exists_only_for_rounds_of_whole_groups():
-    from diloco.swarm.averager import SwarmAverager
+    from diloco.bench.averager import SwarmAverager
 
     assert WIRE_FORMATS["int4"].hivemind is None and WIRE_FORMATS["int4"].tcp is INT4
     with pytest.raises(ValueError, match="only in rounds of whole groups"):

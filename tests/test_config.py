@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from diloco.cli import _one_line, as_flags, build_app, run_app
-from diloco.config import Config, FieldError, RankUsageError, UsageError
+from diloco.cli.app import _one_line, as_flags, build_app, run_app
+from diloco.config import Config
+from diloco.errors import FieldError, RankUsageError, UsageError
+from diloco.outer.auto import outer_setting
 
 from .conftest import TINY_MODEL, usage_error
 
@@ -181,7 +183,7 @@ def test_outer_auto_picks_by_h_galaxy_warmup_and_length_and_set_values_win(
     flags: str, max_steps: int, expected: tuple
 ) -> None:
     config = parse(f"{SWARM} {flags}".split())
-    assert config.outer_setting(tokens_per_step=2048, max_steps=max_steps) == expected
+    assert outer_setting(config, tokens_per_step=2048, max_steps=max_steps) == expected
     assert config.hv.outer_is_auto() == (flags.count("--hv.outer-") < 3)
 
 
@@ -204,7 +206,7 @@ def test_swarm_flags_a_lone_group_does_not_use_are_named() -> None:
 
 def test_dht_takes_hivemind_dht_spellings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`hivemind-dht --identity_path ... --host_maddrs ... --announce_maddrs ...` scripts work with `diloco dht`."""
-    from diloco.swarm import dht
+    from diloco.swarm.records import dht
 
     served = []
     monkeypatch.setattr(dht, "serve_dht", lambda *args: served.append(args) or 0)

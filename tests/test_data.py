@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.cli import as_flags
-from diloco.config import FieldError, UsageError
+from diloco.cli.app import as_flags
 from diloco.data import (
     ByteTokenizer,
     FakeBatches,
@@ -21,6 +20,7 @@ from diloco.data import (
     pack,
     tokenize_corpus,
 )
+from diloco.errors import FieldError, UsageError
 
 from .conftest import CORPUS
 

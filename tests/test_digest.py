@@ -1,4 +1,4 @@
-"""The shape-independent digest (`diloco.swarm.digest`): equal for equal parameters in groups of any shape, and
+"""The shape-independent digest (`diloco.swarm.rounds.digest`): equal for equal parameters in groups of any shape, and
 different when any value differs, wherever it sits."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from diloco.swarm.digest import CanonicalDigest
-from diloco.swarm.layout import RankLayout, Shape, group_layout
+from diloco.swarm.rounds.digest import CanonicalDigest
+from diloco.swarm.rounds.layout import RankLayout, Shape, group_layout
 
 # wide rows (one sha256 each), narrow rows (mixed value by value), 1-D params, odd row counts
 SHAPES = [(64, 32), (32,), (33, 16), (7, 3), (5,), (3, 5, 2), (10, 64)]

@@ -12,12 +12,14 @@ import pydantic
 import pytest
 import torch
 
-from diloco.config import FieldError, HvConfig
-from diloco.fragments import fragment_of, fragment_params, local_runs
-from diloco.links import solo_group
-from diloco.membership import DiLoCo
-from diloco.outer import OuterOptimizer
-from diloco.swarm.memory import Member, MemorySwarm, Report
+from diloco.config import HvConfig
+from diloco.errors import FieldError
+from diloco.outer.diloco import DiLoCo
+from diloco.outer.fragments import fragment_of, fragment_params, local_runs
+from diloco.outer.links import solo_group
+from diloco.outer.memory import Member, MemorySwarm, Report
+from diloco.outer.optimizer import OuterOptimizer
+from diloco.outer.pace import check_overlap
 
 LAYERS = [None, None, 0, 0, 1, 1, 2, 2, 3, 3, None]  # embedding (weight, bias), 4 layers (w, b), final norm
 
@@ -217,9 +219,9 @@ def test_fragments_and_overlap_must_fit_h() -> None:
     # under a token budget the rounds' length in inner steps is known once the tokens per step are:
     # 1000 / (2 fragments x 2 groups x 50 tokens) = 5 inner steps between two rounds
     budget = HvConfig(galaxy_size=2, target_tokens=1000, fragments=2, overlap_steps=4)
-    budget.check_overlap(tokens_per_step=50)
+    check_overlap(budget, tokens_per_step=50)
     with pytest.raises(FieldError, match=r"overlap_steps 4 must be smaller .* = 4\.0$") as refused:
-        budget.check_overlap(tokens_per_step=63)  # 3.97 steps
+        check_overlap(budget, tokens_per_step=63)  # 3.97 steps
     assert refused.value.fields == ["overlap_steps", "target_tokens", "fragments", "galaxy_size"]
 
 

@@ -18,7 +18,16 @@ import psutil
 import pytest
 
 from .conftest import (
-    CORPUS, FAST, ROOT, TORCHRUN, assert_ok, child_env, metrics, read_until, run_cmd, summary,
+    CORPUS,
+    FAST,
+    ROOT,
+    TORCHRUN,
+    assert_ok,
+    child_env,
+    metrics,
+    read_until,
+    run_cmd,
+    summary,
 )  # fmt: skip
 
 DILOCO = Path(sys.executable).parent / "diloco"

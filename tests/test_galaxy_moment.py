@@ -8,8 +8,10 @@ import json
 import pytest
 import torch
 
-from diloco.config import Config, UsageError, auto_inner_moment
+from diloco.config import Config
+from diloco.errors import UsageError
 from diloco.galaxy_moment import GalaxyAdamW, Halves, clip_factor
+from diloco.outer.auto import auto_inner_moment, galaxy_moment
 
 from .conftest import CORPUS, ROOT, TORCHRUN, assert_ok, run_cmd
 
@@ -106,32 +108,32 @@ def test_one_micro_batch_is_split_in_two_and_several_in_two_parts() -> None:
 def test_auto_takes_the_galaxy_moment_for_three_groups_or_more_at_h_up_to_25(k: int, h: int, moment: str) -> None:
     assert auto_inner_moment(h, k) == moment
     cfg = Config.model_validate({"path_model": "m", "fake_data": True, "hv": {"galaxy_size": k, "local_steps": h}})
-    assert cfg.galaxy_moment(tokens_per_step=4096, grad_accum=1) == (moment == "galaxy")
+    assert galaxy_moment(cfg, tokens_per_step=4096, grad_accum=1) == (moment == "galaxy")
 
 
 def test_auto_under_target_tokens_reads_the_h_of_equal_groups() -> None:
     hv = {"galaxy_size": 4, "target_tokens": 4 * 1000 * 20}  # 20 steps of 1000 tokens per group
     cfg = Config.model_validate({"path_model": "m", "fake_data": True, "hv": hv})
-    assert cfg.galaxy_moment(tokens_per_step=1000, grad_accum=1)
-    assert not cfg.galaxy_moment(tokens_per_step=100, grad_accum=1)  # H = 200
+    assert galaxy_moment(cfg, tokens_per_step=1000, grad_accum=1)
+    assert not galaxy_moment(cfg, tokens_per_step=100, grad_accum=1)  # H = 200
 
 
 def test_where_a_step_has_no_halves_auto_keeps_adamw_and_galaxy_refuses() -> None:
     one = {"path_model": "m", "fake_data": True, "per_device_train_batch_size": 1, "total_batch_size": 1}
     auto = Config.model_validate({**one, "hv": {"galaxy_size": 4, "local_steps": 25}})
-    assert not auto.galaxy_moment(tokens_per_step=1024, grad_accum=1)
-    assert auto.galaxy_moment(tokens_per_step=1024, grad_accum=2)  # two micro-batches: two halves
+    assert not galaxy_moment(auto, tokens_per_step=1024, grad_accum=1)
+    assert galaxy_moment(auto, tokens_per_step=1024, grad_accum=2)  # two micro-batches: two halves
     explicit = Config.model_validate({**one, "hv": {"galaxy_size": 4, "inner_moment": "galaxy"}})
     with pytest.raises(UsageError, match="--hv.inner-moment galaxy needs two halves"):
-        explicit.galaxy_moment(tokens_per_step=1024, grad_accum=1)
+        galaxy_moment(explicit, tokens_per_step=1024, grad_accum=1)
     alone = Config.model_validate({"path_model": "m", "fake_data": True, "hv": {"inner_moment": "galaxy"}})
-    assert not alone.galaxy_moment(tokens_per_step=1024, grad_accum=1)  # galaxy size 1: no galaxy
+    assert not galaxy_moment(alone, tokens_per_step=1024, grad_accum=1)  # galaxy size 1: no galaxy
 
 
 def test_zero1_keeps_adamw_under_auto_and_refuses_galaxy() -> None:
     hv = {"galaxy_size": 4, "local_steps": 25}
     cfg = Config.model_validate({"path_model": "m", "fake_data": True, "sharding_strategy": "ZERO1", "hv": hv})
-    assert not cfg.galaxy_moment(tokens_per_step=1024, grad_accum=1)
+    assert not galaxy_moment(cfg, tokens_per_step=1024, grad_accum=1)
     with pytest.raises(ValueError, match="--hv.inner-moment galaxy needs each rank's whole AdamW state"):
         Config.model_validate({"path_model": "m", "fake_data": True, "sharding_strategy": "ZERO1",
                                "hv": {**hv, "inner_moment": "galaxy"}})  # fmt: skip

@@ -1,4 +1,4 @@
-"""A round of worker groups of different shapes (`diloco.swarm.group_round`) in real processes: a 1-rank group, a
+"""A round of worker groups of different shapes (`diloco.swarm.rounds.group_round`) in real processes: a 1-rank group, a
 2-rank NO_SHARD group and a 4-rank HYBRID_SHARD group of two "nodes" (torchrun, gloo; two shards, each replicated
 twice), over TCP on loopback, end bit-identical."""
 

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import CORPUS, FAST, TINY_MODEL, TORCHRUN, assert_ok, python_train, run_cmd, summary
+from .conftest import (
+    CORPUS,
+    FAST,
+    TINY_MODEL,
+    TORCHRUN,
+    assert_ok,
+    python_train,
+    run_cmd,
+    summary,
+)
 from .fakehub import FakeHub
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -151,8 +160,8 @@ def test_a_snapshot_being_downloaded_is_read_once_the_download_ends(tmp_path: Pa
 def test_a_hub_dataset_configuration_is_its_subfolder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--dataset ID --dataset-config NAME`, as seed 003's load_dataset('wikitext', 'wikitext-2-raw-v1')."""
     from diloco import hub
-    from diloco.config import FieldError
     from diloco.data import HFTokenizer, tokenize_corpus
+    from diloco.errors import FieldError
 
     monkeypatch.setattr(hub, "hub_cache", lambda: tmp_path / "hf" / "hub")
     cache_tokenizer(tmp_path / "hf", "tiny-org/words")

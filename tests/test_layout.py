@@ -1,4 +1,4 @@
-"""The canonical layout and a round's plan (`diloco.swarm.layout`): FSDP2's row chunks, replicas splitting their
+"""The canonical layout and a round's plan (`diloco.swarm.rounds.layout`): FSDP2's row chunks, replicas splitting their
 exchange, and a simulated round over groups of different shapes leaving every rank with the weighted average."""
 
 from __future__ import annotations
@@ -9,7 +9,15 @@ import random
 import pytest
 import torch
 
-from diloco.swarm.layout import Plan, RankLayout, Shape, group_layout, held_pieces, plan, row_range
+from diloco.swarm.rounds.layout import (
+    Plan,
+    RankLayout,
+    Shape,
+    group_layout,
+    held_pieces,
+    plan,
+    row_range,
+)
 
 SHAPES = [(64, 32), (32,), (96, 32), (32,), (100, 32), (7,), (3, 5, 2)]
 TOTAL = sum(math.prod(s) for s in SHAPES)

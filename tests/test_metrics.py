@@ -18,7 +18,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from diloco import procs
-from diloco.cli import build_app, run_app
+from diloco.cli.app import build_app, run_app
 from diloco.config import Config
 from diloco.metrics import JsonlSink, Metrics, TensorBoardSink
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from diloco.config import UsageError
+from diloco.errors import UsageError
 from diloco.model import decoder_layers, load_model, params_sha256, save_hf
 
 from .conftest import ROOT, TINY_MODEL

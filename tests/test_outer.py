@@ -15,13 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from diloco.cli import as_flags
-from diloco.config import FieldError
-from diloco.links import solo_group
-from diloco.membership import DiLoCo, JoinError
-from diloco.outer import OuterReport
-from diloco.swarm.memory import Member, MemorySwarm, Report
-from diloco.swarm.progress import Progress, Refused, abreast, sources
+from diloco.cli.app import as_flags
+from diloco.errors import FieldError
+from diloco.outer.catchup import Refused, sources
+from diloco.outer.diloco import DiLoCo, JoinError
+from diloco.outer.links import solo_group
+from diloco.outer.loop import OuterReport
+from diloco.outer.memory import Member, MemorySwarm, Report
+from diloco.swarm.records.progress import Progress
+from diloco.swarm.rounds.group_round import abreast
 
 
 def approx(value: float) -> object:
@@ -460,6 +462,6 @@ def test_a_state_refused_too_often_is_pruned_until_its_group_moves_on() -> None:
 
 def test_the_outer_loop_and_its_stand_in_swarm_never_import_hivemind() -> None:
     """Only diloco/swarm/*'s network modules import hivemind; the outer loop talks to a protocol."""
-    code = "import sys, diloco.membership, diloco.swarm, diloco.swarm.memory; print(sorted(sys.modules))"
+    code = "import sys, diloco.outer.diloco, diloco.swarm, diloco.outer.memory; print(sorted(sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "'torch'" in loaded and "hivemind" not in loaded

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from diloco.config import HvConfig
-from diloco.links import solo_group
-from diloco.membership import DiLoCo
-from diloco.pace import FixedSteps, TokenBudget
-from diloco.swarm import budget
-from diloco.swarm.budget import HORIZON_S, RoundTokens
-from diloco.swarm.memory import MemorySwarm
+from diloco.outer.diloco import DiLoCo
+from diloco.outer.links import solo_group
+from diloco.outer.memory import MemorySwarm
+from diloco.outer.pace import FixedSteps, TokenBudget
+from diloco.swarm.records import budget
+from diloco.swarm.records.budget import HORIZON_S, RoundTokens
 
 from .conftest import FAST, owned, usage_error
 

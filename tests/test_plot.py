@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from diloco.cli import build_app, run_app
+from diloco.cli.app import build_app, run_app
 from diloco.plot import draw, load_groups
 
 START = 1_700_000_000.0

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from diloco import cli
-from diloco.config import UsageError
+from diloco.cli import app as cli
 from diloco.distenv import DistEnv, first_host, slurm_port, tasks_on_node
+from diloco.errors import UsageError
 
 from .conftest import TINY_MODEL
 

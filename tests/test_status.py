@@ -23,12 +23,12 @@ import pytest
 import torch
 
 from diloco import procs
-from diloco.links import solo_group
-from diloco.membership import DiLoCo
-from diloco.swarm import status
-from diloco.swarm.memory import Member, MemorySwarm, Report
-from diloco.swarm.monitor import NO_GROUPS_EXIT, UNREACHABLE_EXIT, render, table
-from diloco.swarm.status import Status
+from diloco.cli.monitor import NO_GROUPS_EXIT, UNREACHABLE_EXIT, render, table
+from diloco.outer.diloco import DiLoCo
+from diloco.outer.links import solo_group
+from diloco.outer.memory import Member, MemorySwarm, Report
+from diloco.swarm.records import status
+from diloco.swarm.records.status import Status
 
 from .conftest import FAST, ROOT, child_env, metrics, owned, read_until
 
@@ -183,7 +183,7 @@ def test_heartbeats_carry_the_throughput_at_most_every_few_seconds_and_never_the
     sent = swarm.sent
     outer.progress({"step": 1, "tokens_per_s": 99.0})  # right after the join's record: no heartbeat yet
     assert swarm.sent == sent
-    outer.status_at -= status.HEARTBEAT_S  # as if the last record were that old
+    outer.beacon.sent_at -= status.HEARTBEAT_S  # as if the last record were that old
     outer.progress({"step": 2, "tokens_per_s": 120.5, "loss": 3.0})
     assert swarm.sent == sent + 1 and (hub.statuses[0].step, hub.statuses[0].tokens_per_s) == (2, 120.5)
     outer.progress({"step": 3, "tokens_per_s": 130.0})

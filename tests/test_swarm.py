@@ -24,12 +24,14 @@ import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
-from diloco.swarm import tcp
-from diloco.swarm.averager import ExactAverager, RoundReport, SwarmAverager
-from diloco.swarm.dht import serve_dht, start_dht, visible_maddrs
-from diloco.swarm.identity import ensure_identity, identity_peer_id
-from diloco.swarm.layout import flat_parts
-from diloco.swarm.listener import listen_socket
+from diloco.bench.averager import FullAverager, SwarmAverager
+from diloco.swarm.records.dht import serve_dht, start_dht, visible_maddrs
+from diloco.swarm.records.identity import ensure_identity, identity_peer_id
+from diloco.swarm.rounds import tcp
+from diloco.swarm.rounds.layout import flat_parts
+from diloco.swarm.rounds.listener import listen_socket
+from diloco.swarm.rounds.matchmaker import ExactAverager, Matchmaker
+from diloco.swarm.rounds.report import RoundReport
 
 torch.set_num_threads(1)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -202,7 +204,7 @@ def test_loose_identity_permissions_warn(tmp_path: Path):
 SERVE_SCRIPT = """
 import sys
 from pathlib import Path
-from diloco.swarm.dht import serve_dht
+from diloco.swarm.records.dht import serve_dht
 sys.exit(serve_dht(Path(sys.argv[1]), ["/ip4/127.0.0.1/tcp/0"], [], print_fn=lambda line: print(line, flush=True)))
 """
 
@@ -385,10 +387,10 @@ def test_a_stopped_averager_leaves_no_socket_behind(bootstrap):
 def test_killed_trainer_leaves_no_processes():
     """SIGKILLed trainers skip every cleanup; their DHT, averager and p2pd processes must still go away."""
     code = (
-        "import time, torch; from diloco.swarm.dht import start_dht; from diloco.swarm.averager import SwarmAverager; "
-        "dht = start_dht(initial_peers=[], host_maddrs=['/ip4/127.0.0.1/tcp/0'], announce_maddrs=[]); "
-        "averager = SwarmAverager(dht, prefix='doomed', tensors=[torch.zeros(8)], matchmaking_time=1, "
-        "averaging_timeout=5); print('READY', flush=True); time.sleep(60)"
+        "import time; from diloco.swarm.records.dht import start_dht; from diloco.swarm.rounds.matchmaker import "
+        "Matchmaker; dht = start_dht(initial_peers=[], host_maddrs=['/ip4/127.0.0.1/tcp/0'], announce_maddrs=[]); "
+        "averager = Matchmaker(dht, prefix='doomed', matchmaking_time=1, averaging_timeout=5); "
+        "print('READY', flush=True); time.sleep(60)"
     )
     proc = spawn_python(code)
     family: list[psutil.Process] = []
@@ -452,19 +454,19 @@ def test_a_group_behind_the_others_outer_step_sits_their_round_out(bootstrap):
     """Three one-rank groups matched in one round over TCP, two at outer step 4 and one at 3 (its last round failed
     and it could not tell it was behind): the two average with each other only, and the third sits the round out
     with its tensor untouched, not ok (its trainer applies nothing, as after a failed round)."""
-    from diloco.swarm.addresses import announced_hosts
-    from diloco.swarm.codecs import WIRE_FORMATS
-    from diloco.swarm.group_round import GroupRounds
-    from diloco.swarm.layout import Shape
-    from diloco.swarm.listener import Listener
+    from diloco.swarm.records.addresses import announced_hosts
+    from diloco.swarm.rounds.codecs import WIRE_FORMATS
+    from diloco.swarm.rounds.group_round import GroupRounds
+    from diloco.swarm.rounds.layout import Shape
+    from diloco.swarm.rounds.listener import Listener
 
     dhts = [start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[]) for _ in range(3)]
     averagers: list[SwarmAverager] = []
     groups: list[GroupRounds] = []
     try:
         for dht in dhts:
-            averagers.append(SwarmAverager(dht, prefix="abreast", tensors=[torch.zeros(1)], matchmaking_time=5.0,
-                                           averaging_timeout=10.0, target_group_size=3, match_only=True))
+            averagers.append(Matchmaker(dht, prefix="abreast", matchmaking_time=5.0, averaging_timeout=10.0,
+                                        target_group_size=3))
             listening = listen_socket("127.0.0.1", 0)
             groups.append(GroupRounds(
                 averagers[-1], rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[(4,)],
@@ -569,8 +571,8 @@ def test_groupmate_dying_mid_round_reports_failure(bootstrap, transport: str):
     original = [t.clone() for t in tensors]
     listening = listen_socket("127.0.0.1", 0) if transport == "tcp" else None
     gather = {"tcp": [["127.0.0.1"], listening.getsockname()[1]]} if listening else None
-    victim = ExactAverager([t.clone() for t in peer_tensors(2)], dht_b, start=False, prefix=f"dying-{transport}/rank0",
-                           min_matchmaking_time=2.0, request_timeout=1.0, listen_socket=listening)
+    victim = FullAverager([t.clone() for t in peer_tensors(2)], dht_b, start=False, prefix=f"dying-{transport}/rank0",
+                          min_matchmaking_time=2.0, request_timeout=1.0, listen_socket=listening)
     reports: list[RoundReport] = []
     try:
         victim.start()

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import stat
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from diloco.config import FieldError, UsageError
-from diloco.swarm import progress, status, transfer
-from diloco.swarm.layout import Shape, group_layout
-from diloco.swarm.listener import Listener, listen_socket
-from diloco.swarm.swarm_key import SealedStore, SwarmKey, keygen
+from diloco.errors import FieldError, UsageError
+from diloco.swarm.records import progress, status
+from diloco.swarm.records.swarm_key import SealedStore, SwarmKey, keygen
+from diloco.swarm.rounds import transfer
+from diloco.swarm.rounds.layout import Shape, group_layout
+from diloco.swarm.rounds.listener import Listener, listen_socket
 from tests.conftest import owned
 from tests.test_status import FakeDHT, record
 from tests.wiretap import Wiretap

@@ -13,13 +13,21 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from diloco.screening import all_finite, screen
-from diloco.swarm.codecs import WIRE_FORMATS
-from diloco.swarm import tcp
-from diloco.swarm.frames import LENGTH, Frames, bytes_of, seal_keys
-from diloco.swarm.layout import RankLayout, Schedule, Shape, flat_parts, group_layout, plan, plan_schedule
-from diloco.swarm.listener import Listener, listen_socket
-from diloco.swarm.tcp import FP16, RAW, Round, RoundFailed
+from diloco.swarm.rounds import tcp
+from diloco.swarm.rounds.codecs import WIRE_FORMATS
+from diloco.swarm.rounds.frames import LENGTH, Frames, bytes_of, seal_keys
+from diloco.swarm.rounds.layout import (
+    RankLayout,
+    Schedule,
+    Shape,
+    flat_parts,
+    group_layout,
+    plan,
+    plan_schedule,
+)
+from diloco.swarm.rounds.listener import Listener, listen_socket
+from diloco.swarm.rounds.screening import all_finite, screen
+from diloco.swarm.rounds.tcp import FP16, RAW, Round, RoundFailed
 from tests.wiretap import Wiretap
 
 torch.set_num_threads(1)

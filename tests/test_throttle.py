@@ -1,4 +1,4 @@
-"""`diloco.throttle.CpuLimit`: a real busy loop gets what its cgroup quota allows, the kernel's counters say so,
+"""`diloco.bench.throttle.CpuLimit`: a real busy loop gets what its cgroup quota allows, the kernel's counters say so,
 and the cgroup and every process are gone afterwards. Needs root and the cgroup v1 `cpu` controller."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from diloco import throttle
-from diloco.throttle import CpuLimit, ThrottleError
-
+from diloco.bench import throttle
+from diloco.bench.throttle import CpuLimit, ThrottleError
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 MEASURE_S = 2.0

@@ -1,4 +1,4 @@
-"""State downloads between groups of different shapes (`diloco.swarm.transfer`) over real loopback sockets: every
+"""State downloads between groups of different shapes (`diloco.swarm.rounds.transfer`) over real loopback sockets: every
 rank of the downloading group assembles exactly its rows from the ranks of a group sharded otherwise."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from diloco.swarm import tcp, transfer
-from diloco.swarm.digest import CanonicalDigest
-from diloco.swarm.layout import RankLayout, Shape, group_layout
-from diloco.swarm.listener import Listener, listen_socket
+from diloco.swarm.rounds import tcp, transfer
+from diloco.swarm.rounds.digest import CanonicalDigest
+from diloco.swarm.rounds.layout import RankLayout, Shape, group_layout
+from diloco.swarm.rounds.listener import Listener, listen_socket
 
 SHAPES = [(64, 32), (32,), (33, 16), (7, 3), (5,), (10, 64)]
 TOTAL = sum(math.prod(s) for s in SHAPES)

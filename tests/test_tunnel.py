@@ -1,4 +1,4 @@
-"""Rounds and state downloads over libp2p streams (`diloco.swarm.tunnel`): each rank a real DHT peer with its p2pd
+"""Rounds and state downloads over libp2p streams (`diloco.swarm.rounds.tunnel`): each rank a real DHT peer with its p2pd
 daemon on loopback, its listener reached only through the daemon (no TCP listening socket at all)."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from diloco.swarm import transfer
-from diloco.swarm.codecs import WIRE_FORMATS
-from diloco.swarm.dht import start_dht, visible_maddrs
-from diloco.swarm.layout import Shape, group_layout, plan, plan_schedule
-from diloco.swarm.listener import Listener
-from diloco.swarm.tcp import Round, RoundFailed
-from diloco.swarm.tunnel import Tunnel
+from diloco.swarm.records.dht import start_dht, visible_maddrs
+from diloco.swarm.rounds import transfer
+from diloco.swarm.rounds.codecs import WIRE_FORMATS
+from diloco.swarm.rounds.layout import Shape, group_layout, plan, plan_schedule
+from diloco.swarm.rounds.listener import Listener
+from diloco.swarm.rounds.tcp import Round, RoundFailed
+from diloco.swarm.rounds.tunnel import Tunnel
 
 from .test_swarm import LOCAL, shutdown_dht
 

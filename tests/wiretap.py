@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from diloco.swarm.tcp import close_socket
+from diloco.swarm.rounds.tcp import close_socket
 
 
 class Wiretap:

@@ -4,7 +4,7 @@ Each bench is a module here with `measure(quick, work_dir, info, **options) -> d
 measured, none typed in; `options` are the bench's own flags, e.g. convergence's `data`) and
 `markdown(result) -> str` (a dated section for docs/benchmarks.md). `run` adds the date, the machine and the
 exact command, writes `<out>/<name>[-quick].json` (a bench with studies names it: `stem(quick, **options)`) and
-appends the section to the doc. A bench needs nothing beside the installed package: the models it trains are
+puts the section into the doc in place of the one its last run wrote (`record_doc`). A bench needs nothing beside the installed package: the models it trains are
 written into its work dir (`bench.models`), and data comes from a flag.
 """
 
@@ -32,11 +32,13 @@ log = logging.getLogger("diloco")
 
 DOC_HEAD = """# Benchmarks
 
-Each section below was appended by one run of `diloco bench <name>` (`--quick`: a smoke run): the date, the
-machine, the exact command, and the figures it measured; none is typed in by hand. The JSON of the latest run
-of each bench is in `docs/bench/`. On a machine shared with other work every timing follows its load, so each
-section gives the load average.
+One section per bench: the latest full run (not `--quick`) of each, as the run wrote it, with its date, machine,
+1-minute load average and exact command. The line `<!-- diloco bench: STEM -->` above a section names the run's
+JSON, `bench/STEM.json` (the plots are beside it); a new run of that bench replaces the section under its marker.
+Older runs are in this file's git history.
 """
+MARKER = "<!-- diloco bench: {stem} -->"  # the start of a bench's section; the anchor below it is #bench-<stem>
+ANCHOR = '<a id="bench-{stem}"></a>'
 
 
 class BenchError(RuntimeError):
@@ -165,12 +167,20 @@ def section_head(result: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------- running a bench
 
 
-def append_doc(doc: Path, section: str) -> None:
-    """Append a section to the benchmarks document, creating it with a title when missing."""
+def record_doc(doc: Path, stem: str, section: str) -> None:
+    """Put a bench's section into the benchmarks document under its marker: in place of the section the last run of
+    the same bench (and study) wrote, or at the end; the document is created with its head when missing."""
     doc.parent.mkdir(parents=True, exist_ok=True)
-    head = "" if doc.exists() else DOC_HEAD
-    with doc.open("a", encoding="utf-8") as f:
-        f.write(f"{head}\n{section}")
+    text = doc.read_text(encoding="utf-8") if doc.exists() else DOC_HEAD
+    marker = MARKER.format(stem=stem)
+    block = f"{marker}\n{ANCHOR.format(stem=stem)}\n{section.strip()}\n"
+    start = text.find(marker + "\n")
+    if start < 0:
+        text = f"{text.rstrip()}\n\n{block}"
+    else:
+        end = text.find(MARKER.split("{")[0], start + len(marker))  # the next section's marker, or the end
+        text = text[:start] + block + ("\n" + text[end:] if end >= 0 else "")
+    doc.write_text(text, encoding="utf-8")
 
 
 def command_line(
@@ -188,7 +198,7 @@ def command_line(
 
 
 def run(name: str, quick: bool, out: Path, doc: Path, command: str, options: dict[str, Any] | None = None) -> Path:
-    """Run bench `name` (with its own flags `options`), write `<out>/<name>[-quick].json`, append its table to
+    """Run bench `name` (with its own flags `options`), write `<out>/<name>[-quick].json`, put its section into
     `doc`. Returns the JSON path. A stop signal raises `Stopped` once what the bench started is gone."""
     with stop_on_signals():
         return _run(name, quick, out, doc, command, options)
@@ -220,6 +230,6 @@ def _run(name: str, quick: bool, out: Path, doc: Path, command: str, options: di
         picture = module.plot(result, out)
         result["plot"] = os.path.relpath(picture.resolve(), doc.resolve().parent)
     path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    append_doc(doc, module.markdown(result))
-    log.info("bench %s: results in %s, table appended to %s", name, path, doc)
+    record_doc(doc, stem, module.markdown(result))
+    log.info("bench %s: results in %s, its section in %s", name, path, doc)
     return path

@@ -1,6 +1,6 @@
 """`diloco bench allreduce`: the time of one averaging round of the swarm averager (``diloco.swarm``) against what
 the machine and the link allow, for both of its transports: "diloco tcp" (hivemind forms the group, the tensor bytes
-go over plain TCP sockets between the groupmates, ``diloco.swarm.tcp``) and "hivemind p2pd" (hivemind's own path:
+go over plain TCP sockets between the groupmates, ``diloco.swarm.rounds.tcp``) and "hivemind p2pd" (hivemind's own path:
 libp2p streams through the p2pd daemons).
 
 On loopback: k peers (each its own DHT peer, joined to one bootstrap DHT in this process, each a ``SwarmAverager``
@@ -176,7 +176,7 @@ class Place:
 
     @property
     def initial_peers(self) -> list[str]:
-        from diloco.swarm.dht import visible_maddrs
+        from diloco.swarm.records.dht import visible_maddrs
 
         return visible_maddrs(self.dht)
 
@@ -187,7 +187,9 @@ def places(*wanted: tuple[int, list[netns.Host] | None], work_dir: Path) -> Iter
     bootstrap DHT in this process (on the namespaces' bridge, or on loopback). All start at once, and are ready
     when this yields (a worker importing meanwhile would skew the timings); on leaving, whatever happened, every
     one of them is stopped."""
-    from diloco.swarm.dht import start_dht  # hivemind only here (it forks the bootstrap DHTs from this process)
+    from diloco.swarm.records.dht import (
+        start_dht,  # hivemind only here (it forks the bootstrap DHTs from this process)
+    )
 
     made: list[Place] = []
     try:

@@ -28,8 +28,8 @@ from diloco import procs
 if TYPE_CHECKING:  # the worker imports them once it runs (hivemind and torch take seconds to import)
     import torch
 
-    from diloco.swarm.averager import RoundReport
-    from diloco.swarm.group_round import GroupRounds
+    from diloco.swarm.rounds.group_round import GroupRounds
+    from diloco.swarm.rounds.report import RoundReport
 
 MATCHMAKING_S = 20.0  # peers start together and the group forms as soon as all k joined: rarely waited out
 AVERAGING_TIMEOUT_S = 120.0  # one all-reduce may take this long; a silent groupmate is dropped after a quarter
@@ -163,8 +163,8 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
     """
     import torch
 
-    from diloco.swarm.dht import start_dht
-    from diloco.swarm.averager import SwarmAverager
+    from diloco.bench.averager import SwarmAverager
+    from diloco.swarm.records.dht import start_dht
 
     dht = start_dht(initial_peers=initial_peers, host_maddrs=[f"/ip4/{ip}/tcp/0"], announce_maddrs=[])
     try:
@@ -195,25 +195,23 @@ def swarm_peer(index: int, k: int, initial_peers: list[str], ip: str, cases: lis
 @contextlib.contextmanager
 def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport: str, keyed: bool = False
                 ) -> Iterator[GroupRounds]:  # fmt: skip
-    """The rounds of a 1-rank worker group as ``swarm.join`` sets them up: a ``match_only`` averager finds the
+    """The rounds of a 1-rank worker group as ``diloco.swarm.start`` sets them up: a ``Matchmaker`` finds the
     round's groups, a listener in this process carries the round (its timeouts the trainer's), reached over TCP or,
     with `transport` "p2pd", over libp2p streams through this peer's daemon (``tunnel``). `keyed`: in a keyed
     swarm, every peer's key made from `prefix` (a bench's key, no secret)."""
-    import torch
 
-    from diloco.swarm import IDLE_WAIT_S, tcp
-    from diloco.swarm.averager import SwarmAverager
-    from diloco.swarm.codecs import WIRE_FORMATS
-    from diloco.swarm.group_round import GroupRounds
-    from diloco.swarm.layout import Shape
-    from diloco.swarm.listener import Listener, listen_socket
-    from diloco.swarm.swarm_key import SwarmKey
-    from diloco.swarm.tunnel import Tunnel
+    from diloco.swarm.records.swarm_key import SwarmKey
+    from diloco.swarm.rounds import tcp
+    from diloco.swarm.rounds.codecs import WIRE_FORMATS
+    from diloco.swarm.rounds.group_round import GroupRounds
+    from diloco.swarm.rounds.layout import Shape
+    from diloco.swarm.rounds.listener import Listener, listen_socket
+    from diloco.swarm.rounds.matchmaker import Matchmaker
+    from diloco.swarm.rounds.tunnel import Tunnel
+    from diloco.swarm.start import IDLE_WAIT_S
 
-    matcher = SwarmAverager(
-        dht, prefix=prefix, tensors=[torch.zeros(1)], compression="none", matchmaking_time=MATCHMAKING_S,
-        averaging_timeout=AVERAGING_TIMEOUT_S, target_group_size=k, transport=transport, match_only=True,
-    )  # fmt: skip
+    matcher = Matchmaker(dht, prefix=prefix, matchmaking_time=MATCHMAKING_S, averaging_timeout=AVERAGING_TIMEOUT_S,
+                         target_group_size=k)
     listening = listen_socket(ip, 0) if transport == "tcp" else None
     listener = Listener(listening, AVERAGING_TIMEOUT_S / 4, registration_timeout=AVERAGING_TIMEOUT_S,
                         idle_wait=IDLE_WAIT_S).start()  # fmt: skip
@@ -273,7 +271,7 @@ def worker() -> None:
     import torch
     import torch.distributed  # noqa: F401
 
-    import diloco.swarm.averager  # noqa: F401
+    import diloco.swarm.rounds.matchmaker  # noqa: F401
 
     torch.set_num_threads(1)
     emit("STARTED", {})

@@ -1,5 +1,5 @@
 """Hostile worker groups for `diloco bench poison`: a group that trains like the others but, in every round, sends
-a forged pseudo-gradient in place of its own. Each attack passes the norm screen (`diloco.screening`: under 100×
+a forged pseudo-gradient in place of its own. Each attack passes the norm screen (`diloco.swarm.rounds.screening`: under 100×
 the group's median), so only the aggregation rule stands between it and the model.
 
 - `scaled`: 50 × its own pseudo-gradient;
@@ -28,7 +28,7 @@ def _noise_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tenso
 
 
 class Attacker:
-    """A group's link to the in-memory swarm (`diloco.swarm.memory.Member`) that forges what it sends; everything
+    """A group's link to the in-memory swarm (`diloco.outer.memory.Member`) that forges what it sends; everything
     else (records, states) it does as an honest group."""
 
     def __init__(self, member: Any, attack: str, seed: int) -> None:

@@ -3,7 +3,7 @@ schedule for 30 minutes, against the same swarm without churn.
 
 Four worker groups of mixed shapes (three of one rank, one of two ranks, FULL_SHARD under torchrun; `--quick`:
 three groups of one rank for about a minute) train the 1.1M-parameter byte llama on tinyshakespeare, bootstrapping
-from one `diloco dht`. Each group runs in a cgroup of its own holding it to CORES of a core (`diloco.throttle`;
+from one `diloco dht`. Each group runs in a cgroup of its own holding it to CORES of a core (`diloco.bench.throttle`;
 everything the group runs, its DHT and averager included), so a group's speed does not depend on how many others
 are alive on this 2-core machine; a (re)started group starts up unthrottled and gets its quota once it has joined
 (its metrics.jsonl exists). Groups 0 and 1 live throughout; the others are churned.
@@ -22,12 +22,9 @@ What is counted is in `diloco.bench.churn_report`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
-import random
 import signal
-import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -39,127 +36,22 @@ import psutil
 from diloco import procs
 from diloco.bench import BenchError, machine_line
 from diloco.bench.churn_report import analyse, markdown, plot, rows_of
+from diloco.bench.churn_setup import ChurnSetup, Life, Slot, churn_setup, schedule
 from diloco.bench.models import write_model
+from diloco.bench.throttle import CpuLimit
 from diloco.bench.wire import dht_peers, last_line, started
-from diloco.checkpoint import latest
-from diloco.config import FieldError
 from diloco.corpus import TINYSHAKESPEARE
-from diloco.throttle import CpuLimit
 
 __all__ = ["markdown", "measure", "plot"]
 
 log = logging.getLogger("diloco")
 
 MODEL = "llama-1m-bytes"
-SEED = 0
 POLL_S = 0.5
 RSS_EVERY_S = 10.0
 ORPHAN_WAIT_S = 15.0  # a killed trainer's DHT, averager and p2pd must be gone by then (they watch their parent)
 STOP_WAIT_S = 90.0  # a SIGTERMed group that has not exited by then is a hang (then killed)
 PACE_MARGIN = 1.15  # soak rounds planned beyond the baseline's pace
-
-
-@dataclasses.dataclass(frozen=True)
-class ChurnSetup:
-    """What both phases run. `ranks[g]`: ranks of group g; the first `long_lived` groups are never churned."""
-
-    ranks: tuple[int, ...]
-    long_lived: int
-    seq_length: int
-    batch: int  # sequences per inner step of a group (a 2-rank group: half per rank)
-    local_steps: int  # H
-    baseline_rounds: int
-    soak_s: float  # events are drawn until this time and at least `min_events` of them
-    min_events: int
-    gap_s: tuple[float, float]  # seconds between two events, uniform
-    tail_s: float  # the swarm trains about this long after the last event
-    matchmaking_s: float
-    averaging_timeout_s: float
-    cores: tuple[float, ...]  # each group's share of the machine (a 2-rank group: more, to keep pace)
-    start_timeout_s: float  # a start-up longer than this is a hang
-    rss_reference_s: float  # the RSS a long-lived group's end is compared with: its sample nearest this time
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.seq_length * self.batch
-
-    @property
-    def hang_s(self) -> float:
-        """No metrics row for this long from a trainer that has joined: a hang (two rounds' worst case)."""
-        return 2 * (self.matchmaking_s + self.averaging_timeout_s)
-
-
-def churn_setup(quick: bool) -> ChurnSetup:
-    if quick:
-        return ChurnSetup(ranks=(1, 1, 1), long_lived=2, seq_length=64, batch=4, local_steps=5, baseline_rounds=3,
-                          soak_s=40.0, min_events=4, gap_s=(8.0, 14.0), tail_s=30.0, matchmaking_s=3.0,
-                          averaging_timeout_s=15.0, cores=(0.5, 0.5, 0.5), start_timeout_s=150.0,
-                          rss_reference_s=30.0)  # fmt: skip
-    return ChurnSetup(ranks=(1, 1, 1, 2), long_lived=2, seq_length=64, batch=4, local_steps=20, baseline_rounds=10,
-                      soak_s=1800.0, min_events=90, gap_s=(10.0, 30.0), tail_s=150.0, matchmaking_s=5.0,
-                      averaging_timeout_s=20.0, cores=(0.35, 0.35, 0.35, 0.5), start_timeout_s=240.0,
-                      rss_reference_s=300.0)  # fmt: skip
-
-
-def schedule(setup: ChurnSetup, seed: int = SEED) -> list[tuple[float, float, float]]:
-    """Seeded events: (seconds into the soak, a draw that picks the group, a draw that picks the action)."""
-    rng = random.Random(seed)
-    events, t = [], 0.0
-    while t < setup.soak_s or len(events) < setup.min_events:
-        t += rng.uniform(*setup.gap_s)
-        events.append((round(t, 2), rng.random(), rng.random()))
-    return events
-
-
-# ---------------------------------------------------------------- one group's lives
-
-
-@dataclasses.dataclass
-class Life:
-    """One start of a group's trainer, until it exits or is ended."""
-
-    group: int
-    index: int
-    how: str  # start, restart (from its checkpoint), fresh (new run folder, no checkpoint)
-    run_dir: Path
-    log_path: Path
-    proc: subprocess.Popen[bytes]
-    started_at: float  # unix
-    ended_at: float | None = None
-    end: str | None = None  # exit, kill-9, sigterm
-    code: int | None = None
-    engaged: bool = False  # its quota is set (it has joined)
-    hung: bool = False
-    stop_sent_at: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"group": self.group, "life": self.index, "how": self.how, "run_dir": self.run_dir.name,
-                "started_at": self.started_at, "ended_at": self.ended_at, "end": self.end, "code": self.code,
-                "hung": self.hung}  # fmt: skip
-
-
-class Slot:
-    """A group: its world rank, its cgroup, its checkpoint folder and its lives, one at a time."""
-
-    def __init__(self, group: int, ranks: int, limit: CpuLimit, folder: Path) -> None:
-        self.group, self.ranks, self.limit, self.folder = group, ranks, limit, folder
-        self.lives: list[Life] = []
-
-    @property
-    def life(self) -> Life | None:
-        """The life that runs now (None: dead)."""
-        return self.lives[-1] if self.lives and self.lives[-1].ended_at is None else None
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.folder / "checkpoints"
-
-    def has_checkpoint(self) -> bool:
-        try:
-            latest(self.checkpoints)
-        except FieldError:
-            return False
-        return True
 
 
 class Swarm:

@@ -20,12 +20,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from diloco.bench import section_head
+from diloco.bench.churn_setup import ChurnSetup, Life, Slot
 
-if TYPE_CHECKING:
-    from diloco.bench.churn import ChurnSetup, Life, Swarm
+
+class Swarm(Protocol):
+    """What a phase of the soak kept (``diloco.bench.churn.Swarm``)."""
+
+    slots: list[Slot]
+    hangs: list[dict[str, Any]]
+    orphans: list[dict[str, Any]]
+    rss: dict[int, list[Any]]
 
 __all__ = ["analyse", "markdown", "plot", "rows_of"]
 

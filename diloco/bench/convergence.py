@@ -22,7 +22,7 @@ only) and `streaming` (the defaults' workload at k = 2, H = 20: blocking rounds 
 contiguous, blocking and overlapped; the quality side of `bench wan`, whose rounds cross a real network).
 
 The groups of an arm run in threads of one process and average through the in-memory swarm
-(`diloco.swarm.memory`): an exact mean, which is what the swarm computes with `--hv.compression none`
+(`diloco.outer.memory`): an exact mean, which is what the swarm computes with `--hv.compression none`
 (bit-identical in every group). The inner loop (AdamW, warm-up + cosine, clipping, the trainer's constants and
 data pipeline) and the outer step (`DiLoCo`, the trainer's class) are the product's own; only the transport is
 left out, which `allreduce` and `wire` measure. Arms run in parallel, one process per usable core with one torch
@@ -49,16 +49,26 @@ from transformers import get_cosine_schedule_with_warmup
 
 from diloco.bench import BenchError
 from diloco.bench.attacks import Attacker
-from diloco.bench.convergence_report import PAPER, PLAIN, Setting, markdown, plot, stem, summarize
+from diloco.bench.convergence_report import (
+    PAPER,
+    PLAIN,
+    Setting,
+    markdown,
+    plot,
+    stem,
+    summarize,
+)
 from diloco.bench.models import model_folder
-from diloco.config import Config, FieldError, auto_inner_moment, auto_outer
+from diloco.config import Config
 from diloco.data import BlockBatches, ByteTokenizer, Shard, pack, tokenize_corpus
-from diloco.fragments import fragment_params, local_runs
+from diloco.errors import FieldError
 from diloco.galaxy_moment import GalaxyAdamW, Halves, clip_factor
-from diloco.links import solo_group
-from diloco.membership import DiLoCo
 from diloco.model import load_model, parameter_layers
-from diloco.swarm.memory import MemorySwarm
+from diloco.outer.auto import auto_inner_moment, auto_outer
+from diloco.outer.diloco import DiLoCo
+from diloco.outer.fragments import fragment_params, local_runs
+from diloco.outer.links import solo_group
+from diloco.outer.memory import MemorySwarm
 
 __all__ = ["ArmSpec", "Workload", "load_corpus", "markdown", "measure", "plot", "run_arm", "stem"]
 
@@ -395,7 +405,9 @@ def fragment_runs(spec: ArmSpec, model: torch.nn.Module) -> list[list[tuple[int,
 
 
 def _codec(compression: str) -> object:
-    from diloco.swarm.codecs import WIRE_FORMATS  # hivemind, for the codecs that wrap its quantizers
+    from diloco.swarm.rounds.codecs import (
+        WIRE_FORMATS,  # hivemind, for the codecs that wrap its quantizers
+    )
 
     return WIRE_FORMATS[compression].tcp
 

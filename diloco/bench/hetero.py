@@ -1,5 +1,5 @@
 """`diloco bench hetero`: three worker groups whose speeds really differ, each throttled by the kernel (a cgroup
-CPU quota: `diloco.throttle`), trained with a fixed H per group (today's mode) and with a swarm-wide token
+CPU quota: `diloco.bench.throttle`), trained with a fixed H per group (today's mode) and with a swarm-wide token
 budget (`--hv.target-tokens`), on real text.
 
 Every group is one `python -m diloco.train` process (one rank) on loopback, in its own cgroup from its start;
@@ -46,9 +46,9 @@ from diloco import procs
 from diloco.bench import BenchError, machine_line
 from diloco.bench.arms import row
 from diloco.bench.models import write_model
+from diloco.bench.throttle import CpuLimit
 from diloco.bench.wire import dht_peers, last_line, started, summary, wait_all
 from diloco.corpus import TINYSHAKESPEARE
-from diloco.throttle import CpuLimit
 
 __all__ = ["markdown", "measure", "plot"]
 

@@ -9,7 +9,7 @@ against the same swarm without the attacker, and against the mean without the at
 when nobody attacks). Target: every robust rule within 2% of the attack-free mean for every attack.
 
 Groups run as threads averaging through the in-memory swarm, whose robust rules are the reducers' own
-(`diloco.aggregation`, part by part as over TCP); arms run in parallel processes, one per usable core.
+(`diloco.swarm.rounds.aggregation`, part by part as over TCP); arms run in parallel processes, one per usable core.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from diloco.aggregation import AGGREGATIONS
 from diloco.bench import section_head
 from diloco.bench.attacks import ATTACKS, SCALE
 from diloco.bench.convergence import ArmSpec, Workload, load_corpus, run_arms, workload
 from diloco.bench.convergence_report import workload_text
 from diloco.bench.models import model_folder
-from diloco.config import auto_outer
 from diloco.model import load_model
+from diloco.outer.auto import auto_outer
+from diloco.swarm.rounds.aggregation import AGGREGATIONS
 
 __all__ = ["markdown", "measure", "plot"]
 

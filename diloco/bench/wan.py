@@ -21,7 +21,7 @@ The time to DDP's final loss is interpolated linearly between the two evaluation
 
 Each worker (with its DHT, averager and p2pd processes) is pinned to a core of its own: its transport's CPU comes
 out of its training's. ``--train-cores C`` stands for workers whose training runs on an accelerator instead: once
-a worker trains, the kernel holds its training process to C of its core (a cgroup quota, ``diloco.throttle``) and
+a worker trains, the kernel holds its training process to C of its core (a cgroup quota, ``diloco.bench.throttle``) and
 its helper processes leave that core for whatever CPU is spare, as beside a GPU. Every arm trains at that pace.
 """
 
@@ -44,10 +44,19 @@ import psutil
 
 from diloco import procs
 from diloco.bench import BenchError, netns
-from diloco.bench.models import model_folder
 from diloco.bench.hetero import read_rows
-from diloco.bench.wire import DDP_PORT, Dht, dht_peers, last_line, start_dht, started, summary, wait_all
-from diloco.throttle import CpuLimit
+from diloco.bench.models import model_folder
+from diloco.bench.throttle import CpuLimit
+from diloco.bench.wire import (
+    DDP_PORT,
+    Dht,
+    dht_peers,
+    last_line,
+    start_dht,
+    started,
+    summary,
+    wait_all,
+)
 
 __all__ = ["markdown", "measure", "plot", "stem"]
 

@@ -29,7 +29,7 @@ from typing import Any
 from diloco import procs
 from diloco.bench import BenchError, machine_line, netns, shielded
 from diloco.bench.arms import Workload, workload_dict
-from diloco.config import first_line
+from diloco.errors import first_line
 
 __all__ = ["markdown", "measure"]
 

@@ -1,6 +1,6 @@
 """One trainer rank's place in the swarm: its DHT peer (with p2pd), its side of the rounds of whole groups (and rank
-0's matchmaking averager), and the worker groups' progress records (``diloco.swarm.progress``) and status records
-(``diloco.swarm.status``). ``SwarmPeer`` is the ``diloco.links.Swarm`` the outer loop talks to."""
+0's matchmaker), and the worker groups' records (``diloco.swarm.records``: progress, status, round tokens).
+``SwarmPeer`` is the ``diloco.outer.links.Swarm`` the outer loop talks to; ``diloco.swarm.start`` builds it."""
 
 from __future__ import annotations
 
@@ -11,20 +11,24 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
+from pathlib import Path
 
 import hivemind
 import torch
 from hivemind.p2p import PeerID
 
-from diloco.swarm import budget, progress, status, transfer
-from diloco.swarm.averager import RoundReport, SwarmAverager
-from diloco.swarm.budget import RoundTokens
-from diloco.swarm.group_round import GroupRounds, member_of
-from diloco.swarm.layout import group_layout
-from diloco.swarm.ownership import Owner
-from diloco.swarm.progress import Progress
-from diloco.swarm.status import Status
-from diloco.swarm.swarm_key import SealedStore
+from diloco.swarm.records import budget, progress, status
+from diloco.swarm.records.budget import RoundTokens
+from diloco.swarm.records.dht import rendezvous
+from diloco.swarm.records.ownership import Owner
+from diloco.swarm.records.progress import Progress
+from diloco.swarm.records.status import Status
+from diloco.swarm.records.swarm_key import SealedStore
+from diloco.swarm.rounds import transfer
+from diloco.swarm.rounds.group_round import GroupRounds, member_of
+from diloco.swarm.rounds.layout import group_layout
+from diloco.swarm.rounds.matchmaker import Matchmaker
+from diloco.swarm.rounds.report import RoundReport
 
 log = logging.getLogger("diloco")
 
@@ -35,11 +39,11 @@ State = tuple[dict, list[torch.Tensor]]
 
 
 class SwarmPeer:
-    """Implements ``diloco.links.Swarm``; ``shutdown`` stops the averager, then the DHT (after the status
+    """Implements ``diloco.outer.links.Swarm``; ``shutdown`` stops the matchmaker, then the DHT (after the status
     stores under way, at most ``LAST_STATUS_WAIT_S``).
 
     :param dht: this rank's running DHT peer (owned from now on).
-    :param averager: rank 0's, which finds the round's groups for `rounds` (owned from now on); None on the other
+    :param matchmaker: rank 0's, which finds the round's groups for `rounds` (owned from now on); None on the other
         ranks.
     :param progress_key: DHT key of the groups' progress records (``progress.progress_key``).
     :param request_timeout: seconds to wait for a peer's answer (a ping, each message of a state download).
@@ -50,27 +54,30 @@ class SwarmPeer:
         publishes and reads records (it cannot average or serve a state).
     :param owner: the key that signs the group's records (rank 0: the one `dht`'s validator holds); None on a peer
         that publishes none.
+    :param members_key: the DHT key of the groups' rendezvous at start (``rendezvous``).
     """
 
     def __init__(
         self,
         dht: hivemind.DHT,
-        averager: SwarmAverager | None,
+        matchmaker: Matchmaker | None,
         progress_key: str,
         request_timeout: float,
         status_key: str,
         tokens_key: str = "",
         rounds: GroupRounds | None = None,
         owner: Owner | None = None,
+        members_key: str = "",
     ):
-        self.dht, self.averager, self.rounds, self._owner = dht, averager, rounds, owner
+        self.dht, self.matchmaker, self.rounds, self._owner = dht, matchmaker, rounds, owner
+        self.members_key = members_key
         self.owner = "" if owner is None else owner.id
         self.progress_key, self.request_timeout, self.status_key = progress_key, request_timeout, status_key
         self.tokens_key = tokens_key
         self._tokens: list[RoundTokens] = []  # the last round-token records read
         self._reading: Future | None = None  # a read of them under way
         self._read_at = -float("inf")
-        self.peer_id = averager.peer_id if averager is not None else dht.peer_id.to_base58()  # (the same daemon)
+        self.peer_id = matchmaker.peer_id if matchmaker is not None else dht.peer_id.to_base58()  # (the same daemon)
         self._storing: set[Future] = set()  # record stores under way (a future nobody holds drops its result)
         self._store_failed = False  # one warning, not one per heartbeat
         self._last_peers = 0  # groups in the last round that did not fail
@@ -85,8 +92,8 @@ class SwarmPeer:
         fragment: int | None = None,
         outer_step: int | None = None,
     ) -> RoundReport:
-        if self.averager is not None:
-            self.averager.expect(self.expected_groups())
+        if self.matchmaker is not None:
+            self.matchmaker.expect(self.expected_groups())
         report = self.rounds.average(tensors, round_index, weight, stop, fragment, outer_step)
         if report.ok:
             self._last_peers = report.num_peers
@@ -97,17 +104,28 @@ class SwarmPeer:
         and says they have not left, and at least as many as the last round had. A group killed a moment ago still
         counts until its record is stale (then matchmaking stops waiting for it); one counted too few would be
         turned away, so a record is fresh for two heartbeats plus a whole failed round, in which none is written."""
-        averager = self.averager
-        fresh_s = 2 * status.HEARTBEAT_S + averager.matchmaking_time + averager.averaging_timeout
+        matchmaker = self.matchmaker
+        fresh_s = 2 * status.HEARTBEAT_S + matchmaker.matchmaking_time + matchmaker.averaging_timeout
         now = time.time()
         try:
             records = self.status_records()
         except Exception as e:  # the DHT is shutting down: expect everyone, as without records
             log.debug("status records unreadable (%s): expecting every group", e)
-            return averager.target_group_size or 2
+            return matchmaker.target_group_size or 2
         others = {r.world_rank for r in records
                   if r.peer != self.peer_id and r.state not in status.LEFT and now - r.heard_at <= fresh_s}  # fmt: skip
         return max(1 + len(others), self._last_peers)
+
+    def rendezvous(self, world_rank: int, galaxy_size: int, timeout: float, stop: Callable[[], bool]) -> int:
+        """Rank 0: meet the other groups at start (``dht.rendezvous``, at most `timeout` seconds); returns how many
+        groups were seen. Groups start seconds apart (imports, data loading): meeting first lets the first round find
+        them all."""
+        return rendezvous(self.dht, self.members_key, str(world_rank), galaxy_size, timeout, stop)
+
+    def save_owner(self, path: Path) -> None:
+        """Rank 0: keep the key that signs this group's records in `path`, so a resumed group keeps its records."""
+        if self._owner is not None:
+            self._owner.save(path)
 
     def publish(self, record: Progress) -> None:
         if self.rounds is not None:  # where a group of any shape downloads this group's state
@@ -218,8 +236,8 @@ class SwarmPeer:
         try:
             if self.rounds is not None:
                 self.rounds.close()
-            if self.averager is not None:
-                self.averager.shutdown()
+            if self.matchmaker is not None:
+                self.matchmaker.shutdown()
         finally:
             self.dht.shutdown()
 

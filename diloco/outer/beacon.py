@@ -1,0 +1,89 @@
+"""A group's beacon: the status record it sends for onlookers (``diloco status``) and for the other groups' checks of
+what a run must share (``diloco.outer.agreement``).
+
+Rank 0 sends it when the group joins, after every outer step, as a heartbeat at most every ``HEARTBEAT_S`` while it
+trains (``DiLoCo.progress``), and when it leaves. Sending never waits for the network, so neither does an inner step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from diloco.outer.links import Swarm
+from diloco.swarm.records.fingerprint import ModelId
+from diloco.swarm.records.status import DIGEST_CHARS, HEARTBEAT_S, Status
+
+
+@dataclass
+class Beacon:
+    """What a group says of itself that does not change over a run, and what it last measured.
+
+    :param outer: the outer setting, ``lr/momentum wN`` plus a robust aggregation's name (``outer_setting``).
+    :param schedule: when rounds are due and the last inner step (``agreement.schedule``).
+    :param max_steps: the run's last inner step; None: none.
+    :param peer: the peer id of the group's rank 0.
+    :param batch: its inner step, ``<total batch size>x<sequence length>``.
+    """
+
+    swarm: Swarm
+    is_main: bool
+    world_rank: int
+    ranks: int
+    sharding: str
+    transport: str
+    outer: str
+    schedule: str
+    max_steps: int | None
+    model: ModelId | None
+    peer: str
+    batch: str = ""
+    tokens_per_s: float | None = None  # of the group, from the training loop's last metrics row
+    last_round: tuple[int, float] | None = None  # (num_peers, wall-clock end) of the last round
+    sent_at: float = -math.inf  # monotonic time of the last record
+
+    @property
+    def sent(self) -> bool:
+        return self.sent_at > -math.inf
+
+    def heartbeat_due(self) -> bool:
+        return time.monotonic() - self.sent_at >= HEARTBEAT_S
+
+    def send(self, state: str, step: int, outer_step: int, digest: str) -> Status | None:
+        """Rank 0: send the record of a group in `state` at (its schedule's) inner step `step`; returns it (None on
+        the other ranks)."""
+        if not self.is_main:
+            return None
+        self.sent_at = time.monotonic()
+        round_peers, round_at = self.last_round or (None, None)
+        record = Status(
+            world_rank=self.world_rank,
+            ranks=self.ranks,
+            sharding=self.sharding,
+            transport=self.transport,
+            outer=self.outer,
+            schedule=self.schedule,
+            state=state,
+            step=step,
+            max_steps=self.max_steps,
+            outer_step=outer_step,
+            tokens_per_s=self.tokens_per_s,
+            digest=digest[:DIGEST_CHARS],
+            round_peers=round_peers,
+            round_at=round_at,
+            heard_at=time.time(),
+            model=self.model.fingerprint if self.model else "",
+            parameters=self.model.parameters if self.model else None,
+            peer=self.peer,
+            batch=self.batch,
+        )
+        self.swarm.publish_status(record)
+        return record
+
+
+def outer_setting(lr: float, momentum: float, warmup: int, aggregation: str) -> str:
+    """The outer setting as a status record carries it; the mean is left out, as records from before
+    ``--hv.aggregation`` have it."""
+    robust = "" if aggregation == "mean" else f" {aggregation}"
+    return f"{lr:g}/{momentum:g} w{warmup}{robust}"

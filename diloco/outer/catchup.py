@@ -1,0 +1,159 @@
+"""Catching up: which group's outer state to download, and whether what came is that state.
+
+Which group holds the swarm's state (`sources`): a group compares its own progress record
+(``diloco.swarm.records.progress``) with the live ones of the others: the swarm's state is the one with the highest
+outer step; between groups at the same outer step, a state that came out of a full average beats one that did not
+(a lone or failed round), then the state more groups hold, then the lowest world rank. This order is the same for
+everyone, so groups that diverged (a round that succeeded for some and failed for others, or two halves of a split
+swarm) converge again on one state.
+
+A group that joins, falls behind or finds its state unlike the swarm's asks the groups that hold a better one
+(`sources`, best first). Every rank of the group downloads its own shard of the state from
+the same source; the group takes it only when every rank got one and the same state in full and the ranks' parts
+add up to the digest it was served with (`diloco.swarm.rounds.digest`). Answers refused again and again (a stranger's
+forged record, a state of another model) are skipped until their group moves on (`Refused`),
+so they can neither keep a group from starting nor hold it at its boundaries.
+
+Loading the state it returns is the caller's (``diloco.outer.diloco.DiLoCo``): the parameters, the digest and the
+served metadata change under one lock there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from diloco.outer.links import Group, State, Swarm
+from diloco.outer.optimizer import OuterOptimizer
+from diloco.swarm.records.progress import Progress
+from diloco.swarm.rounds.digest import Digest
+
+log = logging.getLogger("diloco")
+
+REFUSALS_BEFORE_SKIP = 3  # refused answers for one state of one group before a running group stops asking for it
+
+Found = tuple[Progress, dict[str, Any], list[torch.Tensor]]  # the source's record, the state's metadata, tensors
+
+
+class CatchUp:
+    """One rank's side of the group's state downloads (methods marked collective: every rank of the group together).
+
+    :param swarm: the progress records, liveness and the downloads themselves.
+    :param group: collectives over the ranks of this group.
+    :param params: this rank's outer state, which a download must fit.
+    :param digester: how the ranks' parts add up to a group's digest.
+    """
+
+    def __init__(self, swarm: Swarm, group: Group, params: OuterOptimizer, digester: Digest) -> None:
+        self.swarm, self.group, self.params, self.digester = swarm, group, params, digester
+        self.rejected_states = 0  # downloaded states that did not fit this rank's shard, or not their digest
+        self.refused = Refused()  # (the same on every rank: what the group refused together)
+        self._warned: set[str] = set()  # tokens of the groups whose state could not be loaded, warned about
+
+    def plan(self, mine: Progress, records: list[Progress]) -> list[list[Progress]]:
+        """Rank 0: the states to load for a group whose record is `mine`, best first, from every group's `records`
+        (see `sources`), but those refused too often (`Refused`)."""
+        plan = sources(records, mine, lambda r: self.swarm.alive(r.peers[0]))
+        return self.refused.prune(plan)
+
+    def fetch(self, plan: list[list[Progress]]) -> Found | None:
+        """Collective: download the state of the first group of `plan` that sends every rank the same state, whole
+        (not loaded yet). None when no group could."""
+        for holders in plan:
+            for record in holders:
+                before = self.refusals_here
+                got = self.swarm.download_state(record, self.group.rank)
+                meta = self._valid(got)
+                part = None if meta is None else self.digester.partial(got[1][0])
+                seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"], meta["digest"]))
+                parts = self.group.gather(part)
+                # every rank got one state, and all of it: the ranks' parts add up to the digest it was served with
+                whole = all(s is not None for s in seen) and len(set(seen)) == 1
+                if not whole or self.digester.combine(parts) != seen[0][2]:
+                    self._refused(record, whole, self.refusals_here > before)
+                    continue
+                return record, meta, got[1]
+        return None
+
+    @property
+    def refusals_here(self) -> int:
+        """State answers this rank refused: misfits here, the rest in the swarm's transfer."""
+        return self.rejected_states + self.swarm.rejected_states
+
+    def _refused(self, record: Progress, whole: bool, refused_here: bool) -> None:
+        """Collective: a download from `record`'s group failed. An answer that came whole but does not add up to
+        its digest, or that a rank refused, counts against that state (`Refused`); one warning per group start."""
+        if self.group.sum(float(refused_here)) or whole:
+            self.refused.note(record)
+            if whole and self.group.is_main:
+                self.rejected_states += 1  # values that do not add up to the digest they were served with
+        if self.group.is_main:
+            warn = log.warning if record.token not in self._warned else log.debug
+            warn("could not load the state of worker group %d; trying the next", record.world_rank)
+            self._warned.add(record.token)
+
+    def _valid(self, got: State | None) -> dict[str, Any] | None:
+        """The metadata of a downloaded state that fits this rank's shard, else None."""
+        if got is None:
+            return None
+        meta, tensors = got
+        try:
+            typed = all(isinstance(meta[k], t) for k, t in (("outer_step", int), ("step", int), ("digest", str)))
+            if typed and self.params.fits(tensors):
+                return meta
+        except (IndexError, KeyError, TypeError, AttributeError, RuntimeError):
+            pass
+        self.rejected_states += 1  # an answer in full that is not a state of this model
+        return None
+
+
+# ---------------------------------------------------------------- who holds the swarm's state
+
+
+def sources(records: Iterable[Progress], mine: Progress, alive: Callable[[Progress], bool]) -> list[list[Progress]]:
+    """States that rank above this group's, best first, each as the live records holding it (lowest world
+    rank first). Empty when this group holds the swarm's state (or a state as good).
+
+    :param records: every group's record, this group's own included or not.
+    :param mine: this group's record.
+    :param alive: whether a record's group answers; asked only for records that could be a source.
+    """
+    others = [r for r in records if r.world_rank != mine.world_rank and r.settled]
+    live = [r for r in others if r.outer_step >= mine.outer_step and r.state != mine.state and alive(r)]
+    holders: dict[tuple[int, str], list[Progress]] = defaultdict(list)
+    for record in [mine] + [r for r in others if r.state == mine.state] + live:
+        holders[record.state].append(record)
+
+    def rank(state: tuple[int, str]) -> tuple[int, bool, int, int]:
+        group = holders[state]
+        return state[0], any(not r.tainted for r in group), len(group), -min(r.world_rank for r in group)
+
+    ranked = sorted(holders, key=rank, reverse=True)
+    return [sorted(holders[s], key=lambda r: r.world_rank) for s in ranked[: ranked.index(mine.state)]]
+
+
+class Refused:
+    """The states whose downloads this group refused (an answer came, but short, malformed, unproven or not a state
+    of this model), per start of a group (its token) and state. After `limit` refusals a group no longer asks for
+    that state (joining, at its boundaries, at the end of the run) nor waits for its holder at the end: a stranger's
+    forged record costs it `limit` downloads, not one per round, and cannot keep a swarm's first group from
+    starting. A group that moves on to another state is asked again, and an honest answer cut short (a timeout
+    under load) has `limit` tries."""
+
+    def __init__(self, limit: int = REFUSALS_BEFORE_SKIP) -> None:
+        self.limit = limit
+        self._counts: Counter[tuple[str, tuple[int, str]]] = Counter()
+
+    def note(self, record: Progress) -> None:
+        self._counts[record.token, record.state] += 1
+
+    def skipped(self, record: Progress) -> bool:
+        return self._counts[record.token, record.state] >= self.limit
+
+    def prune(self, plan: list[list[Progress]]) -> list[list[Progress]]:
+        """`plan` (see `sources`) without the skipped records (and the states no record is left for)."""
+        return [kept for holders in plan if (kept := [r for r in holders if not self.skipped(r)])]

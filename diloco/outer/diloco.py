@@ -1,0 +1,594 @@
+"""A worker group's place in the swarm: joining, its world rank, catching up with the swarm's state, the round
+of each outer step, and the end-of-run settle.
+
+`DiLoCo` is the `OuterLoop` of a group in a swarm. It runs the outer step (`diloco.outer.optimizer.OuterOptimizer`) on the
+average of the groups' pseudo-gradients, and keeps every group on one state: before its first inner step and
+before each round a group compares its progress record with the others' and downloads the outer state
+(parameters, momentum, outer step, and on joining the inner step count) from a group that is ahead or holds the
+swarm's state (`diloco.outer.catchup`: which group to ask, and whether what came is that state). So late joiners,
+resumed groups and groups whose round failed end bit-identical with the others. After the last inner step every group waits (bounded) until the live groups hold
+one final state, so all export one model.
+
+It reaches the other groups only through the `Swarm` protocol (`diloco.outer.links`; `diloco.swarm.peer.SwarmPeer` in
+training, the in-memory `diloco.outer.memory` in tests and benches), and the other ranks of its own group through
+`Group`: it never imports hivemind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diloco.errors import FieldError
+from diloco.outer.agreement import mismatch_error, rival_model
+from diloco.outer.beacon import Beacon, outer_setting
+from diloco.outer.catchup import CatchUp
+from diloco.outer.claims import Claims
+from diloco.outer.fragments import Runs, fragment_of
+from diloco.outer.inflight import InFlight
+from diloco.outer.links import Group, RoundResult, State, Swarm
+from diloco.outer.loop import OuterReport
+from diloco.outer.optimizer import OuterOptimizer
+from diloco.outer.pace import FixedSteps, Pace
+from diloco.outer.rows import round_row
+from diloco.swarm.records.fingerprint import ModelId
+from diloco.swarm.records.progress import Progress
+from diloco.swarm.records.status import Status
+from diloco.swarm.rounds.digest import Digest, ShardDigest
+from diloco.swarm.rounds.screening import all_finite
+
+log = logging.getLogger("diloco")
+
+
+class JoinError(RuntimeError):
+    """This group could not take its place in the swarm (e.g. no live group ahead of it sent its state)."""
+
+
+class DiLoCo:
+    """The outer loop of one worker group in a swarm (one instance per rank; methods marked collective are
+    called by every rank of the group together).
+
+    :param shards: this rank's local parameter shards, in a fixed order (the same in every group).
+    :param swarm: carries the bytes and the progress records.
+    :param group: collectives over the ranks of this group.
+    :param world_rank: this group's index in the swarm (the config's `hv.world_rank`).
+    :param local_steps: H, inner steps between outer steps (unless `pace` is given).
+    :param outer_lr: outer SGD learning rate.
+    :param outer_momentum: Nesterov momentum of the outer SGD; 0 means plain SGD.
+    :param outer_warmup: outer steps over which the outer lr rises linearly to `outer_lr` (0: none).
+    :param stop: true once the run was asked to stop; an averaging round then gives up.
+    :param join_timeout: seconds a joining group keeps trying to download the state from live peers before it
+        gives up (it never starts from its own state while peers with a state are alive).
+    :param final_step: the run's last inner step; it ends with an outer step even when it is not a multiple of
+        `local_steps`, so no inner step is left out of the final model. None: no last step.
+    :param settle_timeout: seconds a finished group waits for live groups that do not hold its final state yet
+        (one still in its last round, or one whose last round failed and must download).
+    :param sharding: the group's FSDP sharding strategy, and `transport` its --hv.transport, in its status record.
+    :param pace: when outer steps are due and where the LR schedule stands (`diloco.outer.pace`); default:
+        `FixedSteps(local_steps, final_step)`.
+    :param tokens_per_step: tokens of one inner step of this group (all ranks), for the round rows.
+    :param model: this group's model fingerprint; a live group of another model makes `claim_world_rank` leave.
+    :param digest: how the ranks' outer shards add up to the group's digest (``diloco.swarm.rounds.digest``): equal in
+        groups that hold one state; default: sha256 over the shards (groups of one shape only).
+    :param fragments: with ``--hv.fragments F``: where each fragment's parameters sit in this rank's flat shard
+        (``diloco.outer.fragments``); round r averages fragment (r - 1) mod F, every H/F inner steps, and the run's last
+        inner step ends with a round for every fragment. None: every round averages the whole model.
+    :param overlap_steps: inner steps taken while a round is on the wire (``diloco.outer.inflight``); 0: blocking.
+    :param overlap_mix: how much of its own values a parameter keeps when an overlapped round lands.
+    :param aggregation: how reducers combine pseudo-gradients (``--hv.aggregation``): part of the outer setting the
+        groups of a run must share.
+    :param schedule: the group's schedule (``agreement.schedule``), which the groups of a run must share too;
+        empty: not compared. `batch`: its inner step, ``<total batch size>x<sequence length>``, for the line that
+        names the flag a token budget's groups differ in.
+    """
+
+    def __init__(
+        self,
+        shards: list[torch.Tensor],
+        swarm: Swarm,
+        group: Group,
+        *,
+        world_rank: int,
+        local_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+        outer_warmup: int = 0,
+        stop: Callable[[], bool] = lambda: False,
+        join_timeout: float = 60.0,
+        final_step: int | None = None,
+        settle_timeout: float = 30.0,
+        sharding: str = "",
+        transport: str = "",
+        pace: Pace | None = None,
+        tokens_per_step: int = 0,
+        model: ModelId | None = None,
+        digest: Digest | None = None,
+        fragments: list[Runs] | None = None,
+        overlap_steps: int = 0,
+        overlap_mix: float = 0.5,
+        aggregation: str = "mean",
+        schedule: str = "",
+        batch: str = "",
+        claim_settle_s: float = 1.0,
+    ) -> None:
+        self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup, fragments)
+        self.claim_settle_s = claim_settle_s  # how long a claim waits for a group that started at the same moment
+        self.fragments = len(fragments) if fragments else 1
+        self.overlap, self.mix = overlap_steps, overlap_mix
+        self.in_flight: InFlight | None = None
+        self.pace = pace or FixedSteps(local_steps // self.fragments, final_step)
+        self.tokens_per_step = tokens_per_step
+        self.round_start = 0  # the inner step at which this group's current round began
+        # per fragment, the inner step its values were last reset to the outer ones (the weight's tokens count
+        # from there: a fragment's pseudo-gradient holds every inner step since, over F rounds)
+        self.fragment_start = [0] * self.fragments
+        self.swarm, self.group, self.world_rank = swarm, group, world_rank
+        self.stop, self.join_timeout = stop, join_timeout
+        self.final_step, self.settle_timeout = final_step, settle_timeout
+        self.step = 0  # inner steps done, as last seen; served with the state
+        self.tainted = False
+        self.settled = False
+        self.done = False
+        self.loaded_from_peers = False
+        self.downloads = 0
+        self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
+        self.token = group.broadcast(uuid.uuid4().hex)
+        self.claims = Claims(swarm, world_rank, self.token)
+        self.peers = tuple(group.gather(swarm.peer_id))
+        self.digester = digest or ShardDigest()
+        self.digest = ""
+        self._update_digest()
+        self.catchup = CatchUp(swarm, group, self.params, self.digester)
+        self.model = model
+        self.beacon = Beacon(
+            swarm, group.is_main, world_rank, len(self.peers), sharding, transport,
+            outer_setting(outer_lr, outer_momentum, outer_warmup, aggregation), schedule, final_step, model,
+            self.peers[0], batch,
+        )  # fmt: skip
+
+    @property
+    def outer(self) -> torch.Tensor:
+        """This rank's outer parameters (flat float32)."""
+        return self.params.outer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.params.optimizer
+
+    @property
+    def outer_step(self) -> int:
+        """Outer steps applied to the outer parameters (loaded ones included)."""
+        return self.params.steps
+
+    # ------------------------------------------------------------------ joining the swarm
+
+    def claim_world_rank(self) -> None:
+        """Collective, before anything is written: two running groups with one world rank would train on one
+        data shard and overwrite each other's progress record, so the later one leaves (a `FieldError` naming
+        `world_rank`); so does a group whose model differs from a live group's (naming `run_id`)."""
+        verdict = other_model = None
+        if self.group.is_main:
+            verdict = self.claims.rival()
+            if verdict is None:
+                self._publish()
+                joining = self._publish_status("joining")
+                time.sleep(self.claim_settle_s)  # a group starting at the same moment: the later record wins
+                verdict = self.claims.rival()
+                other_model = rival_model(joining, self.swarm.status_records(), self.claims.answers)
+        verdict, other_model = self.group.broadcast((verdict, other_model))
+        if other_model is not None:
+            b = self.beacon
+            raise mismatch_error(other_model, self.model, b.transport, b.outer, b.schedule, b.batch)
+        if verdict is not None:
+            raise FieldError(
+                f"{{world_rank}} {self.world_rank} is taken by a running worker group (peer {verdict}); give each "
+                "group its own world rank",
+            )
+        self.claims.hold()
+        if self.group.is_main:
+            model = f" (model: {self.model})" if self.model else ""
+            log.info("worker group %d joined the swarm as peer %s%s", self.world_rank, self.peers[0], model)
+
+    def join(self, step: int, load_from_peers: bool = True) -> OuterReport:
+        """Collective, before the first inner step: load the swarm's state when another group is ahead, then serve
+        this group's state to others."""
+        self.step, rows = step, []
+        if not self.beacon.sent:  # `claim_world_rank` sent it: its time must stay the claim's (see
+            self._publish_status("joining")  # `rival_model`: the older joining record of two stays)
+        if load_from_peers:
+            loaded = self._load_on_join()
+            if loaded is not None:
+                self.step = step = loaded
+                if self.pace.in_round(step, self.outer_step):  # the swarm is averaging now: take part, no weight
+                    rows = self._join_round(step, self.loaded_from)
+        elif self.group.is_main:
+            log.info("not loading the swarm's state (as asked): starting from this group's own state")
+        self.settled = True
+        self.pace.new_round(self.outer_step)  # (a resumed group keeps its round's start from the checkpoint)
+        self.swarm.serve_state(self._current_state)
+        self._publish()
+        self._publish_status("training")
+        return OuterReport(step, rows[-1] if rows else None, tuple(rows[:-1]))
+
+    def _load_on_join(self) -> int | None:
+        """Load the state of a group that is ahead, if any. Returns the inner step to continue from, or None
+        when this group is the first or the furthest (its own state is the swarm's)."""
+        deadline = time.monotonic() + self.join_timeout
+        seen: list[list[Progress]] = []  # the last non-empty plan of this join
+        while True:
+            plan, expired, stopped = self.group.broadcast(
+                (self._plan(), time.monotonic() > deadline, self.stop()) if self.group.is_main else None
+            )
+            if stopped:
+                return None  # the run stops after its first step and checkpoints this group's own state
+            # groups seen ahead that vanish (a DHT read that came back empty, pings lost under load) are not
+            # proof that this group is the first: keep trying them until the deadline, unless their answers were
+            # refused too often (a stranger's forged record would otherwise keep the swarm's first group out)
+            refused_before = bool(seen)
+            seen = plan or self.catchup.refused.prune(seen)  # (`_plan` pruned `plan` already)
+            if not seen:
+                if self.group.is_main and refused_before:
+                    log.warning("the groups ahead sent only states this group refused: starting from its own state")
+                elif self.group.is_main:
+                    log.info("no worker group is ahead of this one: starting from this group's own state")
+                return None
+            loaded = self._load_from(seen)
+            if loaded is not None:
+                return loaded
+            if expired:
+                raise JoinError(
+                    f"could not download the swarm's state from {sum(map(len, seen))} live worker group(s) within "
+                    f"{self.join_timeout:.0f} s; not starting from this group's own state, which would overwrite "
+                    "a trained swarm"
+                )
+            time.sleep(1.0)
+
+    # ------------------------------------------------------------------ rounds
+
+    def position(self, step: int) -> int:
+        """Where the LR schedule and the end of the run stand after inner step `step` (see `diloco.outer.pace`)."""
+        return self.pace.position(step, self._paced)
+
+    @property
+    def _paced(self) -> int:
+        """The outer steps the pace counts: the applied ones, and the round on the wire (see `diloco.outer.pace`)."""
+        return self.outer_step + (self.in_flight is not None)
+
+    def _tokens(self, step: int) -> int:
+        """Tokens this group trained since its last round started."""
+        return (step - self.round_start) * self.tokens_per_step
+
+    def _fragment_tokens(self, step: int, fragment: int | None) -> int:
+        """Tokens this group trained since `fragment` (None: the whole model) was last reset to the outer values."""
+        return (step - self.fragment_start[fragment or 0]) * self.tokens_per_step
+
+    def _new_round(self, step: int, fragment: int | None = None) -> None:
+        """The outer parameters changed (an outer step, a loaded state): the model (or the one fragment a round
+        averaged) was reset to them."""
+        self.round_start = step
+        self.pace.new_round(self._paced)
+        self._reset_fragments(step, fragment)
+
+    def _reset_fragments(self, step: int, fragment: int | None) -> None:
+        for f in range(self.fragments) if fragment is None else (fragment,):
+            self.fragment_start[f] = step
+
+    def after_inner_step(self, step: int) -> OuterReport | None:
+        """Collective: land the round in flight when its time came; at a boundary, catch up with the swarm if this
+        group is behind, then average (and apply, unless the round is overlapped)."""
+        self.step = step
+        tokens = self._tokens(step)
+        due = self.pace.due(step, self._paced, tokens)
+        landed = None
+        if self.in_flight is not None and (due or step >= self.in_flight.land_at):
+            landed = self._land(step)  # one round in flight at a time: a due round waits for it
+        if not due:
+            return None if landed is None else OuterReport(step, landed)
+        before = () if landed is None else (landed,)
+        index = self.pace.round_index(step, self._paced)
+        pseudo_gradient = self.params.pseudo_gradient(self._fragment(index))
+        if self.group.sum(0.0 if all_finite(pseudo_gradient) else 1.0):
+            raise FloatingPointError(
+                f"the pseudo-gradient holds NaN/Inf at step {step}: stopping this group before it averages"
+            )
+        outer_before, source = self.outer_step, None
+        plan = self.group.broadcast(self._plan() if self.group.is_main else None)
+        if plan and (loaded := self._load_from(plan)) is not None:
+            source = self.loaded_from
+            if self.outer_step > outer_before:  # it was behind: go on where the swarm is
+                self.step = step = loaded
+                if not self.pace.in_round(step, self.outer_step):
+                    return OuterReport(step, self._row(step, source=source), before)
+        if self.outer_step == outer_before:
+            tokens = self._fragment_tokens(step, self._fragment(index))
+            weight = self.pace.weight(tokens)
+            rows = self._round(step, index, pseudo_gradient, weight, source, tokens)
+        else:
+            # a group that was behind brings nothing current: it takes the others' average and adds nothing
+            # (zeros, not its stale pseudo-gradient, which reducers could rightly reject as an outlier)
+            rows = self._join_round(step, source)
+        return OuterReport(step, rows[-1] if rows else None, before + tuple(rows[:-1]))
+
+    def _fragment(self, index: int) -> int | None:
+        """The fragment round `index` averages (None: the whole model)."""
+        return None if self.fragments == 1 else fragment_of(index, self.fragments)
+
+    def _join_round(self, step: int, source: int | None) -> list[dict[str, Any]]:
+        """Collective: take part in the round under way with no weight (this group just loaded the state)."""
+        index = self.pace.round_index(step, self._paced)
+        zeros = torch.zeros(self.params.numel(self._fragment(index)))
+        return self._round(step, index, zeros, 0.0, source, overlap=False)
+
+    def _round(
+        self,
+        step: int,
+        index: int,
+        pseudo_gradient: torch.Tensor,
+        weight: float,
+        source: int | None,
+        tokens: int = 0,
+        overlap: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Collective: the round of boundary `step`: started in the background when rounds overlap the inner
+        steps (its row comes when it lands), else averaged and applied now. At the run's last step every
+        fragment then takes a blocking round of its own, so the final model holds all the inner steps. Returns
+        the rows of the rounds applied, in order (none: on the wire, or stopped)."""
+        fragment, last = self._fragment(index), self.pace.last_round(step, index)
+        what = "" if fragment is None else f" fragment {fragment}"
+        log.info("outer step %d: averaging%s (round %d)", self.outer_step + 1, what, index)
+        if self.overlap and overlap and not last:
+            self.in_flight = InFlight(
+                step, step + self.overlap, index, fragment, pseudo_gradient, weight, tokens, source,
+                self.outer_step, self.pace.summary(tokens),
+            ).start(self.swarm, self.stop)
+            self.round_start = step  # the next round starts now: its tokens count for the pace from here
+            self.pace.new_round(self._paced)
+            return []
+        report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment, self.outer_step)
+        row = self._apply(step, fragment, report, pseudo_gradient, weight, source, tokens, mix=0.0)
+        rows = [] if row is None else [row]
+        for more in range(1, self.fragments if last and row is not None else 1):  # the other fragments, each
+            fragment = self._fragment(index + more)  # with the inner steps since its own round
+            pseudo_gradient = self.params.pseudo_gradient(fragment)
+            tokens = self._fragment_tokens(step, fragment)
+            weight = self.pace.weight(tokens) if weight else 0.0  # (a group that joined the round adds nothing)
+            report = self.swarm.average([pseudo_gradient], index + more, weight, self.stop, fragment,
+                                        self.outer_step)
+            row = self._apply(step, fragment, report, pseudo_gradient, weight, None, tokens, mix=0.0)
+            if row is None:
+                break  # stopped during the round: the run ends here
+            rows.append(row)
+        return rows
+
+    def _land(self, step: int) -> dict[str, Any] | None:
+        """Collective: wait for the round in flight (usually over by now) and apply it, merged with the inner
+        steps taken meanwhile."""
+        flight, self.in_flight = self.in_flight, None
+        started = time.monotonic()
+        report = flight.wait()
+        waited, side_cpu_s = time.monotonic() - started, flight.side_cpu_s()
+        row = self._apply(
+            flight.step, flight.fragment, report, flight.pseudo_gradient, flight.weight, flight.source,
+            flight.tokens, mix=self.mix, landed=flight.summary,
+        )  # fmt: skip
+        if row is not None:
+            row |= {"step": step, "round_step": flight.step, "land_wait_s": waited,
+                    "land_s": time.monotonic() - started, "side_cpu_s": side_cpu_s}  # fmt: skip
+        return row
+
+    def _apply(self, step: int, fragment: int | None, report: RoundResult, pseudo_gradient: torch.Tensor,
+               weight: float, source: int | None, tokens: int, mix: float,
+               landed: dict[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """Collective: the outer step with a round's result (when every rank got it). None when stopped during
+        the round. `landed`: for a round that was on the wire, the pace's fields for its row as of its send."""
+        if self.group.sum(1.0 if self.stop() else 0.0):
+            log.warning("outer step %d: stopped during averaging; not applied", self.outer_step + 1)
+            return None
+        ranks = len(self.peers)  # one peer id per rank of this group
+        all_ok = self.group.sum(1.0 if report.ok else 0.0) == ranks
+        num_peers = report.num_peers if all_ok else 0
+        if all_ok and self.group.sum(float(num_peers)) != num_peers * ranks:
+            log.warning("outer step %d: the ranks of this group averaged with different peers", self.outer_step + 1)
+            all_ok, num_peers = False, 0
+        outer_before = self.outer_step
+        with self.params.lock:  # a state served meanwhile has the digest of its parameters
+            if all_ok and num_peers > 1:
+                self.params.step(pseudo_gradient, fragment, mix)
+                self.tainted = False
+            elif all_ok and weight:  # as the paper does: a group that found nobody applies its own pseudo-gradient
+                log.warning(
+                    "outer step %d: no peer was ready, applying this group's own pseudo-gradient", self.outer_step + 1
+                )
+                self.params.step(pseudo_gradient, fragment, mix)
+                self.tainted = True
+            else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
+                log.warning(
+                    "outer step %d: %s; nothing applied, the inner steps carry over to the next round",
+                    self.outer_step + 1, "missed the swarm's round" if all_ok else
+                    "behind the others' outer step, it sat the round out" if report.behind else "averaging failed",
+                )  # fmt: skip
+            self._update_digest()
+        if self.outer_step > outer_before and landed is not None:  # its successor began at its send (`_round`)
+            self._reset_fragments(step, fragment)
+        elif self.outer_step > outer_before:
+            self._new_round(step, fragment)
+        self._publish()
+        self.beacon.last_round = (num_peers, time.time())
+        self._publish_status("training")
+        # a landed round's model holds the steps taken since its send: no other group's hash would match, and hashing
+        # the whole model costs the training thread ~40 ms per landing in `bench wan`; `outer_digest` is shared
+        row = self._row(step, source=source, report=report, num_peers=num_peers, pseudo_gradient=pseudo_gradient,
+                        with_sha=landed is None)  # fmt: skip
+        if fragment is not None:
+            row["fragment"] = fragment
+        return row | {"tokens": tokens, "weight": weight} | (self.pace.summary(tokens) if landed is None else landed)
+
+    def _row(self, step: int, *, source: int | None, **round_fields: Any) -> dict[str, Any]:
+        """Collective: the metrics row of this group's outer state at `step` (``rows.round_row``)."""
+        return round_row(self.group, step, self.outer_step, self.digest, source=source, **round_fields)
+
+    # ------------------------------------------------------------------ progress and state transfer
+
+    def _update_digest(self) -> None:
+        """Collective: the group's digest of its outer parameters."""
+        with self.params.lock:
+            self.digest = self.digester.combine(self.group.gather(self.digester.partial(self.params.outer)))
+
+    def _record(self) -> Progress:
+        return Progress(
+            world_rank=self.world_rank,
+            outer_step=self.outer_step,
+            step=self.step,
+            digest=self.digest,
+            tainted=self.tainted,
+            settled=self.settled,
+            token=self.token,
+            peers=self.peers,
+            done=self.done,
+        )
+
+    def _publish(self) -> None:
+        if self.group.is_main:
+            self.swarm.publish(self._record())
+
+    def _plan(self) -> list[list[Progress]]:
+        """Rank 0: the states to load, best first (``CatchUp.plan``); other owners' claims of this group's world
+        rank are rejected on the way (``Claims.check``)."""
+        records = self.swarm.records()
+        self.claims.check(records)
+        return self.catchup.plan(self._record(), records)
+
+    def _current_state(self) -> State:
+        """This rank's outer state as served to other groups (called from the swarm's background thread)."""
+        with self.params.lock:  # the metadata and the tensors of one moment
+            meta = {
+                "outer_step": self.outer_step,
+                "step": self.step,
+                "digest": self.digest,
+                "tainted": self.tainted,
+                "world_rank": self.world_rank,
+            }
+            return meta, self.params.export()
+
+    def _load_from(self, plan: list[list[Progress]]) -> int | None:
+        """Collective: load the outer state of the first group of `plan` that sends every rank the same state
+        (``CatchUp.fetch``). Returns the inner step to continue from, or None when no group could."""
+        outer_before = self.outer_step
+        found = self.catchup.fetch(plan)
+        if found is None:
+            return None
+        record, meta, tensors = found
+        self._load(meta, tensors)
+        self.loaded_from = record.world_rank
+        if self.group.is_main:
+            log.info(
+                "loaded the outer state of worker group %d: outer step %d, inner step %d",
+                record.world_rank, meta["outer_step"], meta["step"],
+            )  # fmt: skip
+        # a group that was behind adopts the inner step count; one that diverged at the same outer step keeps its
+        # own (it did the same number of inner steps). Never backwards: a source that finished the round this group
+        # failed may not have reached this group's next boundary yet. Under a token budget every group keeps its own
+        ahead = meta["outer_step"] > outer_before and self.pace.adopts_step
+        step = max(meta["step"], self.step) if ahead else self.step
+        self._new_round(step)  # the model holds the loaded outer parameters: the inner steps since are gone
+        return step
+
+    def _load(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        with self.params.lock:
+            self.params.load(meta["outer_step"], tensors)
+            self.tainted = bool(meta["tainted"])
+            self._update_digest()
+        self.loaded_from_peers = True
+        self.downloads += 1
+
+    # ------------------------------------------------------------------ status for onlookers
+
+    def progress(self, row: dict[str, Any]) -> None:
+        """After each metrics row of the training loop: keep its throughput, and send a heartbeat (``Beacon``)."""
+        self.beacon.tokens_per_s = row.get("tokens_per_s", self.beacon.tokens_per_s)
+        if self.beacon.heartbeat_due():
+            self._publish_status("training", step=row.get("step", self.step))
+
+    def _publish_status(self, state: str, step: int | None = None) -> Status | None:
+        """Rank 0: this group's status record as of inner step `step` (default: the last one the outer loop saw)."""
+        at = self.position(self.step if step is None else step)
+        return self.beacon.send(state, at, self.outer_step, self.digest)
+
+    # ------------------------------------------------------------------ checkpoints and the end
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.params.state_dict() | {"round_start": self.round_start, "fragment_start": self.fragment_start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.params.load_state_dict(state)
+        self.round_start = state.get("round_start", 0)  # 0: a checkpoint from before token budgets
+        starts = state.get("fragment_start")  # None: from before fragments had their own (or of another F)
+        fits = starts is not None and len(starts) == self.fragments
+        self.fragment_start = list(starts) if fits else [self.round_start] * self.fragments
+        self._update_digest()
+
+    def finish(self) -> dict[str, Any] | None:
+        """Collective, after the last inner step: announce it, then until every live group that is not done or
+        holds another state has caught up (at most `settle_timeout`), load the best state whenever another group
+        holds one (a torn last round: the groups whose round failed download the others' result). The model
+        then holds the outer parameters, so every group exports the same final model."""
+        self.done = True
+        self._publish()
+        self._publish_status("done")
+        deadline, source = time.monotonic() + self.settle_timeout, None
+        while True:
+            expired = time.monotonic() > deadline or self.stop()
+            plan, waiting, expired = self.group.broadcast(
+                (self._plan(), self._unsettled(), expired) if self.group.is_main else None
+            )
+            if plan and self._load_from(plan) is not None:
+                source = self.loaded_from
+                self._publish()
+            if not waiting or expired:
+                break
+            time.sleep(0.5)
+        if waiting and self.group.is_main:
+            log.warning("worker group(s) %s did not reach this final state within %.0f s", waiting, self.settle_timeout)
+        stale = self.group.sum(0.0 if self.params.model_is_outer() else 1.0)
+        if stale:  # the last round applied nothing here: export the swarm's model, not this group's drift
+            if self.group.is_main:
+                log.warning("the last round applied nothing: the final model is the swarm's outer parameters")
+            self.params.reset_shards()
+        if source is None and not stale:
+            return None
+        return self._row(self.step, source=source)
+
+    def _unsettled(self) -> list[int]:
+        """Rank 0: world ranks of the live groups that are not done or hold another state than this one."""
+        mine = self._record()
+        pending = [
+            r for r in self.swarm.records()
+            if r.world_rank != self.world_rank and r.settled and not (r.done and r.state == mine.state)
+            and not self.catchup.refused.skipped(r)  # a group whose answers this one keeps refusing is not waited for
+        ]  # fmt: skip
+        return sorted(r.world_rank for r in pending if self.swarm.alive(r.peers[0]))
+
+    def summary(self) -> dict[str, Any]:
+        """Collective (sums over the group's ranks): the outer steps, whether the swarm's state was loaded, and
+        what was refused: records without the key's seal, other owners' claims of this world rank, state
+        downloads, connections at their hello."""
+        refused, claims = self.catchup.refusals_here, self.claims.rejected
+        return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers,
+                "rejected_records": self.swarm.rejected_records, "rejected_claims": int(self.group.sum(float(claims))),
+                "rejected_states": int(self.group.sum(float(refused))),
+                "refused_connections": int(self.group.sum(float(self.swarm.refused_connections)))}  # fmt: skip
+
+    def close(self) -> None:
+        """Tell onlookers how this group left, then leave the swarm (a round still in flight, which gives up once
+        the run was asked to stop, ends first: it must not write into a swarm that is shutting down)."""
+        if self.in_flight is not None:
+            self.in_flight.thread.join(self.settle_timeout)
+        try:
+            self._publish_status("stopped" if self.stop() else "finished" if self.done else "failed")
+        finally:
+            self.swarm.shutdown()

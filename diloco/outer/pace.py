@@ -1,0 +1,213 @@
+"""When a worker group takes its outer step, and where its LR schedule stands: the pace of the swarm.
+
+- `FixedSteps` (``--hv.local-steps H``, OpenDiLoCo's mode): every group takes H inner steps per round, so fast
+  groups wait for the slowest at every outer step. The LR schedule follows the group's own inner steps.
+- `TokenBudget` (``--hv.target-tokens N``): the swarm takes an outer step once its groups together trained N
+  tokens since the last one; each keeps training until then, so nobody waits for the slowest, and each group's
+  pseudo-gradient is weighted by its tokens. A group's own step count no longer says where the run is, so the LR
+  schedule and the end of the run follow the swarm's progress: the run is `max_steps` inner steps of an average
+  group (the swarm trains galaxy size × max_steps × tokens per inner step), an outer step is worth
+  H' = N ÷ (galaxy size × tokens per inner step) of them, and the run ends after ⌈max_steps ÷ H'⌉ outer steps,
+  the same in every group. Groups of a swarm need the same --max-steps, --total-batch-size and --seq-length
+  (they already needed the same schedule).
+
+With ``--hv.fragments F`` a round averages one fragment, so both paces count fragment rounds: H/F inner steps, or
+N/F tokens of the swarm, each. The outer loop passes the round a group trains for as `outer_step`: its applied
+outer steps, plus one while an overlapped round is on the wire (that round's successor starts when it is sent).
+
+`diloco.outer.diloco.DiLoCo` asks its pace; neither knows the network beyond the `Swarm` protocol's token records.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from diloco.config import HvConfig
+from diloco.errors import FieldError
+from diloco.swarm.records import budget
+from diloco.swarm.records.budget import RoundTokens
+
+if TYPE_CHECKING:
+    from diloco.outer.links import Group, Swarm
+
+PUBLISH_S = 1.0  # rank 0 refreshes its round-token record at most this often
+
+
+class Pace(Protocol):
+    adopts_step: bool  # a group that loads the swarm's state takes over the source's inner step count
+
+    def due(self, step: int, outer_step: int, tokens: int) -> bool:
+        """Collective, after each inner step: whether an outer step follows inner step `step` (`tokens`: this
+        group's since its last outer step)."""
+        ...
+
+    def round_index(self, step: int, outer_step: int) -> int:
+        """The index of that round: the same in every group that takes part."""
+        ...
+
+    def last_round(self, step: int, index: int) -> bool:
+        """Whether round `index` at inner step `step` is the run's last (every fragment then takes a round)."""
+        ...
+
+    def in_round(self, step: int, outer_step: int) -> bool:
+        """Whether a group that just loaded the swarm's state at inner step `step` is in the round in progress
+        (it joins it, adding no weight)."""
+        ...
+
+    def position(self, step: int, outer_step: int) -> int:
+        """Where the LR schedule and the end of the run stand after inner step `step`: the run ends once this
+        reaches `max_steps`."""
+        ...
+
+    def weight(self, tokens: int) -> float:
+        """This group's weight in the average of a round in which it trained `tokens`."""
+        ...
+
+    def new_round(self, outer_step: int) -> None:
+        """The outer step changed (applied, or loaded from another group): a new round starts now."""
+        ...
+
+    def summary(self, tokens: int) -> dict[str, Any]:
+        """Fields for the outer row of a round: what the swarm did in it."""
+        ...
+
+
+class FixedSteps:
+    """H inner steps per round in every group; the run's last inner step also ends with an outer step."""
+
+    adopts_step = True
+
+    def __init__(self, local_steps: int, final_step: int | None) -> None:
+        self.local_steps, self.final_step = local_steps, final_step
+
+    def due(self, step: int, outer_step: int, tokens: int) -> bool:
+        return step % self.local_steps == 0 or step == self.final_step
+
+    def round_index(self, step: int, outer_step: int) -> int:
+        # a last, shorter round after a final step that is not a multiple of H gets the next index
+        return -(-step // self.local_steps)
+
+    def last_round(self, step: int, index: int) -> bool:
+        return step == self.final_step
+
+    def in_round(self, step: int, outer_step: int) -> bool:
+        return self.due(step, outer_step, 0) and self.round_index(step, outer_step) > outer_step
+
+    def position(self, step: int, outer_step: int) -> int:
+        return step
+
+    def weight(self, tokens: int) -> float:
+        return 1.0
+
+    def new_round(self, outer_step: int) -> None:
+        pass
+
+    def summary(self, tokens: int) -> dict[str, Any]:
+        return {}
+
+
+class TokenBudget:
+    """An outer step every `target_tokens` tokens of the whole swarm (see the module's docstring).
+
+    :param swarm: publishes and reads the groups' round-token records (rank 0 only).
+    :param group: collectives over this group's ranks (rank 0 decides, every rank follows).
+    :param world_rank: this group's world rank.
+    :param target_tokens: N, the swarm's tokens per outer step (with F fragments, per fragment round: N / F).
+    :param galaxy_size: the number of groups the swarm expects.
+    :param tokens_per_step: tokens of one inner step of this group (all its ranks).
+    :param max_steps: the run's length in inner steps of an average group.
+    :param clock: wall-clock time (tests replace it).
+    """
+
+    adopts_step = False  # groups run different numbers of inner steps: each keeps its own count
+
+    def __init__(
+        self,
+        swarm: Swarm,
+        group: Group,
+        *,
+        world_rank: int,
+        target_tokens: float,
+        galaxy_size: int,
+        tokens_per_step: int,
+        max_steps: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.swarm, self.group, self.world_rank, self.clock = swarm, group, world_rank, clock
+        self.target_tokens, self.max_steps = target_tokens, max_steps
+        self.steps_per_round = target_tokens / (galaxy_size * tokens_per_step)  # H' of an average group
+        self.final_outer_step = max(1, math.ceil(max_steps / self.steps_per_round - 1e-9))
+        self.fraction = 0.0  # of the round done, as rank 0 last estimated it (the same on every rank)
+        self.estimate = 0.0  # the swarm's tokens in the round, as rank 0 last estimated them
+        self.round_started = clock()
+        self.rate = 0.0  # this group's tokens/s in its last round, until the current one has a step
+        self.published_at = -math.inf
+
+    # ---------------------------------------------------------------- every inner step
+
+    def due(self, step: int, outer_step: int, tokens: int) -> bool:
+        decision = self._decide(outer_step, tokens) if self.group.is_main else None
+        due, self.fraction, self.estimate = self.group.broadcast(decision)
+        return due
+
+    def _decide(self, outer_step: int, tokens: int) -> tuple[bool, float, float]:
+        """Rank 0: publish this group's progress (at most every `PUBLISH_S`), estimate the swarm's."""
+        now = self.clock()
+        if tokens:
+            self.rate = tokens / max(now - self.round_started, 1e-6)
+        mine = RoundTokens(self.world_rank, outer_step, tokens, self.rate, now)
+        records = self.swarm.token_records()
+        estimate = budget.swarm_tokens(records, mine, now)
+        due = estimate >= self.target_tokens or budget.ahead(records, mine) or outer_step >= self.final_outer_step
+        if due or now - self.published_at >= PUBLISH_S:
+            # closed: this group waits in the round now; the others count its tokens as they are
+            self.swarm.publish_tokens(replace(mine, closed=due))
+            self.published_at = now
+        return due, min(estimate / self.target_tokens, 1.0), estimate
+
+    # ---------------------------------------------------------------- rounds
+
+    def round_index(self, step: int, outer_step: int) -> int:
+        return outer_step + 1
+
+    def last_round(self, step: int, index: int) -> bool:
+        return index >= self.final_outer_step
+
+    def in_round(self, step: int, outer_step: int) -> bool:
+        return False  # the round after a loaded state is the swarm's next one, not the one under way
+
+    def weight(self, tokens: int) -> float:
+        return float(tokens)
+
+    def new_round(self, outer_step: int) -> None:
+        self.fraction, self.round_started = 0.0, self.clock()
+        if self.group.is_main:  # tell the others at once: they must not count last round's tokens any longer
+            self.swarm.publish_tokens(RoundTokens(self.world_rank, outer_step, 0, self.rate, self.round_started))
+            self.published_at = self.round_started
+
+    def position(self, step: int, outer_step: int) -> int:
+        if outer_step >= self.final_outer_step:
+            return self.max_steps
+        return min(int((outer_step + self.fraction) * self.steps_per_round), self.max_steps - 1)
+
+    def summary(self, tokens: int) -> dict[str, Any]:
+        return {"swarm_tokens": int(self.estimate)}
+
+
+def check_overlap(hv: HvConfig, tokens_per_step: int) -> None:
+    """Under --hv.target-tokens, refuse an overlap that would not land before the next round of an average
+    group: that is N ÷ (F × galaxy size × tokens per inner step) inner steps after it (a faster group makes
+    more, a slower one fewer; a round that comes due first lands the one in flight at once)."""
+    if hv.target_tokens is None or not hv.overlap_steps:
+        return
+    steps = hv.target_tokens / (hv.fragments * hv.galaxy_size * max(tokens_per_step, 1))
+    if hv.overlap_steps >= steps:
+        raise FieldError(
+            f"{{overlap_steps}} {hv.overlap_steps} must be smaller than the inner steps between two rounds: "
+            f"{{target_tokens}} {hv.target_tokens} / ({{fragments}} {hv.fragments} x {{galaxy_size}} "
+            f"{hv.galaxy_size} x {tokens_per_step} tokens per inner step) = {steps:.1f}"
+        )

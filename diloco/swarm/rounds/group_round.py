@@ -1,0 +1,315 @@
+"""One averaging round of worker groups of any shape, once matchmaking has told every rank who is in it.
+
+Matchmaking happens once per group (its rank 0); what it learns, ``RoundInfo``, reaches the group's other ranks over
+the group's own process group. Then every rank of every group runs its part of one round (``diloco.swarm.rounds.tcp``, over
+TCP or, with ``--hv.transport p2pd``, over libp2p streams: ``diloco.swarm.rounds.tunnel``)
+over the round's plan (``diloco.swarm.rounds.layout``): it sends the canonical runs it exchanges to their reducers, reduces
+its own spans, and receives the averages of what it sent. Replicas of a shard (NO_SHARD, DDP, ZERO1, the nodes of
+HYBRID_SHARD) exchanged a slice each; they pass each other those slices over the group's process group, so every
+rank ends with the average of everything it holds. No rank ever holds more than its shard plus the spans it reduces.
+
+The result is bit-identical in every group: each span's average is computed once, by its reducer, and the same
+encoded bytes go to every group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import get_args
+
+import torch
+import torch.distributed as dist
+
+from diloco.config import ShardingStrategy
+from diloco.swarm.records.swarm_key import SwarmKey
+from diloco.swarm.rounds import tcp
+from diloco.swarm.rounds.aggregation import Aggregation
+from diloco.swarm.rounds.layout import (
+    Shape,
+    group_layout,
+    plan,
+    plan_schedule,
+    replica_slice,
+)
+from diloco.swarm.rounds.listener import Listener
+
+log = logging.getLogger("diloco")
+
+Endpoint = tuple[tuple[str, ...], int]  # a rank's listener: TCP ([hosts], port), or p2pd ((peer id,), 0)
+STRATEGIES = set(get_args(ShardingStrategy))
+
+
+@dataclass(frozen=True)
+class Member:
+    """A worker group in a round, as it announced itself in matchmaking: its shape, each rank's endpoint (in rank
+    order) and its weight in the average."""
+
+    shape: Shape
+    endpoints: tuple[Endpoint, ...]
+    weight: float
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """What matchmaking tells a group: the round's secret id, its groups in the order every group sees, which of
+    them this group is, and whether the round's bytes are sealed (a keyed swarm: the id is then the round's secret
+    under the swarm key)."""
+
+    group_id: bytes
+    members: tuple[Member, ...]
+    me: int
+    sealed: bool = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How this rank's part of the round went: ok (its whole shard holds the average), and its bytes."""
+
+    ok: bool
+    bytes_sent: int
+    bytes_received: int
+    rejected: int
+    error: str = ""
+    dropped: int = 0  # groupmates this rank's reducer left out for their frames or their silence
+
+
+def replica_ranks(shape: Shape) -> list[list[int]]:
+    """The ranks of a group that hold the same shard, one list per shard index (rank order = replica order)."""
+    ranks: list[list[int]] = [[] for _ in range(shape.grid()[0])]
+    for rank in range(shape.world_size):
+        ranks[shape.coordinates(rank)[0]].append(rank)
+    return ranks
+
+
+class Replicas:
+    """Passes the slices replicas exchanged among them, over process groups made once for the group's shape (every
+    rank of the group must build it, in the same order, as with any ``torch.distributed`` group)."""
+
+    def __init__(self, shape: Shape, rank: int):
+        self.shape, self.rank = shape, rank
+        self._group = None
+        self._members: list[int] = [rank]
+        for ranks in replica_ranks(shape):
+            if len(ranks) > 1:
+                made = dist.new_group(ranks)  # collective over the whole group, even for ranks not in `ranks`
+                if rank in ranks:
+                    self._group, self._members = made, ranks
+
+    def fill(self, buffer: torch.Tensor) -> None:
+        """Complete `buffer` (this rank's local values) with the slices its replicas averaged."""
+        if self._group is None:
+            return
+        count = len(self._members)
+        slices = [replica_slice(buffer.numel(), i, count) for i in range(count)]
+        width = max(end - begin for begin, end in slices)
+        mine = slices[self._members.index(self.rank)]
+        sent = torch.zeros(width, dtype=buffer.dtype)
+        sent[: mine[1] - mine[0]] = buffer[mine[0] : mine[1]]
+        gathered = [torch.empty(width, dtype=buffer.dtype) for _ in range(count)]
+        dist.all_gather(gathered, sent, group=self._group)
+        for (begin, end), values in zip(slices, gathered):
+            buffer[begin:end] = values[: end - begin]
+
+
+def run_round(
+    info: RoundInfo,
+    rank: int,
+    model_shapes: Sequence[Sequence[int]],
+    vector: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    listener: Listener,
+    codec: tcp.Codec,
+    timeout: float,
+    connect: tcp.Connect = tcp.connect,
+    aggregation: Aggregation = "mean",
+) -> Outcome:
+    """This rank's part of the round: `vector` is its local buffer (its shard of every parameter, concatenated in
+    the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``); it may
+    be `vector` itself.
+    Never raises on network failures."""
+    layouts = [group_layout(model_shapes, member.shape) for member in info.members]
+    total = sum(int(torch.Size(shape).numel()) for shape in model_shapes)
+    if layouts[info.me][rank].local_numel != vector.numel():
+        raise ValueError(f"rank {rank} holds {vector.numel()} values, its layout {layouts[info.me][rank].local_numel}")
+    schedule = plan_schedule(plan(layouts, total), layouts, (info.me, rank), codec.part_numel)
+    endpoints = [(list(hosts), port) for member in info.members for hosts, port in member.endpoints]
+    round_ = tcp.Round(
+        vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints,
+        weight=info.members[info.me].weight, codec=codec, timeout=timeout, schedule=schedule, connect=connect,
+        aggregation=aggregation, sealed=info.sealed,
+    )  # fmt: skip
+    listener.register(round_)
+    try:
+        round_.run()
+        error = ""
+    except tcp.RoundFailed as e:
+        error = str(e)
+        log.warning("averaging: this rank's part of the round failed: %s", error)
+    finally:
+        listener.unregister(round_)
+    return Outcome(not error, round_.bytes_sent, round_.bytes_received, round_.rejected, error, round_.dropped)
+
+
+class GroupRounds:
+    """This rank's side of the swarm's rounds when worker groups average as wholes (``SwarmPeer.average`` hands
+    its calls here): the group's rank 0 finds the round's groups (one matchmaking per group, its ``match_only``
+    averager gathering every group's shape, endpoints and weight), the group's ranks learn them from it, and every
+    rank runs its part of the round. Collective over the group's ranks.
+
+    :param matcher: rank 0's ``SwarmAverager`` made with ``match_only``; None on the other ranks.
+    :param rank: this rank in its group; ``shape``: the group's; ``model_shapes``: every parameter's full shape, in
+        the model's order.
+    :param endpoints: every rank's endpoint, in rank order (this rank's ``listener`` accepts on its own).
+    :param broadcast: rank 0's object on every rank of the group.
+    :param replicas: passes replicas' slices (None: the group has no replicas).
+    :param timeout: seconds any single step of a round may take (a silent groupmate is dropped after it).
+    :param fragments: with ``--hv.fragments``: the indices of each fragment's parameters (``diloco.outer.fragments``);
+        a round of fragment f is laid out over those parameters alone. None: rounds are of the whole model.
+    :param transport: what carries the bytes, "tcp" or "p2pd" (every group of a run uses one); ``connect``
+        reaches other ranks' listeners that way, and ``tunnel`` (over p2pd: a ``diloco.swarm.rounds.tunnel.Tunnel``)
+        brings their streams to ``listener``. ``close()`` closes both.
+    :param aggregation: how this rank combines the contributions to the spans it reduces (``--hv.aggregation``).
+    :param key: the swarm key (``diloco.swarm.records.swarm_key``): announcements without its MAC are left out of the
+        round, and the round's handshakes are keyed with it too. None: an open swarm.
+    """
+
+    def __init__(
+        self,
+        matcher: object | None,
+        *,
+        rank: int,
+        shape: Shape,
+        model_shapes: Sequence[Sequence[int]],
+        endpoints: Sequence[Endpoint],
+        broadcast: Callable[[object], object],
+        listener: Listener,
+        codec: tcp.Codec,
+        timeout: float,
+        replicas: Replicas | None,
+        transport: str = "tcp",
+        connect: tcp.Connect = tcp.connect,
+        tunnel: object | None = None,
+        fragments: Sequence[Sequence[int]] | None = None,
+        aggregation: Aggregation = "mean",
+        key: SwarmKey | None = None,
+    ):
+        self.aggregation, self.key = aggregation, key
+        self.matcher, self.rank, self.shape, self.model_shapes = matcher, rank, shape, [tuple(s) for s in model_shapes]
+        self.endpoints = tuple((tuple(hosts), int(port)) for hosts, port in endpoints)
+        self.broadcast, self.listener, self.codec, self.timeout, self.replicas = (
+            broadcast, listener, codec, timeout, replicas
+        )  # fmt: skip
+        self.layout = group_layout(self.model_shapes, shape)[rank]  # this rank's part of the canonical vector
+        self.transport, self.connect, self.tunnel = transport, connect, tunnel
+        self.fragments = [list(f) for f in fragments] if fragments else None
+
+    def close(self) -> None:
+        """Stop taking connections (the tunnel's streams first)."""
+        try:
+            if self.tunnel is not None:
+                self.tunnel.close()
+        finally:
+            self.listener.close()
+
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
+                fragment: int | None = None, outer_step: int | None = None):  # fmt: skip
+        """Collective: one round (see ``SwarmAverager.average`` for the contract), averaged in place: after a round
+        that failed the tensors hold averages where they arrived (the caller applies nothing then). With
+        `fragment`, the tensors hold this rank's shard of that fragment's parameters. Returns a ``RoundReport``."""
+        shapes = self.model_shapes
+        if fragment is not None and self.fragments is not None:
+            shapes = [self.model_shapes[i] for i in self.fragments[fragment]]
+        with self.listener.in_round():  # groupmates that learn of the round first may connect meanwhile
+            return self._average(tensors, round_index, weight, stop, shapes, outer_step)
+
+    def _average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
+                 shapes: Sequence[Sequence[int]], outer_step: int | None):  # fmt: skip
+        from diloco.swarm.rounds.report import RoundReport, round_id
+
+        started = time.monotonic()
+        found = self._match(round_index, weight, stop, outer_step) if self.matcher is not None else None
+        info, num_peers, ok, behind = self.broadcast(found)
+        if info is None:
+            return RoundReport(num_peers, time.monotonic() - started, 0, 0, ok, behind=behind)
+        formed = time.monotonic()
+        # in place: no second copy of the pseudo-gradient (the trainer's one tensor is viewed flat, not copied)
+        vector = tcp.flatten(list(tensors))
+        outcome = run_round(info, self.rank, shapes, vector, vector, listener=self.listener,
+                            codec=self.codec, timeout=self.timeout, connect=self.connect,
+                            aggregation=self.aggregation)  # fmt: skip
+        if self.replicas is not None:
+            self.replicas.fill(vector)  # collective: also when this rank's part failed
+        if outcome.ok and len(tensors) > 1:
+            tcp.unflatten_into(vector, list(tensors))
+        return RoundReport(
+            len(info.members), time.monotonic() - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
+            rejected=outcome.rejected, transport=self.transport, allreduce_seconds=time.monotonic() - formed,
+            round_id=round_id(info.group_id), dropped=outcome.dropped,
+        )  # fmt: skip
+
+    def _match(self, round_index: int, weight: float, stop: Callable[[], bool], outer_step: int | None
+               ) -> tuple[RoundInfo | None, int, bool, bool]:  # fmt: skip
+        """Rank 0: (the round, or None; groups in it; ok; behind). A group behind the others' outer step sits the
+        round out (``progress.abreast``): no round, not ok (it applies nothing), behind."""
+        mine = {"shape": [self.shape.strategy, self.shape.world_size, self.shape.nodes],
+                "endpoints": [[list(hosts), port] for hosts, port in self.endpoints], "weight": weight}  # fmt: skip
+        if outer_step is not None:
+            mine["outer_step"] = outer_step
+        match, report = self.matcher.match(round_index, self.key.sign_member(mine) if self.key else mine, stop)
+        if match is None:
+            return None, report.num_peers, report.ok, False
+        gathered, me, group_id = list(match.gathered), match.index, match.group_id
+        if self.key is not None:  # every member sees the same announcements: all leave out the same ones
+            signed = [self.key.member_signed(entry) for entry in gathered]
+            if (left_out := sum(entry is None for entry in signed)) > 0:
+                log.warning("averaging: %d group(s) in this round announced themselves without this swarm's key; "
+                            "averaging without them", left_out)  # fmt: skip
+            me = sum(entry is not None for entry in signed[:me])
+            gathered, group_id = [entry for entry in signed if entry is not None], self.key.round_secret(group_id)
+        kept = abreast([entry.get("outer_step") if isinstance(entry, dict) else None for entry in gathered], round_index)
+        if me not in kept:
+            log.warning("averaging: this group is at outer step %s, others in the round at a later one: it sits the "
+                        "round out and applies nothing", outer_step)  # fmt: skip
+            return None, len(gathered), False, True
+        gathered, me = [gathered[i] for i in kept], kept.index(me)
+        try:
+            members = tuple(member_of(entry) for entry in gathered)
+        except (TypeError, ValueError, KeyError) as e:  # another version, or a bad actor: no round with them
+            log.warning("averaging: a group announced itself in a form this version cannot read (%s)", e)
+            return None, len(gathered), False, False
+        if len(members) < 2:
+            return None, len(members), True, False  # alone among strangers: as a round of one
+        return RoundInfo(group_id, members, me, sealed=self.key is not None), len(members), True, False
+
+
+def member_of(entry: object) -> Member:
+    """A group's matchmaking announcement, checked."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"an announcement of type {type(entry).__name__}")
+    strategy, world_size, nodes = entry["shape"]
+    if strategy not in STRATEGIES or not 0 < int(world_size) <= 2**16 or not 0 < int(nodes) <= int(world_size):
+        raise ValueError(f"shape {entry['shape']}")
+    endpoints = tuple((tuple(str(h) for h in hosts), int(port)) for hosts, port in entry["endpoints"])
+    if len(endpoints) != int(world_size):
+        raise ValueError(f"{len(endpoints)} endpoints for {world_size} ranks")
+    weight = float(entry["weight"])
+    if not weight >= 0 or weight == float("inf"):
+        raise ValueError(f"weight {weight}")
+    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight)
+
+
+def abreast(claims: list[object], round_index: int) -> list[int]:
+    """The members of round `round_index` that average, by the outer step each announced in matchmaking (None: a
+    version from before the field): those at the highest outer step announced, and those that announced none. A
+    group behind (its last round failed, and its read of the others' records lagged, so it could not tell) would mix
+    a pseudo-gradient of older parameters into the others' round and leave it on another model than theirs: every
+    member computes the same list from the same announcements, and the group behind sits the round out (it loads
+    their state at its next boundary). No group holds round `round_index`'s outer step or a later one before the
+    round: such a claim counts as none, so a stranger cannot send the others out by claiming a huge one."""
+    steps = [c if type(c) is int and 0 <= c < round_index else None for c in claims]
+    top = max((s for s in steps if s is not None), default=None)
+    return [i for i, s in enumerate(steps) if s is None or s == top]

@@ -1,0 +1,589 @@
+"""The TCP transport: a butterfly all-reduce of one flat float32 vector over plain sockets between the peers of one
+averaging group.
+
+hivemind forms the group (DHT, matchmaking: who is in it, their order, a random group id); this module only moves
+the tensor bytes. hivemind's own path (libp2p streams through the p2pd daemon, protobuf, asyncio) is CPU-bound at
+34-137 MB/s per peer on the 2-core development box; docs/allreduce.md has the profile and the comparison.
+
+The vector is cut into parts of at most ``Codec.part_numel`` values; the j-th peer of the group (reducer j) owns
+some of them, its span (``diloco.swarm.rounds.layout.Schedule``). Every peer that holds a part of reducer j's span sends it
+to reducer j, which screens the contributions (``diloco.swarm.rounds.screening``), averages them, encodes the average once and
+sends the same bytes back to every sender: all peers that complete a round hold the very same values, whatever the
+compression. When every peer holds the whole vector (``flat_schedule``) every peer sends every part and reducer j's
+span is a contiguous run; peers of groups of different shapes each hold a shard (``plan_schedule``), and a part
+comes from the one rank of each group that exchanges it.
+
+Wire protocol, one TCP connection per (sender, reducer) pair, opened by the sender:
+
+* hello, sender -> reducer: ``HELLO`` fields, then HMAC-SHA256 of them keyed with the group id;
+* ack, reducer -> sender: HMAC-SHA256 of ``b"ack" + hello``, same key; sealed, a random nonce first, then
+  HMAC-SHA256 of ``b"ack" + hello + nonce``;
+* parts, sender -> reducer: per part of the reducer's span, its encoding as one message (``diloco.swarm.rounds.frames``:
+  its byte length (u64) and its bytes; sealed, AES-256-GCM under the connection's keys);
+* averages, reducer -> sender: per part, its encoded average as one message; a reducer that bans the sender closes
+  early.
+* end: the sender closes once it has every average; the reducer closes after that (``await_close``).
+
+Only the group knows its id (matchmaking hands it out over libp2p), so the HMACs keep strangers out. In an open
+swarm the tensor bytes travel unencrypted; in a keyed one the group id is the round's secret
+(``SwarmKey.round_secret``) and every part and average is sealed, so a machine on the path can neither read them nor
+alter them unseen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from diloco.swarm.rounds.aggregation import Aggregation, aggregate
+from diloco.swarm.rounds.frames import (
+    NONCE_SIZE,
+    Frames,
+    bytes_of,
+    recv_exact,
+    seal_keys,
+)
+from diloco.swarm.rounds.layout import Part, Schedule, flat_schedule
+from diloco.swarm.rounds.screening import MAX_NORM_RATIO, part_norm, screen
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"DLB1"
+# magic, tag (first 16 bytes of sha256(group id)), sender index, reducer index, group size, the first 16 bytes of the
+# schedule's digest, codec name, sender's weight
+HELLO = struct.Struct("!4s16sHHH16s8sd")
+MAC_SIZE = 32
+WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of its slowest reply: bounds memory
+
+Endpoint = tuple[Sequence[str], int]  # the hosts a rank's listener may be reached at, and its port
+Handshake = Callable[[socket.socket], socket.socket]
+# (endpoint, timeout, handshake or None) -> a connected socket past the handshake: ``connect`` over TCP, or
+# ``diloco.swarm.rounds.tunnel.Tunnel.connect`` over libp2p
+Connect = Callable[[Endpoint, float, "Handshake | None"], socket.socket]
+
+
+class RoundFailed(Exception):
+    """The round did not leave this peer with the whole average (its output holds part of it at most)."""
+
+
+class _LocalFailure(Exception):
+    """A computation of this process failed (already recorded as the round's failure)."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How parts and averages travel.
+
+    :param name: at most 8 ASCII characters; both ends of a connection must use the same codec.
+    :param part_numel: float32 values per part (the last part of the vector may be shorter).
+    :param encode: float32 part -> bytes-like object (it may alias the part's memory).
+    :param decode: (bytes-like, number of values) -> float32 tensor (it may alias the bytes).
+    :param max_bytes: the largest encoding of a part of n values; longer messages are refused.
+    :param raw: the encoding is the float32 values themselves: averages are received straight into the output.
+    """
+
+    name: str
+    part_numel: int
+    encode: Callable[[torch.Tensor], object]
+    decode: Callable[[memoryview, int], torch.Tensor]
+    max_bytes: Callable[[int], int]
+    raw: bool = False
+
+
+FP16_MAX = 65504.0
+
+RAW = Codec(
+    "none", 2**18, encode=bytes_of, decode=lambda data, n: torch.frombuffer(data, dtype=torch.float32, count=n),
+    max_bytes=lambda n: 4 * n, raw=True,
+)  # fmt: skip
+FP16 = Codec(
+    "fp16", 2**18, encode=lambda part: bytes_of(part.clamp(-FP16_MAX, FP16_MAX).half()),
+    decode=lambda data, n: torch.frombuffer(data, dtype=torch.float16, count=n).float(), max_bytes=lambda n: 2 * n,
+)  # fmt: skip
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat vector of `tensors` (the tensor itself, viewed flat, when there is one)."""
+    return tensors[0].view(-1) if len(tensors) == 1 else torch.cat([tensor.view(-1) for tensor in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy `flat` back into `tensors`, in order."""
+    offset = 0
+    for tensor in tensors:
+        tensor.view(-1).copy_(flat[offset : offset + tensor.numel()])
+        offset += tensor.numel()
+
+
+def _frames(sock: socket.socket, keys: tuple[bytes, bytes] | None) -> Frames:
+    """The messages of a round's connection: sealed under (send key, receive key), or plain without keys."""
+    return Frames(sock) if keys is None else Frames(sock, send_key=keys[0], receive_key=keys[1])
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Wake any thread blocked on the socket (shutdown), then release it."""
+    for call in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+        try:
+            call()
+        except OSError:
+            pass
+
+
+def await_close(sock: socket.socket, timeout: float) -> None:
+    """Wait until the peer closed its end of ``sock`` (dropping anything it still sends), at most ``timeout`` s.
+
+    For the side that sent the last bytes, before it closes: over p2pd (``diloco.swarm.rounds.tunnel``) a client closing
+    its end makes its daemon close the stream both ways, and p2pd's pipe may then reset it before the end-of-stream
+    goes out; a reset stream loses whatever the other daemon had not handed on yet. So the side that received last
+    closes first. (Over TCP, with nothing left unread, nothing is lost either way.)"""
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(2**16):
+                return
+    except OSError:  # timed out, reset, or closed on our side (an abort)
+        pass
+
+
+def connect(endpoint: Endpoint, timeout: float, handshake: Handshake | None = None) -> socket.socket:
+    """A TCP connection to `endpoint` (past `handshake`, which closes the socket if it fails), trying its hosts in
+    order: a host may be this machine's loopback, or an address not reachable from here, and the handshake tells
+    the right peer from any other."""
+    hosts, port = endpoint
+    errors = []
+    for host in hosts:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return handshake(sock) if handshake is not None else sock
+        except OSError as e:
+            errors.append(f"{host}:{port}: {e}")
+    raise ConnectionError(f"could not connect: {'; '.join(errors) or 'no address'}")
+
+
+class Round:
+    """One all-reduce of ``vector`` into ``out`` with the group; ``run()`` blocks until it is over.
+
+    :param vector: this peer's flat float32 contribution.
+    :param out: flat float32 tensor of the same size that receives the average (garbage if the round fails) where
+        this peer takes part in a part (with a flat schedule, everywhere). It may be `vector` itself: the average of
+        a part arrives only once the reducer has the part, so after it was sent (or, as reducer, averaged).
+    :param group_id: the group's secret id from matchmaking (HMAC key).
+    :param index: this peer's position in the group order, which every peer sees alike.
+    :param endpoints: per peer of the group, ([hosts], port) where its ``Listener`` accepts connections.
+    :param connect: how to reach an endpoint (``connect``: over TCP).
+    :param weight: this peer's weight in the average; 0 takes the others' average and adds nothing.
+    :param timeout: seconds any single step may take: connecting, a groupmate's next part, a reply. A sender
+        silent that long is dropped from the average (the others go on); a silent reducer fails the round.
+    :param schedule: who reduces and sends which parts, as this peer sees it; None: every peer holds the whole
+        vector (``flat_schedule``).
+    :param aggregation: how this peer, as reducer, combines the screened contributions (``diloco.swarm.rounds.aggregation``).
+    :param sealed: seal every part and average (``diloco.swarm.rounds.frames``) under keys derived from `group_id`, which
+        must then be a secret of the round's members alone (``SwarmKey.round_secret``); every peer of a round alike.
+    """
+
+    def __init__(
+        self,
+        vector: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        group_id: bytes,
+        index: int,
+        endpoints: Sequence[Endpoint],
+        weight: float,
+        codec: Codec,
+        timeout: float,
+        max_norm_ratio: float = MAX_NORM_RATIO,
+        schedule: Schedule | None = None,
+        connect: Connect = connect,
+        aggregation: Aggregation = "mean",
+        sealed: bool = False,
+    ):
+        self.vector, self.out, self.group_id, self.index = vector, out, group_id, index
+        self.sealed = sealed
+        self._keys: dict[int, tuple[bytes, bytes] | None] = {}  # per reducer: the keys of our connection to it
+        self.aggregation = aggregation
+        self.connector = connect
+        self.endpoints, self.codec, self.timeout, self.max_norm_ratio = endpoints, codec, timeout, max_norm_ratio
+        self.k = len(endpoints)
+        self.schedule = schedule or flat_schedule(vector.numel(), self.k, codec.part_numel, index)
+        if self.schedule.me != index or len(self.schedule.parts) != self.k:
+            raise ValueError(f"the schedule is not peer {index}'s of a group of {self.k}")
+        if any(index not in part.senders for part in self.schedule.parts[index]):
+            raise ValueError("a reducer must contribute to each of its parts")
+        self.digest = self.schedule.digest[:16]
+        self._sends = [self.schedule.sent_to(j) for j in range(self.k)]  # our parts of each reducer's span
+        self.tag = hashlib.sha256(group_id).digest()[:16]
+        self.bytes_sent = self.bytes_received = 0
+        self.rejected = 0  # senders (this peer included) whose contribution this peer, as reducer, left out
+        self.dropped = 0  # groupmates left out of our span for what they sent or did not send (frames, silence)
+        self._cv = threading.Condition()
+        span = self.schedule.parts[index]
+        self._parts: list[dict[int, torch.Tensor] | None] = [{} for _ in span]  # sender -> its part
+        self._norms: list[dict[int, float]] = [{} for _ in span]
+        # per sender, the parts of our span it sends (in order), and each part's place in that list
+        self._sent_by = {s: [q for q, part in enumerate(span) if s in part.senders] for s in range(self.k)}
+        self._place: list[dict[int, int]] = [{} for _ in span]
+        for sender, places in self._sent_by.items():
+            for i, q in enumerate(places):
+                self._place[q][sender] = i
+        self._delivered = [0] * self.k  # parts of our span each sender delivered
+        self._replied = [0] * self.k  # averages of our span sent back to each sender
+        self._weights: dict[int, float] = {index: weight}
+        self._banned: dict[int, str] = {}  # sender -> why it is left out from now on
+        self._results: dict[int, tuple[torch.Tensor, object]] = {}  # part of our span -> (average, its encoding)
+        self._reduced = 0
+        self._attached: set[int] = set()
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._complete: set[int] = set()  # reducers whose whole span of averages is in ``out``
+        self._errors: list[str] = []
+        self._aborted = False
+
+    # ---------------------------------------------------------------------------------------------- entry points
+
+    def run(self) -> None:
+        """Average with the group; raises ``RoundFailed`` unless ``out`` holds the whole average. Returns only once
+        this peer's groupmates received its replies and closed (or were dropped, or let ``timeout`` pass), so leaving
+        right after is safe."""
+        # reducers we send nothing to (a vector shorter than the group, or parts held by our groupmates)
+        self._complete.update(j for j in range(self.k) if j != self.index and not self._sends[j])
+        workers = [self._thread(self._reduce)]
+        reducers = [j for j in range(self.k) if j != self.index and j not in self._complete]
+        workers += [self._thread(self._exchange, j) for j in reducers]
+        for worker in workers:
+            worker.join()
+        while True:  # readers and writers of attached senders, which may still be appended
+            with self._cv:
+                pending = [thread for thread in self._threads if thread.is_alive()]
+            if not pending:
+                break
+            for thread in pending:
+                thread.join()
+        with self._cv:
+            self._aborted = True  # late connections are refused from now on
+            sockets = list(self._sockets)
+        for sock in sockets:
+            close_socket(sock)
+        problems = list(self._errors)
+        if self.index in self._banned:
+            problems.append(f"our own contribution was left out ({self._banned[self.index]})")
+        missing = sorted(set(range(self.k)) - self._complete)
+        if missing and not problems:
+            problems.append(f"no averages from reducers {missing}")
+        if problems:
+            raise RoundFailed("; ".join(problems))
+
+    def abort(self) -> None:
+        """Stop every thread of the round soon (closing its sockets); ``run()`` then raises."""
+        with self._cv:
+            self._aborted = True
+            self._errors.append("aborted")
+            self._cv.notify_all()
+            sockets = list(self._sockets)
+        for sock in sockets:
+            close_socket(sock)
+
+    def attach(self, sock: socket.socket, hello: bytes) -> None:
+        """Take over a sender's connection whose hello (fields and MAC) was read by the ``Listener``."""
+        fields, mac = hello[: HELLO.size], hello[HELLO.size :]
+        if not hmac.compare_digest(mac, _mac(self.group_id, fields)):
+            raise ConnectionError("hello with a wrong MAC")
+        _, _, sender, reducer, k, digest, codec, weight = HELLO.unpack(fields)
+        expected = (self.index, self.k, self.digest, self.codec.name.encode())
+        if (reducer, k, digest, codec.rstrip(b"\0")) != expected or not 0 <= sender < k or sender == self.index:
+            raise ConnectionError(f"hello {(sender, reducer, k, digest.hex(), codec)} does not match this round")
+        if not self._sent_by[sender]:
+            raise ConnectionError(f"sender {sender} holds no part of our span")
+        with self._cv:
+            if self._aborted or sender in self._attached or sender in self._banned:
+                raise ConnectionError(f"sender {sender} is not expected (any more)")
+            self._attached.add(sender)
+            self._weights[sender] = weight
+            self._sockets.append(sock)
+        sock.settimeout(self.timeout)
+        nonce = os.urandom(NONCE_SIZE) if self.sealed else b""
+        sock.sendall(nonce + _mac(self.group_id, b"ack" + hello + nonce))
+        # we answer: the second key of the pair is ours to send under
+        frames = _frames(sock, seal_keys(self.group_id, hello + nonce)[::-1] if self.sealed else None)
+        with self._cv:
+            self.bytes_sent += len(nonce) + MAC_SIZE
+            self._threads.append(self._thread(self._read_parts, frames, sender))
+            self._threads.append(self._thread(self._write_averages, frames, sender))
+
+    # --------------------------------------------------------------------------------------------- reducer side
+
+    def _reduce(self) -> None:
+        """Average each part of our span once every sender delivered it (or was dropped); publish the encoding."""
+        try:
+            for q, part in enumerate(self.schedule.parts[self.index]):
+                lo, hi = self._bounds(part)
+                own = self.vector[lo:hi]
+                self._deposit(self.index, q, own, part_norm(own))
+                contributions = self._wait_for_part(q)
+                if contributions is None:
+                    return
+                average, encoded = self._average(q, contributions)
+                if self.index not in self._banned:  # our own output: the bytes the others receive, decoded
+                    ours = average if self.codec.raw else self.codec.decode(memoryview(encoded), hi - lo)
+                    self.out[lo:hi].copy_(ours)
+                with self._cv:
+                    self._results[q] = (average, encoded)
+                    self._parts[q] = None
+                    self._reduced = q + 1
+                    self._cv.notify_all()
+                    # bound the averages kept for slow readers; a writer that fails bans its sender, ending the wait
+                    self._cv.wait_for(lambda: self._aborted or self._release() < WINDOW)
+            with self._cv:
+                self._complete.add(self.index)
+        except Exception as e:  # a bug or an allocation failure: the round cannot complete anywhere
+            self._fail(f"reducer: {type(e).__name__}: {e}")
+            self.abort()
+
+    def _wait_for_part(self, q: int) -> dict[int, tuple[torch.Tensor, float]] | None:
+        """Contributions to part q that pass screening, by sender; None if the round was aborted."""
+        with self._cv:
+            place = self._place[q]
+            ready = self._cv.wait_for(
+                lambda: self._aborted or all(self._delivered[s] > i or s in self._banned for s, i in place.items()),
+                timeout=self.timeout,
+            )
+            if self._aborted:
+                return None
+            if not ready:
+                for sender, i in place.items():
+                    if self._delivered[sender] <= i and sender not in self._banned:
+                        self._ban(sender, f"no part {q} of our span within {self.timeout:.3g} s")
+            live = [s for s in sorted(self._parts[q]) if s not in self._banned]
+            parts = {s: self._parts[q][s] for s in live}
+            norms = {s: self._norms[q][s] for s in live}
+            weights = {s: self._weights[s] for s in live}
+        reasons = screen(norms, weights, self.max_norm_ratio)
+        with self._cv:
+            for sender, reason in reasons.items():
+                if sender not in self._banned:
+                    self.rejected += 1
+                    who = "our own contribution" if sender == self.index else f"the contribution of peer #{sender}"
+                    logger.warning(f"averaging: rejected {who} from part {q} of our span on ({reason})")
+                    self._ban(sender, f"rejected: {reason}", quiet=True)  # logged just above
+        return {s: (parts[s], weights[s]) for s in live if s not in reasons}
+
+    def _average(self, q: int, contributions: dict[int, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, object]:
+        """Weighted mean in sender order (0/0 = NaN when nothing is left, which fails the round at every peer), or
+        the round's robust rule."""
+        if not contributions:
+            average = torch.full((self.schedule.parts[self.index][q].numel,), float("nan"))
+            return average, self.codec.encode(average)
+        if self.aggregation != "mean":
+            parts, weights = zip(*contributions.values())
+            average = aggregate(parts, weights, self.aggregation)
+            return average, self.codec.encode(average)
+        (first, (average, weight)), *others = contributions.items()
+        # a groupmate's decoded part is a buffer of this round alone: accumulate into it (our own is the input)
+        if first == self.index:
+            average = average * weight
+        elif weight != 1.0:  # the usual weight 1 saves a pass
+            average.mul_(weight)
+        total = weight
+        for part, weight in (contribution for _, contribution in others):
+            average.add_(part, alpha=weight)
+            total += weight
+        average.div_(total)
+        return average, self.codec.encode(average)
+
+    def _deposit(self, sender: int, q: int, part: torch.Tensor, norm: float) -> None:
+        with self._cv:
+            if sender not in self._banned and self._parts[q] is not None:
+                self._parts[q][sender] = part
+                self._norms[q][sender] = norm
+            self._delivered[sender] = self._place[q][sender] + 1
+            self._cv.notify_all()
+
+    def _read_parts(self, frames: Frames, sender: int) -> None:
+        span = self.schedule.parts[self.index]
+        try:
+            for q in self._sent_by[sender]:
+                part = span[q]
+                with self._cv:
+                    self._cv.wait_for(lambda: self._aborted or sender in self._banned or q - self._reduced < WINDOW)
+                    if self._aborted or sender in self._banned:
+                        return
+                data = self._receive(frames, self.codec.max_bytes(part.numel))
+                try:
+                    values = self.codec.decode(data, part.numel)
+                except (ValueError, RuntimeError) as e:  # (torch's words for a buffer too short)
+                    raise ValueError(f"part {q}: {data.nbytes} bytes do not decode to {part.numel} values") from e
+                if values.numel() != part.numel:
+                    raise ValueError(f"part {q} decodes to {values.numel()} values, {part.numel} expected")
+                norm = self._local(part_norm, values)
+                self._deposit(sender, q, values, norm)
+        except _LocalFailure:
+            return  # this peer's round failed (recorded): the sender is not to blame
+        except Exception as e:  # the connection (OSError), a message too long or undecodable: the sender's
+            with self._cv:
+                if not self._aborted:
+                    self._ban(sender, f"its parts stopped: {type(e).__name__}: {e}")
+
+    def _write_averages(self, frames: Frames, sender: int) -> None:
+        try:
+            for i, q in enumerate(self._sent_by[sender]):
+                with self._cv:
+                    self._cv.wait_for(lambda: self._aborted or sender in self._banned or q in self._results)
+                    if self._aborted or sender in self._banned:
+                        return
+                    encoded = self._results[q][1]
+                self._send(frames, encoded)
+                with self._cv:
+                    self._replied[sender] = i + 1
+                    self._release()
+                    self._cv.notify_all()
+            # the sender's parts were all read (its last average needed its last part): nothing else reads the socket
+            await_close(frames.sock, self.timeout)
+        except OSError as e:
+            with self._cv:
+                if not self._aborted:
+                    self._ban(sender, f"its averages could not be sent: {type(e).__name__}: {e}")
+        finally:
+            close_socket(frames.sock)  # a banned sender sees its averages end short: its round fails
+
+    def _release(self) -> int:
+        """Forget the averages every live sender of theirs has been sent (call with the lock held); returns how many
+        are still kept."""
+        for q in list(self._results):
+            if all(s == self.index or s in self._banned or self._replied[s] > i for s, i in self._place[q].items()):
+                del self._results[q]
+        return len(self._results)
+
+    def _ban(self, sender: int, reason: str, quiet: bool = False) -> None:
+        """Leave ``sender`` out of every part not averaged yet (call with the lock held)."""
+        if sender not in self._banned:
+            self._banned[sender] = reason
+            if sender != self.index and not quiet:  # quiet: a rejected contribution, counted in `rejected`
+                self.dropped += 1
+                logger.warning(f"averaging: peer #{sender} left out of our span: {reason}")
+            self._cv.notify_all()
+
+    # ---------------------------------------------------------------------------------------------- sender side
+
+    def _exchange(self, reducer: int) -> None:
+        """Send our parts of ``reducer``'s span and receive its averages into ``out``."""
+        sock = None
+        try:
+            sock = self._connect(reducer)
+            frames = _frames(sock, self._keys[reducer])
+            receiver = self._thread(self._read_averages, frames, reducer)
+            for part in self._sends[reducer]:
+                lo, hi = self._bounds(part)
+                self._send(frames, self.codec.encode(self.vector[lo:hi]))
+            receiver.join()
+        except Exception as e:  # OSError mostly; anything else must fail the round too, not just this thread
+            self._fail(f"reducer #{reducer}: {type(e).__name__}: {e}")
+        finally:
+            if sock is not None:
+                close_socket(sock)
+
+    def _read_averages(self, frames: Frames, reducer: int) -> None:
+        try:
+            for part in self._sends[reducer]:
+                lo, hi = self._bounds(part)
+                if self.codec.raw:  # straight into the output: no copy
+                    self._receive_into(frames, bytes_of(self.out[lo:hi]))
+                else:
+                    data = self._receive(frames, self.codec.max_bytes(hi - lo))
+                    self.out[lo:hi].copy_(self.codec.decode(data, hi - lo))
+            with self._cv:
+                self._complete.add(reducer)
+        except (OSError, ValueError, RuntimeError) as e:
+            self._fail(f"averages of reducer #{reducer}: {type(e).__name__}: {e}")
+            close_socket(frames.sock)  # stops our sending thread too
+
+    def _connect(self, reducer: int) -> socket.socket:
+        """A connection to ``reducer`` past the handshake."""
+        return self.connector(self.endpoints[reducer], min(self.timeout, 5.0), lambda s: self._handshake(s, reducer))
+
+    def _handshake(self, sock: socket.socket, reducer: int) -> socket.socket:
+        with self._cv:
+            self._sockets.append(sock)
+            if self._aborted:
+                raise ConnectionError("aborted")
+        # a reducer may hold our next part (or its average) back for up to `timeout` while it waits for a slow
+        # groupmate before dropping it: give our side of the connection twice that
+        sock.settimeout(2 * self.timeout)
+        codec = self.codec.name.encode()
+        weight = self._weights[self.index]
+        fields = HELLO.pack(MAGIC, self.tag, self.index, reducer, self.k, self.digest, codec, weight)
+        hello = fields + _mac(self.group_id, fields)
+        try:
+            sock.sendall(hello)
+            ack = bytearray((NONCE_SIZE if self.sealed else 0) + MAC_SIZE)
+            recv_exact(sock, memoryview(ack))
+            nonce, mac = bytes(ack[:-MAC_SIZE]), bytes(ack[-MAC_SIZE:])
+            if not hmac.compare_digest(mac, _mac(self.group_id, b"ack" + hello + nonce)):
+                raise ConnectionError("the peer answered with a wrong MAC")
+        except OSError:
+            close_socket(sock)
+            raise
+        with self._cv:
+            self._keys[reducer] = seal_keys(self.group_id, hello + nonce) if self.sealed else None
+            self.bytes_sent += len(hello)
+            self.bytes_received += len(ack)
+        return sock
+
+    # ------------------------------------------------------------------------------------------------- helpers
+
+    @staticmethod
+    def _bounds(part: Part) -> tuple[int, int]:
+        """Where `part` sits in this peer's vector (and output)."""
+        assert part.local is not None, "a part this peer does not take part in"
+        return part.local, part.local + part.numel
+
+    def _send(self, frames: Frames, data) -> None:
+        sent = frames.send(data)
+        with self._cv:
+            self.bytes_sent += sent
+
+    def _receive(self, frames: Frames, max_bytes: int) -> memoryview:
+        data = frames.receive(max_bytes)
+        with self._cv:
+            self.bytes_received += frames.overhead + data.nbytes
+        return data
+
+    def _receive_into(self, frames: Frames, view: memoryview) -> None:
+        frames.receive_into(view)
+        with self._cv:
+            self.bytes_received += frames.overhead + view.nbytes
+
+    def _local(self, compute: Callable, *args):
+        """``compute(*args)``; a failure of this process (not of the data) fails the round here and stops it, so
+        that it never passes for a groupmate's fault (which would leave that groupmate out of an "ok" average)."""
+        try:
+            return compute(*args)
+        except Exception as e:
+            self._fail(f"{type(e).__name__} in {compute.__name__}: {e}")
+            self.abort()
+            raise _LocalFailure from e
+
+    def _fail(self, problem: str) -> None:
+        with self._cv:
+            self._errors.append(problem)
+
+    def _thread(self, target: Callable, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True, name=f"butterfly-{target.__name__}")
+        thread.start()
+        return thread

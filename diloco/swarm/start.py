@@ -1,0 +1,151 @@
+"""Starting one trainer rank's side of the swarm: its DHT peer, its listener, rank 0's matchmaker, the rounds of whole
+groups, and the ``SwarmPeer`` that owns them all.
+
+Collective over the ranks of one worker group (every rank calls ``start_peer`` together). Nothing is ever gathered to
+one rank: groups average as wholes, one matchmaking per group (its rank 0), then every rank sends the parts of its
+shard to the ranks that reduce them, in whatever group and shape (``rounds.group_round``). The bytes go over plain
+TCP (``--hv.transport tcp``) or as libp2p streams through each rank's p2pd daemon (``p2pd``: ``rounds.tunnel``); the
+groups of a run use one transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diloco.config import HvConfig
+    from diloco.distenv import DistEnv
+    from diloco.swarm.peer import SwarmPeer
+    from diloco.swarm.records.fingerprint import ModelId
+    from diloco.swarm.records.swarm_key import SwarmKey
+    from diloco.swarm.rounds.group_round import GroupRounds
+
+REQUEST_TIMEOUT_S = 5.0  # a ping, or one message of a state download
+# seconds a connection for an unknown round waits at a rank that is in no round (a matchmaking split left it out):
+# far longer than ranks of one group take to enter a round together, far shorter than --hv.averaging-timeout
+IDLE_WAIT_S = 5.0
+
+
+def start_peer(
+    hv: HvConfig,
+    env: DistEnv,
+    *,
+    gather: Callable[[Any], list[Any]],
+    broadcast: Callable[[Any], Any],
+    side_broadcast: Callable[[], Callable[[Any], Any]],
+    model: ModelId | None,
+    model_shapes: Sequence[tuple[int, ...]],
+    sharding: str,
+    fragments: list[list[int]] | None = None,
+    owner_key: Path | None = None,
+) -> SwarmPeer:
+    """Collective: this rank's DHT peer, listener and rounds (rank 0: also the matchmaker for the group and the key
+    that signs the group's records).
+
+    :param hv: the swarm's settings (``Config.hv``).
+    :param env: where this process sits in its group (its rank shifts fixed ports).
+    :param gather: every rank's object on every rank; ``broadcast``: rank 0's object on every rank (the group's
+        collectives).
+    :param side_broadcast: makes a broadcast over a process group of its own (collective), for rounds that overlap
+        the inner steps (``hv.overlap_steps``): they run on a thread of their own, and must not interleave with the
+        model's collectives on the training thread.
+    :param model: the group's model fingerprint: groups of another model never meet this one (it is part of the
+        matchmaking and progress keys).
+    :param model_shapes: every parameter's full shape, in the model's order (what the rank's shards are cut from).
+    :param sharding: the group's sharding strategy (its shape in rounds and records).
+    :param fragments: with ``hv.fragments`` > 1: each fragment's parameter indices (``diloco.outer.fragments``).
+    :param owner_key: rank 0: the file of the key that signs the group's DHT records (``ownership.Owner``: read
+        when there; ``SwarmPeer.save_owner`` writes it once the group holds its world rank); None: a new key for
+        this run, kept nowhere.
+    :raises FieldError: bad input (an unreachable initial peer, a port in use), naming the ``HvConfig`` field; nothing
+        is left running.
+    """
+    from diloco.swarm.peer import SwarmPeer
+    from diloco.swarm.records.addresses import offset_port
+    from diloco.swarm.records.budget import tokens_key
+    from diloco.swarm.records.dht import start_dht
+    from diloco.swarm.records.fingerprint import run_key
+    from diloco.swarm.records.ownership import Owner
+    from diloco.swarm.records.progress import progress_key
+    from diloco.swarm.records.status import status_key
+    from diloco.swarm.records.swarm_key import SealedStore, SwarmKey
+    from diloco.swarm.rounds.matchmaker import Matchmaker
+
+    key = SwarmKey.load(hv.swarm_key) if hv.swarm_key is not None else None
+    run_id = hv.run_id if key is None else key.run_id(hv.run_id)  # a keyed swarm's DHT keys: unknown to others
+    owner = None  # rank 0 publishes the group's records, under its own key; the others only check everyone's
+    if env.rank == 0:
+        owner = Owner.load(owner_key) if owner_key is not None else Owner.ephemeral()
+    dht = start_dht(
+        initial_peers=hv.initial_peers,
+        host_maddrs=[offset_port(m, env.local_rank) for m in hv.host_maddrs],
+        announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
+        validator=None if owner is None else owner.validator,
+    )
+    run = run_key(run_id, model)
+    # rank 0 matchmakes for its whole group under a key every shape shares (and one transport: their rounds travel
+    # differently); rounds and states travel over the ranks' listeners, so the other ranks need no matchmaker
+    prefix = f"{run}-groups" + ("" if hv.transport == "tcp" else f"-{hv.transport}")
+    port = hv.averaging_port + env.local_rank if hv.averaging_port else 0
+    matchmaker = None
+    try:
+        if env.rank == 0:
+            matchmaker = Matchmaker(dht, prefix=prefix, matchmaking_time=hv.matchmaking_time,
+                                    averaging_timeout=hv.averaging_timeout, target_group_size=hv.galaxy_size)
+        rounds = group_rounds(hv, env, gather, broadcast, side_broadcast, dht, matchmaker, model_shapes, sharding,
+                              port, fragments, key)  # fmt: skip
+    except BaseException:
+        if matchmaker is not None:
+            matchmaker.shutdown()
+        dht.shutdown()
+        raise
+    records = dht if key is None else SealedStore(dht, key)  # records sealed with the key, and read only so
+    return SwarmPeer(
+        records, matchmaker, progress_key(run), REQUEST_TIMEOUT_S, status_key=status_key(run_id),
+        tokens_key=tokens_key(run_id), rounds=rounds, owner=owner, members_key=f"{prefix}-members",
+    )  # fmt: skip
+
+
+def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]], broadcast: Callable[[Any], Any],
+                 side_broadcast: Callable[[], Callable[[Any], Any]], dht: object, matchmaker: object,
+                 model_shapes: Sequence[tuple[int, ...]], sharding: str, port: int,
+                 fragments: list[list[int]] | None = None, key: SwarmKey | None = None) -> GroupRounds:  # fmt: skip
+    """Collective: this rank's listener (a TCP socket, or libp2p streams through a ``tunnel.Tunnel``), every rank's
+    endpoint, and the replicas' process groups, for rounds of whole groups (``group_round.GroupRounds``)."""
+    from diloco.swarm.records.addresses import announced_hosts, listen_host
+    from diloco.swarm.rounds import tcp
+    from diloco.swarm.rounds.codecs import WIRE_FORMATS
+    from diloco.swarm.rounds.group_round import GroupRounds, Replicas
+    from diloco.swarm.rounds.layout import Shape
+    from diloco.swarm.rounds.listener import Listener, listen
+    from diloco.swarm.rounds.tunnel import Tunnel
+
+    shape = Shape(sharding or "FULL_SHARD", env.world_size, env.num_nodes)
+    timeout = hv.averaging_timeout / 4  # as the per-rank way drops a silent groupmate
+    over_tcp = hv.transport == "tcp"
+    listening = listen(listen_host(hv.host_maddrs), port) if over_tcp else None
+    listener = Listener(listening, timeout, registration_timeout=hv.averaging_timeout, idle_wait=IDLE_WAIT_S).start()
+    tunnel = None
+    try:
+        if over_tcp:
+            endpoint, connect = (announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1]), tcp.connect
+        else:
+            tunnel = Tunnel(dht, listener)
+            endpoint, connect = ((tunnel.peer_id,), 0), tunnel.connect
+        endpoints = gather(endpoint)
+        replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None
+        if hv.overlap_steps and env.world_size > 1:  # (after the replicas' groups: every rank makes them in one order)
+            broadcast = side_broadcast()
+    except BaseException:
+        if tunnel is not None:
+            tunnel.close()
+        listener.close()
+        raise
+    return GroupRounds(
+        matchmaker if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
+        endpoints=endpoints, broadcast=broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
+        timeout=timeout, replicas=replicas, transport=hv.transport, connect=connect, tunnel=tunnel,
+        fragments=fragments, aggregation=hv.aggregation, key=key,
+    )  # fmt: skip
