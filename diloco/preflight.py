@@ -1,8 +1,8 @@
 """Checks of a training run's input that need neither torch nor a process group.
 
 The command line runs them before it imports torch and transformers (seconds of CPU per process), so bad input
-fails in a fraction of a second, before anything is written; ``diloco.train.trainer.main`` runs them again (they are cheap) and
-then the checks that need torch.
+fails in a fraction of a second, before anything is written; ``diloco.train.trainer.main`` runs them again (they are
+cheap) and then the checks that need torch.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Each bench is a module here with `measure(quick, work_dir, info, **options) -> d
 measured, none typed in; `options` are the bench's own flags, e.g. convergence's `data`) and
 `markdown(result) -> str` (a dated section for docs/benchmarks.md). `run` adds the date, the machine and the
 exact command, writes `<out>/<name>[-quick].json` (a bench with studies names it: `stem(quick, **options)`) and
-puts the section into the doc in place of the one its last run wrote (`record_doc`). A bench needs nothing beside the installed package: the models it trains are
-written into its work dir (`bench.models`), and data comes from a flag.
+puts the section into the doc in place of the one its last run wrote (`record_doc`). A bench needs nothing beside the
+installed package: the models it trains are written into its work dir (`bench.models`), and data comes from a flag.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hostile worker groups for `diloco bench poison`: a group that trains like the others but, in every round, sends
-a forged pseudo-gradient in place of its own. Each attack passes the norm screen (`diloco.swarm.rounds.screening`: under 100×
-the group's median), so only the aggregation rule stands between it and the model.
+a forged pseudo-gradient in place of its own. Each attack passes the norm screen (`diloco.swarm.rounds.screening`: under
+100× the group's median), so only the aggregation rule stands between it and the model.
 
 - `scaled`: 50 × its own pseudo-gradient;
 - `sign-flip`: minus its own pseudo-gradient;

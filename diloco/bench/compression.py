@@ -2,8 +2,8 @@
 how many bytes it puts on the wire.
 
 The convergence bench's workload (real text, byte tokenizer, its ~1M-parameter llama) at k = 2 worker groups,
-H = 25, outer lr 1.0 and momentum 0 (the README's recommendation for small H), for two seeds; arms: DDP, and
-DiLoCo whose in-memory mean goes through each wire format part by part, every contribution and the average, as
+H = 25, outer lr 1.0 and momentum 0 (fixed: only the wire format differs between arms), for two seeds; arms: DDP,
+and DiLoCo whose in-memory mean goes through each wire format part by part, every contribution and the average, as
 over the wire (`diloco.outer.memory`). Bytes per value are the encoded bytes of every contribution ÷ its values,
 measured.
 """

@@ -1,8 +1,8 @@
 """``diloco status``: join a run's DHT as a client, read the worker groups' status records, and show them.
 
 The command trains nothing and averages nothing: it starts a client DHT peer (one p2pd, which dials out only), reads
-``diloco.swarm.records.status`` records once, or every few seconds with ``--watch``, prints them as a table or as JSON, and
-shuts the peer down (in ``finally``: no p2pd is left, Ctrl+C included).
+``diloco.swarm.records.status`` records once, or every few seconds with ``--watch``, prints them as a table or as JSON,
+and shuts the peer down (in ``finally``: no p2pd is left, Ctrl+C included).
 
 Exit codes: 0 shown (or a watch ended by Ctrl+C); ``UNREACHABLE_EXIT`` (1) no initial peer answered;
 ``NO_GROUPS_EXIT`` (3) no group of the run id has a live status record; 2 is the command line's (bad flags).

@@ -1,8 +1,8 @@
 """A worker group's place in the swarm: joining, its world rank, catching up with the swarm's state, the round
 of each outer step, and the end-of-run settle.
 
-`DiLoCo` is the `OuterLoop` of a group in a swarm. It runs the outer step (`diloco.outer.optimizer.OuterOptimizer`) on the
-average of the groups' pseudo-gradients, and keeps every group on one state: before its first inner step and
+`DiLoCo` is the `OuterLoop` of a group in a swarm. It runs the outer step (`diloco.outer.optimizer.OuterOptimizer`) on
+the average of the groups' pseudo-gradients, and keeps every group on one state: before its first inner step and
 before each round a group compares its progress record with the others' and downloads the outer state
 (parameters, momentum, outer step, and on joining the inner step count) from a group that is ahead or holds the
 swarm's state (`diloco.outer.catchup`: which group to ask, and whether what came is that state). So late joiners,

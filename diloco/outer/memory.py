@@ -7,8 +7,8 @@ order (by peer id), which is what the real swarm computes with `--hv.compression
 group. Given a wire format's codec (`diloco.swarm.rounds.tcp.Codec`), every contribution and the mean go through it,
 part by part, as over the wire (a real reducer's own part skips it: this is slightly the more lossy). With a robust
 ``aggregation`` the groups' tensors are laid end to end and combined part by part (``PART_NUMEL`` values, as the TCP
-transport cuts a flat vector) by ``diloco.swarm.rounds.aggregation``. Progress and status records and served states live in
-dicts. It implements `diloco.outer.links.Swarm`; plain torch, no hivemind, no network.
+transport cuts a flat vector) by ``diloco.swarm.rounds.aggregation``. Progress and status records and served states live
+in dicts. It implements `diloco.outer.links.Swarm`; plain torch, no hivemind, no network.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 
 Each group's rank 0 publishes one small record about once a second while it trains (its tokens since the last
 outer step and its rate), under one DHT key per run and a subkey of its world rank and its own key
-(``diloco.swarm.records.ownership``). Every group estimates the swarm's tokens in the round from them (`swarm_tokens`): the records are seconds old, so each is extrapolated by
-its group's rate, as hivemind's progress tracker does. Groups read the same records, so they reach the target
-at about the same moment and meet in one round. A record expires ``TOKENS_TTL`` seconds after its last refresh:
-a group that died stops counting then.
+(``diloco.swarm.records.ownership``). Every group estimates the swarm's tokens in the round from them (`swarm_tokens`):
+the records are seconds old, so each is extrapolated by its group's rate, as hivemind's progress tracker does. Groups
+read the same records, so they reach the target at about the same moment and meet in one round. A record expires
+``TOKENS_TTL`` seconds after its last refresh: a group that died stops counting then.
 
 Plain Python: the DHT is any object with hivemind's ``store`` / ``get`` (``progress.Store``), so importing this
 costs no hivemind.

@@ -44,8 +44,8 @@ class Status:
         None before its first round.
     :param round_at: wall-clock time (s since the epoch) its last round ended; None before the first.
     :param heard_at: wall-clock time the record was written, by the group's clock.
-    :param model: the fingerprint of the group's model (``diloco.swarm.records.fingerprint``); empty from trainers before
-        fingerprints, like the next two.
+    :param model: the fingerprint of the group's model (``diloco.swarm.records.fingerprint``); empty from trainers
+        before fingerprints, like the next two.
     :param parameters: the model's parameter count.
     :param peer: the peer id of the group's rank 0.
     :param transport: its ``--hv.transport``; empty from trainers before groups of any shape.
@@ -108,7 +108,8 @@ def _well_typed(record: Status) -> bool:
         and all(v is None or isinstance(v, (int, float)) for v in optional_numbers)
         and isinstance(record.heard_at, (int, float))
         and all(isinstance(v, str) for v in (record.sharding, record.state, record.digest, record.model, record.peer,
-                                             record.transport, record.outer, record.schedule, record.batch))  # fmt: skip
+                                             record.transport, record.outer, record.schedule,
+                                             record.batch))  # fmt: skip
         and (record.parameters is None or isinstance(record.parameters, int))
     )
 

@@ -1,6 +1,6 @@
 """Wire formats of the pseudo-gradient: each ``--hv.compression`` name, as the rounds' codec
-(``diloco.swarm.rounds.tcp.Codec``, on both transports) and as hivemind's (the rank-by-rank averager's parts over libp2p),
-in one registry.
+(``diloco.swarm.rounds.tcp.Codec``, on both transports) and as hivemind's (the rank-by-rank averager's parts over
+libp2p), in one registry.
 
 Both encode the same values the same way, so a round's result does not depend on what carried it. ``int4`` has no
 hivemind codec: it travels only in rounds of whole groups, which is how the trainer averages.

@@ -2,14 +2,14 @@
 and tag.
 
 A keyed swarm seals what its connections carry past their handshake: the parts and averages of a round
-(``diloco.swarm.rounds.tcp``) and a downloaded state's metadata and values (``diloco.swarm.rounds.transfer``). Each direction of
-a connection has a key of its own, derived from a secret only members hold and from the handshake, which the
-responder makes fresh with a random nonce, so no key seals two connections. A message's nonce is the count of
+(``diloco.swarm.rounds.tcp``) and a downloaded state's metadata and values (``diloco.swarm.rounds.transfer``). Each
+direction of a connection has a key of its own, derived from a secret only members hold and from the handshake, which
+the responder makes fresh with a random nonce, so no key seals two connections. A message's nonce is the count of
 messages sent before it in its direction, so a message dropped, replayed, reordered or altered on the way, or
 sealed under another key, fails its tag, and the receiver stops. The length headers travel in the clear: a
 changed header makes the read that follows fail its tag too.
 
-Measured on the 2-core development box: AES-256-GCM seals about 9 GB/s per core (``README.md``, "Encryption").
+Measured on a 2-core CPU machine: AES-256-GCM seals about 9 GB/s per core (docs/security.md, "Encryption").
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """One averaging round of worker groups of any shape, once matchmaking has told every rank who is in it.
 
 Matchmaking happens once per group (its rank 0); what it learns, ``RoundInfo``, reaches the group's other ranks over
-the group's own process group. Then every rank of every group runs its part of one round (``diloco.swarm.rounds.tcp``, over
-TCP or, with ``--hv.transport p2pd``, over libp2p streams: ``diloco.swarm.rounds.tunnel``)
-over the round's plan (``diloco.swarm.rounds.layout``): it sends the canonical runs it exchanges to their reducers, reduces
-its own spans, and receives the averages of what it sent. Replicas of a shard (NO_SHARD, DDP, ZERO1, the nodes of
-HYBRID_SHARD) exchanged a slice each; they pass each other those slices over the group's process group, so every
+the group's own process group. Then every rank of every group runs its part of one round (``diloco.swarm.rounds.tcp``,
+over TCP or, with ``--hv.transport p2pd``, over libp2p streams: ``diloco.swarm.rounds.tunnel``)
+over the round's plan (``diloco.swarm.rounds.layout``): it sends the canonical runs it exchanges to their reducers,
+reduces its own spans, and receives the averages of what it sent. Replicas of a shard (NO_SHARD, DDP, ZERO1, the nodes
+of HYBRID_SHARD) exchanged a slice each; they pass each other those slices over the group's process group, so every
 rank ends with the average of everything it holds. No rank ever holds more than its shard plus the spans it reduces.
 
 The result is bit-identical in every group: each span's average is computed once, by its reducer, and the same

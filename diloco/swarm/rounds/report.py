@@ -26,8 +26,8 @@ class RoundReport:
         frame too long, short or undecodable, silence past the timeout, a broken connection (their values are
         ``rejected``'s business).
     :param rejected: groupmates' contributions (and this peer's own) that this peer, as a reducer, left out of the
-        average for holding NaN/Inf or a norm ``diloco.swarm.rounds.screening.MAX_NORM_RATIO`` times the group's; a rejected peer's round
-        fails, the others complete without it (ok=True).
+        average for holding NaN/Inf or a norm ``diloco.swarm.rounds.screening.MAX_NORM_RATIO`` times the group's; a
+        rejected peer's round fails, the others complete without it (ok=True).
     :param behind: this group was behind the round's others' outer step and sat the round out (ok=False; see
         ``group_round.abreast``).
     """

@@ -3,13 +3,13 @@ averaging group.
 
 hivemind forms the group (DHT, matchmaking: who is in it, their order, a random group id); this module only moves
 the tensor bytes. hivemind's own path (libp2p streams through the p2pd daemon, protobuf, asyncio) is CPU-bound at
-34-137 MB/s per peer on the 2-core development box; docs/allreduce.md has the profile and the comparison.
+34-137 MB/s per peer on a 2-core CPU machine; docs/allreduce.md has the profile and the comparison.
 
 The vector is cut into parts of at most ``Codec.part_numel`` values; the j-th peer of the group (reducer j) owns
-some of them, its span (``diloco.swarm.rounds.layout.Schedule``). Every peer that holds a part of reducer j's span sends it
-to reducer j, which screens the contributions (``diloco.swarm.rounds.screening``), averages them, encodes the average once and
-sends the same bytes back to every sender: all peers that complete a round hold the very same values, whatever the
-compression. When every peer holds the whole vector (``flat_schedule``) every peer sends every part and reducer j's
+some of them, its span (``diloco.swarm.rounds.layout.Schedule``). Every peer that holds a part of reducer j's span sends
+it to reducer j, which screens the contributions (``diloco.swarm.rounds.screening``), averages them, encodes the average
+once and sends the same bytes back to every sender: all peers that complete a round hold the very same values, whatever
+the compression. When every peer holds the whole vector (``flat_schedule``) every peer sends every part and reducer j's
 span is a contiguous run; peers of groups of different shapes each hold a shard (``plan_schedule``), and a part
 comes from the one rank of each group that exchanges it.
 
@@ -193,9 +193,11 @@ class Round:
         silent that long is dropped from the average (the others go on); a silent reducer fails the round.
     :param schedule: who reduces and sends which parts, as this peer sees it; None: every peer holds the whole
         vector (``flat_schedule``).
-    :param aggregation: how this peer, as reducer, combines the screened contributions (``diloco.swarm.rounds.aggregation``).
-    :param sealed: seal every part and average (``diloco.swarm.rounds.frames``) under keys derived from `group_id`, which
-        must then be a secret of the round's members alone (``SwarmKey.round_secret``); every peer of a round alike.
+    :param aggregation: how this peer, as reducer, combines the screened contributions
+        (``diloco.swarm.rounds.aggregation``).
+    :param sealed: seal every part and average (``diloco.swarm.rounds.frames``) under keys derived from `group_id`,
+        which must then be a secret of the round's members alone (``SwarmKey.round_secret``); every peer of a round
+        alike.
     """
 
     def __init__(

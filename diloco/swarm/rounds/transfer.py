@@ -18,8 +18,8 @@ Wire protocol, one connection per (downloading rank, source rank), opened by the
 * end: the downloader closes, then the source (``tcp.await_close``).
 
 In an open swarm anyone who reaches the listener may download the state, as with hivemind's own state download.
-With a swarm key (``diloco.swarm.records.swarm_key``) the request opens with ``KEYED_MAGIC`` and a random nonce, and ends
-with a MAC of nonce and runs. The answer is the source's own random nonce, then sealed messages
+With a swarm key (``diloco.swarm.records.swarm_key``) the request opens with ``KEYED_MAGIC`` and a random nonce, and
+ends with a MAC of nonce and runs. The answer is the source's own random nonce, then sealed messages
 (``diloco.swarm.rounds.frames``) under a key derived from the swarm key and both nonces: the metadata, the number of
 tensors, and the values in messages of at most ``CHUNK`` bytes. So only key holders download, only from key
 holders, nobody on the path reads or alters the state, and the caller's digest check still proves the ranks got
