@@ -54,7 +54,7 @@ class Swarm(Protocol):
         """Average in place with the groups averaging the same `round_index`; gives up when `stop()` is true.
         With fragments (``diloco.outer.fragments``) the tensors hold this rank's shard of `fragment`'s parameters.
         `outer_step`: the outer steps this group has applied; a group behind the others' sits the round out
-        (``diloco.swarm.records.progress.abreast``; not ok)."""
+        (``diloco.swarm.rounds.group_round.abreast``; not ok)."""
         ...
 
     def publish(self, record: Progress) -> None:

@@ -2,7 +2,7 @@
 `diloco bench convergence`.
 
 The groups of a round meet at a barrier (those behind the others' outer step sit it out, as in the real swarm:
-``progress.abreast``) and each gets the exact weighted mean of their tensors, summed in one
+``diloco.swarm.rounds.group_round.abreast``) and each gets the exact weighted mean of their tensors, summed in one
 order (by peer id), which is what the real swarm computes with `--hv.compression none`: bit-identical in every
 group. Given a wire format's codec (`diloco.swarm.rounds.tcp.Codec`), every contribution and the mean go through it,
 part by part, as over the wire (a real reducer's own part skips it: this is slightly the more lossy). With a robust

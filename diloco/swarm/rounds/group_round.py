@@ -254,7 +254,7 @@ class GroupRounds:
     def _match(self, round_index: int, weight: float, stop: Callable[[], bool], outer_step: int | None
                ) -> tuple[RoundInfo | None, int, bool, bool]:  # fmt: skip
         """Rank 0: (the round, or None; groups in it; ok; behind). A group behind the others' outer step sits the
-        round out (``progress.abreast``): no round, not ok (it applies nothing), behind."""
+        round out (``abreast``): no round, not ok (it applies nothing), behind."""
         mine = {"shape": [self.shape.strategy, self.shape.world_size, self.shape.nodes],
                 "endpoints": [[list(hosts), port] for hosts, port in self.endpoints], "weight": weight}  # fmt: skip
         if outer_step is not None:
