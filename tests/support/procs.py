@@ -24,12 +24,6 @@ FAST = [
 ]  # fmt: skip
 
 
-def owned(world_rank: int, owner: str = "test") -> str:
-    """A record's subkey as a group signs it (``diloco.swarm.records.ownership``), with a stand-in for its public key: the
-    fake DHTs of unit tests check no signature."""
-    return f"{world_rank}[owner:{owner}]"
-
-
 def child_env() -> dict[str, str]:
     """One torch thread per process (the 2 cores are shared by every process a test starts); wandb and the Hugging
     Face hub offline (a test never downloads: hub ids resolve in a cache the test builds, or fail at once)."""

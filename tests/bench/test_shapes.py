@@ -1,0 +1,33 @@
+"""`diloco bench shapes --quick`: a 1-rank and a 2-rank FULL_SHARD group in one swarm, against two 1-rank groups;
+the groups of each arm are identical after every round, and the report says so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.paths import DILOCO
+from tests.support.procs import assert_ok, run_cmd
+
+
+@pytest.mark.slow
+def test_shapes_quick(tmp_path: Path) -> None:
+    doc = tmp_path / "b.md"
+    assert_ok(run_cmd([str(DILOCO), "bench", "shapes", "--quick", "--out", str(tmp_path), "--doc", str(doc)],
+                      timeout=400))  # fmt: skip
+    data = json.loads((tmp_path / "shapes-quick.json").read_text())
+    assert [(arm["name"], arm["ranks"]) for arm in data["arms"]] == [("1+1", [1, 1]), ("1+2", [1, 2])]
+    for arm in data["arms"]:
+        assert arm["rounds"] and all(r["identical"] for r in arm["rounds"]), arm  # every round had both groups
+        assert arm["identical_after_every_round"] and arm["same_final_model"]
+        assert arm["outer_steps"] == [2, 2]
+        assert all(r["allreduce_s"] > 0 and min(r["mb"]) > 0 for r in arm["rounds"])
+    # a group's payload does not depend on its shape: its ranks together send and receive the model once
+    equal, mixed = (arm["median_mb_per_group"] for arm in data["arms"])
+    assert mixed == pytest.approx(equal, rel=0.05)
+    assert data["mixed_over_equal_round_time"] == pytest.approx(
+        data["arms"][1]["median_allreduce_s"] / data["arms"][0]["median_allreduce_s"])
+    section = doc.read_text()
+    assert "| 1+2 | 1 + 2 | 2 | yes | yes |" in section and "Round time of 1+2 ÷ 1+1:" in section

@@ -1,0 +1,71 @@
+"""The console: progress lines, the start-up banner, and the verdict `diloco launch` ends with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from diloco.console import ProgressLine, banner, count, duration, read_group, verdict
+
+
+def test_train_rows_are_one_short_line_with_the_eta_from_the_pace_so_far() -> None:
+    line = ProgressLine(max_steps=100)
+    row = {"step": 10, "loss": 2.61234, "lr": 3e-3, "tokens_per_s": 9120.0, "peak_memory_mb": 310.0, "time": 1.0}
+    assert line.format(row, now=50.0) == "step 10/100 | loss 2.6123 | lr 3.00e-03 | 9.12k tok/s"
+    # 20 steps in 40 s: 2 s a step, 70 steps to go
+    assert line.format(row | {"step": 30}, now=90.0).endswith("| ETA 2m20s")
+    assert "ETA" not in line.format(row | {"step": 100}, now=95.0)  # done: nothing left to estimate
+
+
+def test_outer_rows_say_what_the_round_did_without_digests() -> None:
+    line = ProgressLine(max_steps=100)
+    ok = {"step": 25, "outer_step": 1, "num_peers": 2, "averaging_s": 0.4123, "bytes_sent": 600_000,
+          "bytes_received": 600_000, "rejected": 0, "transport": "tcp", "params_sha256": "ab" * 32,
+          "outer_digest": "cd" * 32}  # fmt: skip
+    assert line.format(ok, now=0.0) == "outer step 1 | peers 2 | 0.41 s | 1.2 MB | tcp"
+    assert line.format(ok | {"num_peers": 1, "transport": ""}, now=0.0).startswith("outer step 1 | alone |")
+    failed = line.format(ok | {"num_peers": 0, "rejected": 1}, now=0.0)
+    assert failed == "outer step 1 | round failed: nothing applied | rejected 1 | tcp"
+    loaded = {"step": 50, "outer_step": 2, "loaded_state_from": 1, "params_sha256": "ab" * 32}
+    assert line.format(loaded, now=0.0) == "outer step 2 | loaded the state of group 1"
+    assert line.format({"step": 50, "eval_loss": 2.5, "eval_perplexity": 12.18}, 0.0) == (
+        "step 50/100 | eval loss 2.5000 | ppl 12.18"
+    )
+
+
+def test_banner_and_counts() -> None:
+    text = banner({"run dir": "runs/x/worker-0", "model": "1.13M parameters"})
+    assert text.splitlines() == ["  run dir : runs/x/worker-0", "  model   : 1.13M parameters"]
+    assert [count(n) for n in (999, 1234, 1_130_000, 2.5e9)] == ["999", "1.23k", "1.13M", "2.5G"]
+    assert [duration(s) for s in (5, 75, 3725)] == ["5s", "1m15s", "1h02m"]
+
+
+def write_group(folder: Path, sha: str | None, peers: list[int], status: str = "ok") -> None:
+    folder.mkdir(parents=True)
+    rows = [{"step": 1, "loss": 5.0}] + [{"step": 5 * (i + 1), "outer_step": i, "num_peers": p} for i, p in
+                                          enumerate(peers)]  # fmt: skip
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"status": status, "steps": 20, "outer_steps": 4, "final_eval_loss": 2.51234, "params_sha256": sha}
+    (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def test_verdict_counts_rounds_and_says_whether_the_models_match(tmp_path: Path) -> None:
+    write_group(tmp_path / "worker-0", "a" * 64, [2, 1, 0, 2])
+    write_group(tmp_path / "worker-1", "a" * 64, [2, 2, 2, 2])
+    table = verdict([read_group(tmp_path / f"worker-{i}") for i in range(2)])
+    lines = table.splitlines()
+    assert [cell.strip() for cell in lines[0].split("|")] == ["group", "status", "inner steps", "outer steps",
+                                                              "rounds ok/alone/failed", "final eval loss", "model"]
+    assert [cell.strip() for cell in lines[2].split("|")] == ["worker-0", "ok", "20", "4", "2/1/1", "2.5123",
+                                                              "a" * 12]  # fmt: skip
+    assert "2/1/1" in lines[2] and "4/0/0" in lines[3]
+    assert lines[-1].startswith("✓ all 2 worker groups ended with the same model")
+
+    write_group(tmp_path / "worker-2", "b" * 64, [2])
+    (tmp_path / "worker-3").mkdir()  # a group that wrote nothing (it crashed at start)
+    table = verdict([read_group(tmp_path / f"worker-{i}") for i in range(4)])
+    assert "worker-3 | no summary" in table
+    assert table.splitlines()[-1] == (
+        f"✗ the worker groups did not end with the same model (worker-0, worker-1: {'a' * 12}; "
+        f"worker-2: {'b' * 12}; worker-3: none)"
+    )

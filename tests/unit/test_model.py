@@ -1,0 +1,62 @@
+"""Model folders in and out."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from diloco.errors import UsageError
+from diloco.model import decoder_layers, load_model, params_sha256, save_hf
+from tests.support.paths import ROOT, TINY_MODEL
+
+
+def sha(model: torch.nn.Module) -> str:
+    return params_sha256(list(model.named_parameters()))
+
+
+def test_shipped_configs_match_their_description() -> None:
+    tiny = load_model(TINY_MODEL, seed=0).config
+    assert (tiny.hidden_size, tiny.num_hidden_layers, tiny.num_attention_heads) == (64, 2, 2)
+    assert (tiny.intermediate_size, tiny.vocab_size) == (256, 1024)
+    big = load_model(ROOT / "tests" / "models" / "llama-14m-fresh", seed=0)
+    assert 12e6 < sum(p.numel() for p in big.parameters()) < 16e6
+
+
+def test_fresh_init_is_deterministic_by_seed() -> None:
+    assert sha(load_model(TINY_MODEL, seed=1)) == sha(load_model(TINY_MODEL, seed=1))
+    assert sha(load_model(TINY_MODEL, seed=1)) != sha(load_model(TINY_MODEL, seed=2))
+
+
+def test_export_round_trip_and_weights_are_loaded(tmp_path: Path) -> None:
+    model = load_model(TINY_MODEL, seed=3)
+    save_hf(model, model.state_dict(), tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert sha(reloaded) == sha(model)
+    # a folder with weights is loaded, not re-initialised, whatever the seed
+    assert sha(load_model(tmp_path / "out", seed=99)) == sha(model)
+
+
+def test_decoder_layers_are_the_repeated_blocks() -> None:
+    model = load_model(TINY_MODEL, seed=0)
+    layers = decoder_layers(model)
+    assert len(layers) == 2 and all(type(layer).__name__ == "LlamaDecoderLayer" for layer in layers)
+
+
+def test_params_sha256_sees_one_changed_bit() -> None:
+    model = load_model(TINY_MODEL, seed=0)
+    before = sha(model)
+    with torch.no_grad():
+        weight = next(model.parameters())
+        weight.view(-1)[0] = torch.nextafter(weight.view(-1)[0], torch.tensor(1.0))
+    assert sha(model) != before
+
+
+def test_corrupt_weights_are_a_usage_error(tmp_path: Path) -> None:
+    shutil.copy(TINY_MODEL / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UsageError, match="could not load the weights"):
+        load_model(tmp_path, seed=0)
