@@ -187,9 +187,8 @@ def places(*wanted: tuple[int, list[netns.Host] | None], work_dir: Path) -> Iter
     bootstrap DHT in this process (on the namespaces' bridge, or on loopback). All start at once, and are ready
     when this yields (a worker importing meanwhile would skew the timings); on leaving, whatever happened, every
     one of them is stopped."""
-    from diloco.swarm.records.dht import (
-        start_dht,  # hivemind only here (it forks the bootstrap DHTs from this process)
-    )
+    # hivemind only here (it forks the bootstrap DHTs from this process)
+    from diloco.swarm.records.dht import start_dht
 
     made: list[Place] = []
     try:

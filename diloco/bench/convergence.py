@@ -405,9 +405,8 @@ def fragment_runs(spec: ArmSpec, model: torch.nn.Module) -> list[list[tuple[int,
 
 
 def _codec(compression: str) -> object:
-    from diloco.swarm.rounds.codecs import (
-        WIRE_FORMATS,  # hivemind, for the codecs that wrap its quantizers
-    )
+    # hivemind, for the codecs that wrap its quantizers
+    from diloco.swarm.rounds.codecs import WIRE_FORMATS
 
     return WIRE_FORMATS[compression].tcp
 

@@ -76,9 +76,8 @@ def dht(
     setup_logging(0)
     warnings.showwarning = log_warning  # e.g. a readable identity file: one line, not Python's two
     HvConfig(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs)  # the same multiaddr checks as training
-    from diloco.swarm.records.dht import (
-        serve_dht,  # hivemind: only once the flags are valid
-    )
+    # hivemind: only once the flags are valid
+    from diloco.swarm.records.dht import serve_dht
 
     return serve_dht(identity, host_maddrs, announce_maddrs)  # its FieldErrors name this command's parameters
 
@@ -128,9 +127,8 @@ def status(
       1  no DHT peer answered at --hv.initial-peers
       2  bad flags
       3  no worker group of --hv.run-id published a status in the last 3 minutes"""
-    from diloco.cli import (
-        monitor,  # plain Python: hivemind only once the flags are valid
-    )
+    # plain Python: hivemind only once the flags are valid
+    from diloco.cli import monitor
 
     _HvFlags(hv={"initial_peers": initial_peers, "run_id": run_id, "swarm_key": swarm_key})
     if watch is not None and watch <= 0:
@@ -215,9 +213,8 @@ def plot(
 ) -> int:
     """Train and eval loss of every worker group against inner step and wall-clock, outer steps marked, in one
     PNG: `diloco plot runs/<name> -o loss.png`."""
-    from diloco.plot import (
-        plot_runs,  # plain Python until the folders are read: matplotlib only to draw
-    )
+    # plain Python until the folders are read: matplotlib only to draw
+    from diloco.plot import plot_runs
 
     if not run_dirs:
         raise UsageError("plot needs at least one RUN_DIR (a run folder holding metrics.jsonl files)")

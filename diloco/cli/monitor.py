@@ -115,9 +115,8 @@ def ctrl_c() -> Iterator[threading.Event]:
 
 def client(initial_peers: Sequence[str]) -> hivemind.DHT:
     """A client DHT peer (``hivemind.DHT``) bootstrapped from `initial_peers`; ``Unreachable`` when none answers."""
-    from diloco.swarm.records.dht import (
-        start_dht,  # hivemind, once the input is known to be good
-    )
+    # hivemind, once the input is known to be good
+    from diloco.swarm.records.dht import start_dht
 
     try:
         return start_dht(initial_peers=initial_peers, host_maddrs=[CLIENT_MADDR], announce_maddrs=[], client_mode=True)

@@ -65,9 +65,8 @@ def build_outer(
 
 def _join(config: Config, env: DistEnv, model: torch.nn.Module, device: torch.device, stop: Callable[[], bool],
           max_steps: int, tokens_per_step: int, run_dir: Path) -> DiLoCo:  # fmt: skip
-    from diloco.swarm.records.ownership import (
-        KEY_FILE,  # hivemind loads only when there is a swarm
-    )
+    # the swarm's modules load here, only when there is a swarm (start_peer's imports bring hivemind)
+    from diloco.swarm.records.ownership import KEY_FILE
     from diloco.swarm.rounds.digest import CanonicalDigest
     from diloco.swarm.start import start_peer
 
