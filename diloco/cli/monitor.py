@@ -183,9 +183,16 @@ def cells(record: Status, now: float) -> tuple[str, ...]:
     last = "-" if record.round_at is None else f"{record.round} {ago(now - record.round_at)}"
     peers = "-" if record.round_peers is None else str(record.round_peers)
     return (
-        str(record.world_rank), str(record.ranks), record.sharding or "-", step, str(record.outer_step), tokens, last,
-        peers, record.digest[:8] or "-", ago(now - record.heard_at), record.state,
+        str(record.world_rank), str(record.ranks), shown(record.sharding) or "-", step, str(record.outer_step), tokens,
+        last, peers, shown(record.digest[:8]) or "-", ago(now - record.heard_at), shown(record.state),
     )  # fmt: skip
+
+
+def shown(text: str, limit: int = 40) -> str:
+    """A peer's string as the table shows it: control characters (a terminal's escape sequences) as ``?``, at most
+    `limit` characters: what a stranger's record holds cannot move the cursor, clear the screen or widen the table."""
+    printable = "".join(c if c.isprintable() else "?" for c in text)
+    return printable if len(printable) <= limit else printable[: limit - 1] + "…"
 
 
 def ago(seconds: float) -> str:

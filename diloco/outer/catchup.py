@@ -97,18 +97,34 @@ class CatchUp:
             self._warned.add(record.token)
 
     def _valid(self, got: State | None) -> dict[str, Any] | None:
-        """The metadata of a downloaded state that fits this rank's shard, else None."""
+        """The metadata of a downloaded state that fits this rank's shard (``META``: each field of what
+        ``DiLoCo._current_state`` serves, of its type), else None."""
         if got is None:
             return None
         meta, tensors = got
         try:
-            typed = all(isinstance(meta[k], t) for k, t in (("outer_step", int), ("step", int), ("digest", str)))
+            typed = isinstance(meta, dict) and all(meta.get(name) is not None and valid(meta[name])
+                                                   for name, valid in META.items())  # fmt: skip
             if typed and self.params.fits(tensors):
                 return meta
         except (IndexError, KeyError, TypeError, AttributeError, RuntimeError):
             pass
         self.rejected_states += 1  # an answer in full that is not a state of this model
         return None
+
+
+def _count(value: Any) -> bool:
+    """A whole number >= 0 that is not a bool (JSON keeps the two apart; Python's bool is an int)."""
+    return type(value) is int and 0 <= value < 2**63
+
+
+META: dict[str, Callable[[Any], bool]] = {  # what a served state's metadata holds, each field by its rule
+    "outer_step": _count,
+    "step": _count,
+    "digest": lambda value: isinstance(value, str) and len(value) <= 256,
+    "tainted": lambda value: isinstance(value, bool),
+    "world_rank": _count,
+}
 
 
 # ---------------------------------------------------------------- who holds the swarm's state

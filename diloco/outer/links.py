@@ -91,7 +91,8 @@ class Swarm(Protocol):
 
     @property
     def rejected_records(self) -> int:
-        """Records read so far and ignored for a missing or wrong swarm-key seal (0 in an open swarm)."""
+        """Records read so far and ignored: for a missing or wrong swarm-key seal, or for not being a valid record
+        (a field of the wrong type or out of range, a world rank its subkey does not name)."""
         ...
 
     @property

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
@@ -25,7 +26,7 @@ from diloco.swarm.records.progress import Progress
 from diloco.swarm.records.status import Status
 from diloco.swarm.records.swarm_key import SealedStore
 from diloco.swarm.rounds import transfer
-from diloco.swarm.rounds.group_round import GroupRounds, member_of
+from diloco.swarm.rounds.group_round import GroupRounds, announced
 from diloco.swarm.rounds.layout import group_layout
 from diloco.swarm.rounds.matchmaker import Matchmaker
 from diloco.swarm.rounds.report import RoundReport
@@ -82,6 +83,7 @@ class SwarmPeer:
         self._store_failed = False  # one warning, not one per heartbeat
         self._last_peers = 0  # groups in the last round that did not fail
         self.rejected_states = 0  # state downloads refused: short, malformed, unproven (``transfer.download``)
+        self.malformed: Counter[tuple[str, str, int]] = Counter()  # (DHT key, owner, world rank): entries not records
 
     def average(
         self,
@@ -137,7 +139,7 @@ class SwarmPeer:
         self._store_later(lambda: progress.publish(self.dht, self.progress_key, record, subkey, return_future=True))
 
     def records(self) -> list[Progress]:
-        return progress.read(self.dht, self.progress_key)
+        return progress.read(self.dht, self.progress_key, partial(self._malformed, self.progress_key))
 
     def publish_status(self, record: Status) -> None:
         """Returns at once: the DHT process stores it while training goes on; a failure is logged once."""
@@ -145,7 +147,14 @@ class SwarmPeer:
         self._store_later(lambda: status.publish(self.dht, self.status_key, record, subkey, return_future=True))
 
     def status_records(self) -> list[Status]:
-        return status.read(self.dht, self.status_key)
+        return status.read(self.dht, self.status_key, partial(self._malformed, self.status_key))
+
+    def _malformed(self, key: str, owner: str, world_rank: int) -> None:
+        """An owned entry under `key` that is not a record of its kind: counted per read, logged once per sender."""
+        self.malformed[key, owner, world_rank] += 1
+        if self.malformed[key, owner, world_rank] == 1:
+            log.warning("ignoring an entry under %s (owner %s, world rank %d) that is not a valid record: a "
+                        "stranger's, or a version that writes another form", key, owner, world_rank)  # fmt: skip
 
     def publish_tokens(self, record: RoundTokens) -> None:
         subkey = self._subkey(record.world_rank)
@@ -161,7 +170,7 @@ class SwarmPeer:
         one is older than ``TOKENS_READ_S`` (so the caller, an inner step, never waits for the network)."""
         if self._reading is not None and self._reading.done():
             try:
-                self._tokens = budget.parse(self._reading.result())
+                self._tokens = budget.parse(self._reading.result(), partial(self._malformed, self.tokens_key))
             except Exception:  # noqa: BLE001 - a failed read: keep the last records, try again
                 pass
             self._reading = None
@@ -197,7 +206,8 @@ class SwarmPeer:
 
     @property
     def rejected_records(self) -> int:
-        return self.dht.rejected_total if isinstance(self.dht, SealedStore) else 0
+        sealed = self.dht.rejected_total if isinstance(self.dht, SealedStore) else 0
+        return sealed + sum(self.malformed.values())
 
     def alive(self, peer_id: str) -> bool:
         try:
@@ -210,10 +220,9 @@ class SwarmPeer:
         self.rounds.listener.serve(service.magic, service)
 
     def download_state(self, record: Progress, rank: int) -> State | None:
-        try:  # a record of another version, or garbage: no state from it
-            source = member_of({"shape": record.shape, "endpoints": record.endpoints, "weight": 0.0})
-        except (TypeError, ValueError, KeyError) as e:
-            log.debug("the progress record of group %d names no reachable shape (%s)", record.world_rank, e)
+        source = announced({"shape": record.shape, "endpoints": record.endpoints, "weight": 0.0})
+        if source is None:  # a record of another version, or garbage: no state from it
+            log.debug("the progress record of group %d names no reachable shape", record.world_rank)
             return None
         layouts = group_layout(self.rounds.model_shapes, source.shape)
         return transfer.download(self.rounds.layout, layouts, source.endpoints, self.request_timeout,

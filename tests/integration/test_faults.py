@@ -453,3 +453,30 @@ def test_a_group_that_dies_or_stops_with_a_round_in_flight_resumes_and_matches(
     # the resumed group, behind at its first round after the restart, sat that round out rather than mix a
     # pseudo-gradient of older parameters into it
     assert divergent_rounds(dirs) == {}
+
+
+@pytest.mark.slow
+def test_a_strangers_malformed_records_change_nothing(tmp_path: Path, dht_peer: list[str]) -> None:
+    """In an open swarm a stranger stores, under its own signed subkey, entries that are not records: a progress
+    record settled at outer step 10**6 with no peer id (its first peer would be read to ask whether it lives), one
+    whose outer step is a string, one with lists for digest and token, a status record and a round-token record of
+    the wrong types. Both honest groups join, train and end on one model; the entries are ignored, counted
+    (`rejected_records`) and warned about once per key."""
+    dirs, logs = [tmp_path / f"w{i}" for i in range(2)], [tmp_path / f"w{i}.log" for i in range(3)]
+    steps = ["--max-steps", "30", "--hv.run-id", "garbage"]
+    procs = [start_hostile(["malformed", "garbage", "2", "2", "600", "mean"], dht_peer, logs[2])]
+    try:
+        wait_for(lambda: "stored a malformed entry" in logs[2].read_text(), 120, "the malformed entries", procs,
+                 logs[2:])  # fmt: skip
+        procs.insert(0, start_group(group_args(0, 2, dht_peer, dirs[0], *steps), logs[0]))
+        procs.insert(1, start_group(group_args(1, 2, dht_peer, dirs[1], *steps, "--seed", "7"), logs[1]))
+        finish(procs[:2], logs[:2], timeout=300)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    finals = [summary(d) for d in dirs]
+    assert all(s["status"] == "ok" for s in finals), finals
+    assert len({s["params_sha256"] for s in finals}) == 1 and all(s["rejected_records"] >= 1 for s in finals), finals
+    said = [log.read_text() for log in logs[:2]]
+    assert all(0 < text.count("that is not a valid record") <= 3 for text in said), said  # once per key
+    assert not any("Traceback" in text for text in said)

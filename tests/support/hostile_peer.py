@@ -25,7 +25,11 @@ or, taking part in no round:
   stored again under the group's own subkey, altered (outer step 10**6, naming the listener above) with a later
   expiry; the same under the plain subkey "<world rank>" (no owner); and a record of this peer's own claiming the
   world rank (the group's token copied; outer step 0, not settled). Its DHT peer signs its own records and checks
-  nobody's, as an attacker's would.
+  nobody's, as an attacker's would;
+- ``malformed``: for ROUNDS seconds, every 2 s, entries of its own (signed, under WORLD_RANK) that are not records:
+  a progress record that is settled at outer step 10**6 with no peer id, one whose outer step is a string and one
+  whose digest and token are lists; a status record whose fields have the wrong types; a round-token record of
+  another form.
 
 Usage: python -m tests.support.hostile_peer ATTACK MODEL_DIR RUN_ID GALAXY_SIZE WORLD_RANK ROUNDS AGGREGATION
 INITIAL_PEER...
@@ -47,6 +51,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from diloco.model import load_model
 from diloco.swarm.records import status
 from diloco.swarm.records.addresses import announced_hosts
+from diloco.swarm.records.budget import tokens_key
 from diloco.swarm.records.dht import rendezvous, start_dht
 from diloco.swarm.records.fingerprint import ModelId, model_id, run_key
 from diloco.swarm.records.ownership import Owner
@@ -201,6 +206,25 @@ def claim(dht, owner: Owner, run: str, world_rank: int, seconds: float) -> None:
         server.close()
 
 
+def malformed(dht, owner: Owner, run: str, run_id: str, world_rank: int, seconds: float) -> None:
+    """The ``malformed`` attack (see the module's docstring)."""
+    progress = {"world_rank": world_rank, "outer_step": FORGED_STEP, "step": 1, "digest": "f" * 64, "tainted": False,
+                "settled": True, "token": uuid.uuid4().hex, "peers": []}  # fmt: skip
+    entries = [
+        (progress_key(run), progress),
+        (progress_key(run), progress | {"outer_step": "x", "peers": [dht.peer_id.to_base58()]}),
+        (progress_key(run), progress | {"digest": ["f"], "token": [1, 2], "peers": [dht.peer_id.to_base58()]}),
+        (status.status_key(run_id), {"world_rank": world_rank, "ranks": "two", "state": ["training"], "step": None}),
+        (tokens_key(run_id), {"world_rank": world_rank, "outer_step": 0, "tokens": "many"}),
+    ]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for key, value in entries:  # one at a time: each read of the key sees the last one stored
+            dht.store(key, subkey=owner.subkey(world_rank), value=value, expiration_time=time.time() + 60)
+            print(f"stored a malformed entry under {key}", flush=True)
+            time.sleep(2.0 / len(entries))
+
+
 def heartbeat(dht, owner: Owner, run_id: str, model: ModelId, world_rank: int, done: threading.Event) -> None:
     """A status record of a one-rank group in training on `model`, refreshed every ``status.HEARTBEAT_S`` until
     `done` (no transport or outer setting: as a trainer from before those fields, which any group accepts)."""
@@ -224,8 +248,10 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
     owner = Owner.ephemeral()
     validator = Lenient(owner.validator._private_key) if attack == "claim" else owner.validator
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], validator=validator)
-    if attack in ("forge", "claim"):
+    if attack in ("forge", "claim", "malformed"):
         try:
+            if attack == "malformed":
+                return malformed(dht, owner, run_key(run_id, model), run_id, world_rank, rounds)
             return (forge if attack == "forge" else claim)(dht, owner, run_key(run_id, model), world_rank, rounds)
         finally:
             dht.shutdown()

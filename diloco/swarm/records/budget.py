@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from diloco.swarm.records.ownership import owned_entries
+from diloco.swarm.records.ownership import Refused, owned_records
 from diloco.swarm.records.progress import Store
 
 TOKENS_TTL = 60.0  # seconds a record lives without a refresh
@@ -65,6 +65,7 @@ class RoundTokens:
             return None
         numbers = (record.tokens, record.tokens_per_s, record.at)
         ints = isinstance(record.world_rank, int) and isinstance(record.outer_step, int)
+        ints = ints and isinstance(record.closed, bool)
         finite = all(isinstance(n, (int, float)) and math.isfinite(n) and n >= 0 for n in numbers)
         return record if ints and finite else None
 
@@ -80,11 +81,10 @@ def publish(dht: Store, key: str, record: RoundTokens, subkey: str, **kwargs: An
     return dht.store(key, subkey=subkey, value=record.to_dict(), expiration_time=expires, **kwargs)
 
 
-def parse(found: Any) -> list[RoundTokens]:
-    """The records of a ``get(key, latest=True)`` answer (entries that are not records, have no owner, or claim
-    another world rank than their subkey are skipped)."""
-    records = ((rank, RoundTokens.from_dict(value)) for _, rank, value in owned_entries(found))
-    return [record for rank, record in records if record is not None and record.world_rank == rank]
+def parse(found: Any, refused: Refused | None = None) -> list[RoundTokens]:
+    """The records of a ``get(key, latest=True)`` answer (``ownership.owned_records``: entries that are not records
+    are skipped, and `refused` is told of them)."""
+    return [record for _, record in owned_records(found, RoundTokens.from_dict, refused)]
 
 
 def swarm_tokens(records: Iterable[RoundTokens], mine: RoundTokens, now: float) -> float:

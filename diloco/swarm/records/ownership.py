@@ -20,9 +20,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from diloco.errors import UsageError
 
@@ -117,3 +117,26 @@ def owned_entries(found: Any) -> Iterator[tuple[str, int, Any]]:
         match = _OWNED.match(subkey) if isinstance(subkey, str) else None
         if match is not None:
             yield owner_id(match.group(2)), int(match.group(1)), getattr(entry, "value", None)
+
+
+R = TypeVar("R")
+Refused = Callable[[str, int], None]  # told (owner id, world rank) of an owned entry that is not a valid record
+
+
+def owned_records(found: Any, parse: Callable[[Any], R | None], refused: Refused | None = None
+                  ) -> list[tuple[str, R]]:  # fmt: skip
+    """(owner id, record) of each owned entry (``owned_entries``) that `parse` reads as a record of the world rank its
+    subkey names. Every other owned entry (a stranger's garbage, a version that writes another form, a record of
+    another world rank than its subkey's) is skipped and `refused` is told: reading never raises on what a peer
+    stored."""
+    records = []
+    for owner, world_rank, value in owned_entries(found):
+        try:
+            record = parse(value)
+        except Exception:  # noqa: BLE001 - a parser that did not foresee some input: a refusal, not a crash
+            record = None
+        if record is not None and getattr(record, "world_rank", None) == world_rank:
+            records.append((owner, record))
+        elif refused is not None:
+            refused(owner, world_rank)
+    return records

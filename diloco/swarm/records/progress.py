@@ -11,10 +11,10 @@ Plain Python: the DHT is any object with hivemind's `store` / `get`, so importin
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
 
-from diloco.swarm.records.ownership import owned_entries
+from diloco.swarm.records.ownership import Refused, owned_records
 
 PROGRESS_TTL = 24 * 3600.0  # seconds a group's progress record lives without a refresh (it refreshes every round)
 
@@ -63,13 +63,35 @@ class Progress:
 
     @classmethod
     def from_dict(cls, data: Any) -> Progress | None:
-        """A record read back from the DHT; None when it is not one (another version, garbage)."""
-        try:
-            lists = {key: tuple(data.get(key, ())) for key in ("shape", "endpoints")}
-            record = cls(**{**data, **lists, "peers": tuple(data["peers"])})
-        except (TypeError, KeyError, AttributeError):
+        """A record read back from the DHT; None when it is not one (another version, garbage, a stranger's
+        malformed one): every field of its type and in its range, at least one peer id, nothing else."""
+        if not isinstance(data, dict) or not REQUIRED <= set(data) <= FIELDS:
             return None
-        return record if all(isinstance(p, str) for p in record.peers) else None
+        ints = all(_count(data[name]) for name in ("world_rank", "outer_step", "step"))
+        flags = all(isinstance(data.get(name, False), bool) for name in ("tainted", "settled", "done"))
+        texts = all(_text(data[name]) for name in ("digest", "token"))
+        peers = data["peers"]
+        peers_ok = isinstance(peers, (list, tuple)) and 0 < len(peers) <= MAX_PEERS and all(map(_text, peers))
+        lists = all(isinstance(data.get(name, ()), (list, tuple)) for name in ("shape", "endpoints"))
+        if not (ints and flags and texts and peers_ok and lists):
+            return None
+        tuples = {name: tuple(data.get(name, ())) for name in ("peers", "shape", "endpoints")}
+        return cls(**{**data, **tuples})
+
+
+FIELDS = {f.name for f in fields(Progress)} - {"owner"}  # what a record holds: a value with any other key is refused
+REQUIRED = {f.name for f in fields(Progress) if f.default is MISSING}
+MAX_TEXT = 256  # characters of a digest, a token or a peer id (a sha256 is 64, a peer id about 50)
+MAX_PEERS = 2**16  # ranks of a group
+
+
+def _count(value: Any) -> bool:
+    """A whole number >= 0 that is not a bool (JSON and msgpack keep the two apart; Python's bool is an int)."""
+    return type(value) is int and 0 <= value < 2**63
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and len(value) <= MAX_TEXT
 
 
 # ---------------------------------------------------------------- in the DHT
@@ -97,12 +119,8 @@ def publish(dht: Store, key: str, record: Progress, subkey: str, **kwargs: Any) 
     return dht.store(key, subkey=subkey, value=record.to_dict(), expiration_time=expires, **kwargs)
 
 
-def read(dht: Store, key: str) -> list[Progress]:
-    """Every group's latest record under `key`, with its owner (entries that are not records, have no owner, or
-    claim another world rank than their subkey are skipped)."""
-    records = []
-    for owner, world_rank, value in owned_entries(dht.get(key, latest=True)):
-        record = Progress.from_dict(value)
-        if record is not None and record.world_rank == world_rank:
-            records.append(replace(record, owner=owner))
-    return records
+def read(dht: Store, key: str, refused: Refused | None = None) -> list[Progress]:
+    """Every group's latest record under `key`, with its owner (``ownership.owned_records``: entries that are not
+    records are skipped, and `refused` is told of them)."""
+    return [replace(record, owner=owner) for owner, record in owned_records(dht.get(key, latest=True),
+                                                                            Progress.from_dict, refused)]  # fmt: skip

@@ -17,7 +17,7 @@ import time
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-from diloco.swarm.records.ownership import owned_entries
+from diloco.swarm.records.ownership import Refused, owned_records
 from diloco.swarm.records.progress import Store
 
 STATUS_TTL = 180.0  # seconds a status record lives without a refresh: a dead group leaves the table after this
@@ -130,10 +130,8 @@ def publish(dht: Store, key: str, record: Status, subkey: str, **kwargs: Any) ->
     return dht.store(key, subkey=subkey, value=record.to_dict(), expiration_time=expires, **kwargs)
 
 
-def read(dht: Store, key: str) -> list[Status]:
-    """Every group's latest record under `key`, by world rank (entries that are not records, have no owner, or
-    claim another world rank than their subkey are skipped)."""
-    records = (
-        (world_rank, Status.from_dict(value)) for _, world_rank, value in owned_entries(dht.get(key, latest=True))
-    )
-    return sorted((r for rank, r in records if r is not None and r.world_rank == rank), key=lambda r: r.world_rank)
+def read(dht: Store, key: str, refused: Refused | None = None) -> list[Status]:
+    """Every group's latest record under `key`, by world rank (``ownership.owned_records``: entries that are not
+    records are skipped, and `refused` is told of them)."""
+    found = owned_records(dht.get(key, latest=True), Status.from_dict, refused)
+    return sorted((record for _, record in found), key=lambda r: r.world_rank)

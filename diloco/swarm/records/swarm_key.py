@@ -124,7 +124,9 @@ class SwarmKey:
         sealed_until = body.get(EXPIRY_FIELD)
         if not isinstance(sealed_until, (int, float)) or expires > sealed_until + EXPIRY_SLACK_S:
             return None
-        if not self.check(value.get(MAC_FIELD), "record", key.encode(), subkey.encode(), _canonical(body)):
+        canonical = _canonical(body)
+        mac = value.get(MAC_FIELD)
+        if canonical is None or not self.check(mac, "record", key.encode(), subkey.encode(), canonical):
             return None
         return {k: v for k, v in body.items() if k != EXPIRY_FIELD}
 
@@ -138,12 +140,18 @@ class SwarmKey:
         if not isinstance(entry, dict):
             return None
         body = {k: v for k, v in entry.items() if k != MAC_FIELD}
-        return body if self.check(entry.get(MAC_FIELD), "member", _canonical(body)) else None
+        canonical = _canonical(body)
+        return body if canonical is not None and self.check(entry.get(MAC_FIELD), "member", canonical) else None
 
 
-def _canonical(value: Any) -> bytes:
-    """One byte string per value, however the DHT's serializer handed it back (tuples come back as lists)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+def _canonical(value: Any) -> bytes | None:
+    """One byte string per value, however the DHT's serializer handed it back (tuples come back as lists); None for
+    a value that has none (bytes, keys of mixed types, nesting deeper than Python's recursion limit: what a peer
+    without the key may send, whose seal then fails without raising)."""
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    except (TypeError, ValueError, RecursionError):
+        return None
 
 
 def _bytes(mac: bytes | str) -> bytes:

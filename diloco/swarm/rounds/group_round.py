@@ -206,6 +206,7 @@ class GroupRounds:
         self.layout = group_layout(self.model_shapes, shape)[rank]  # this rank's part of the canonical vector
         self.transport, self.connect, self.tunnel = transport, connect, tunnel
         self.fragments = [list(f) for f in fragments] if fragments else None
+        self.malformed = 0  # announcements left out of rounds for a form this version cannot read
 
     def close(self) -> None:
         """Stop taking connections (the tunnel's streams first)."""
@@ -270,20 +271,35 @@ class GroupRounds:
                             "averaging without them", left_out)  # fmt: skip
             me = sum(entry is not None for entry in signed[:me])
             gathered, group_id = [entry for entry in signed if entry is not None], self.key.round_secret(group_id)
-        kept = abreast([entry.get("outer_step") if isinstance(entry, dict) else None for entry in gathered], round_index)
+        # every member reads the same announcements alike, so all leave out the same unreadable ones
+        parsed = [announced(entry) for entry in gathered]
+        valid = [i for i, member in enumerate(parsed) if member is not None]
+        if len(valid) < len(parsed):
+            self.malformed += len(parsed) - len(valid)
+            warn = log.warning if self.malformed == len(parsed) - len(valid) else log.debug  # (once, then debug)
+            warn("averaging: %d group(s) in this round announced themselves in a form this version cannot read "
+                 "(another version, or a stranger); averaging without them", len(parsed) - len(valid))  # fmt: skip
+        if me not in valid:  # (this group's own announcement: never)
+            return None, len(gathered), False, False
+        gathered, parsed, me = [gathered[i] for i in valid], [parsed[i] for i in valid], valid.index(me)
+        kept = abreast([entry.get("outer_step") for entry in gathered], round_index)
         if me not in kept:
             log.warning("averaging: this group is at outer step %s, others in the round at a later one: it sits the "
                         "round out and applies nothing", outer_step)  # fmt: skip
             return None, len(gathered), False, True
-        gathered, me = [gathered[i] for i in kept], kept.index(me)
-        try:
-            members = tuple(member_of(entry) for entry in gathered)
-        except (TypeError, ValueError, KeyError) as e:  # another version, or a bad actor: no round with them
-            log.warning("averaging: a group announced itself in a form this version cannot read (%s)", e)
-            return None, len(gathered), False, False
+        members, me = tuple(parsed[i] for i in kept), kept.index(me)
         if len(members) < 2:
             return None, len(members), True, False  # alone among strangers: as a round of one
         return RoundInfo(group_id, members, me, sealed=self.key is not None), len(members), True, False
+
+
+def announced(entry: object) -> Member | None:
+    """A group's matchmaking announcement (``member_of``), or None when it cannot be read as one: whatever a peer
+    announces, reading it never raises."""
+    try:
+        return member_of(entry)
+    except Exception:  # noqa: BLE001 - TypeError, ValueError, KeyError, OverflowError, ...: not an announcement
+        return None
 
 
 def member_of(entry: object) -> Member:

@@ -172,7 +172,7 @@ def connect(endpoint: Endpoint, timeout: float, handshake: Handshake | None = No
             sock = socket.create_connection((host, port), timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return handshake(sock) if handshake is not None else sock
-        except OSError as e:
+        except (OSError, ValueError, OverflowError) as e:  # (a host name no resolver takes, a port out of range)
             errors.append(f"{host}:{port}: {e}")
     raise ConnectionError(f"could not connect: {'; '.join(errors) or 'no address'}")
 

@@ -217,7 +217,12 @@ def _answer_key(key: SwarmKey, asked: bytes, answered: bytes) -> bytes:
 
 
 def _meta(header: bytes) -> dict[str, Any]:
-    meta = json.loads(header.decode())
+    """A state's metadata as a source sent it: a JSON object (its fields are the outer loop's to check:
+    ``diloco.outer.catchup``); anything else is a ValueError, and the answer is refused."""
+    try:
+        meta = json.loads(header.decode())
+    except RecursionError:  # nesting deeper than Python's recursion limit: a hostile answer, not a state
+        raise ValueError("metadata nested too deep") from None
     if not isinstance(meta, dict):
         raise ValueError("metadata that is not an object")
     return meta
