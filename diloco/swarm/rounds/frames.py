@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import socket
 import struct
+import time
 
 import torch
 from cryptography.exceptions import InvalidTag
@@ -29,18 +30,66 @@ NONCE_SIZE = 16  # the responder's fresh nonce in a sealed handshake
 _COUNTER_BYTES = 12
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        received = sock.recv_into(view)
-        if received == 0:
-            raise ConnectionError("connection closed by the peer")
-        view = view[received:]
+class PastDeadline(TimeoutError):
+    """A connection's absolute deadline passed (the peer may still be sending, a byte at a time)."""
 
 
-def recv_length(sock: socket.socket) -> int:
+def _bound(sock: socket.socket, deadline: float | None, step: float | None) -> None:
+    """Let the socket's next call wait at most its per-call `step` and never past `deadline` (monotonic)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise PastDeadline("the connection's deadline passed")
+    sock.settimeout(left if step is None else min(step, left))
+
+
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from `sock`. Each call waits at most the socket's timeout; with `deadline` (``time.monotonic()``),
+    all of it ends by then, however the peer paces its bytes (``PastDeadline``)."""
+    step = sock.gettimeout()
+    try:
+        while view:
+            _bound(sock, deadline, step)
+            received = sock.recv_into(view)
+            if received == 0:
+                raise ConnectionError("connection closed by the peer")
+            view = view[received:]
+    finally:
+        if deadline is not None:
+            _restore(sock, step)
+
+
+def send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
+    """``sock.sendall(data)``, ended by `deadline` (``time.monotonic()``) too when given (``PastDeadline``): a peer
+    that reads a byte at a time cannot hold the sender past it."""
+    step = sock.gettimeout()
+    view = memoryview(data).cast("B")
+    try:
+        while view:
+            _bound(sock, deadline, step)
+            if deadline is None:
+                sock.sendall(view)
+                return
+            # a slice at a time, so that the deadline is checked between them (sendall's timeout is per call)
+            sent = sock.send(view[: 2**20])
+            view = view[sent:]
+    finally:
+        if deadline is not None:
+            _restore(sock, step)
+
+
+def _restore(sock: socket.socket, timeout: float | None) -> None:
+    try:
+        sock.settimeout(timeout)
+    except OSError:  # closed meanwhile (an abort)
+        pass
+
+
+def recv_length(sock: socket.socket, deadline: float | None = None) -> int:
     """The length header of the next message."""
     header = bytearray(LENGTH.size)
-    recv_exact(sock, memoryview(header))
+    recv_exact(sock, memoryview(header), deadline)
     return LENGTH.unpack(header)[0]
 
 
@@ -90,11 +139,13 @@ class Frames:
     """Length-prefixed messages over a connected socket; sealed when given the keys (``seal_keys``) of this end:
     the one it sends under and the one it receives under. Each direction may be used by one thread at a time.
 
-    Every call returns or adds the bytes it moved on the wire, headers and tags included.
+    Every call returns or adds the bytes it moved on the wire, headers and tags included. With a `deadline`
+    (``time.monotonic()``; it may be set later), every call ends by then (``PastDeadline``).
     """
 
-    def __init__(self, sock: socket.socket, send_key: bytes | None = None, receive_key: bytes | None = None):
-        self.sock = sock
+    def __init__(self, sock: socket.socket, send_key: bytes | None = None, receive_key: bytes | None = None,
+                 deadline: float | None = None):  # fmt: skip
+        self.sock, self.deadline = sock, deadline
         self._out = None if send_key is None else _Seal(send_key)
         self._in = None if receive_key is None else _Seal(receive_key)
         self.overhead = LENGTH.size + (TAG_SIZE if self._in is not None else 0)
@@ -104,13 +155,13 @@ class Frames:
         view = memoryview(data).cast("B")
         if self._out is not None:
             view = self._out.seal(view)
-        self.sock.sendall(LENGTH.pack(view.nbytes))
-        self.sock.sendall(view)
+        send_all(self.sock, LENGTH.pack(view.nbytes), self.deadline)
+        send_all(self.sock, view, self.deadline)
         return LENGTH.size + view.nbytes
 
     def receive(self, max_bytes: int) -> memoryview:
         """The next message, refused (ValueError) when longer than `max_bytes` or, sealed, when its seal fails."""
-        length = recv_length(self.sock) - (self.overhead - LENGTH.size)
+        length = recv_length(self.sock, self.deadline) - (self.overhead - LENGTH.size)
         if not 0 <= length <= max_bytes:
             raise ValueError(f"a message of {length} bytes, at most {max_bytes} expected")
         data = torch.empty(length, dtype=torch.uint8)
@@ -119,15 +170,15 @@ class Frames:
 
     def receive_into(self, view: memoryview) -> None:
         """The next message straight into `view`, which it must fill exactly."""
-        length = recv_length(self.sock) - (self.overhead - LENGTH.size)
+        length = recv_length(self.sock, self.deadline) - (self.overhead - LENGTH.size)
         if length != view.nbytes:
             raise ValueError(f"a message of {length} bytes, {view.nbytes} expected")
         self._read(view)
 
     def _read(self, out: memoryview) -> None:
         if self._in is None:
-            recv_exact(self.sock, out)
+            recv_exact(self.sock, out, self.deadline)
             return
         sealed = self._in.buffer(out.nbytes + TAG_SIZE)
-        recv_exact(self.sock, sealed)
+        recv_exact(self.sock, sealed, self.deadline)
         self._in.open_into(sealed, out)
