@@ -5,18 +5,23 @@ What it does, everywhere a group meets others:
 - **DHT keys.** The run id is suffixed with a tag derived from the key (``SwarmKey.run_id``), so matchmaking,
   progress, status and token records of a keyed swarm sit under keys that nobody without the key can name, and a
   group without it (or with another key) never finds the keyed groups.
-- **Records.** Every record a group stores in the DHT carries an HMAC-SHA256 over its DHT key, subkey, expiry and
-  value (``SealedStore``); records without a valid one are dropped on reading, counted, and logged once per
-  sender. The expiry is under the MAC, so an old record replayed cannot outlive the newer one it would shadow.
-- **Rounds.** Groups announce themselves in matchmaking with a MAC (``sign_member``, ``member_signed``), and the
-  key of a round's TCP handshake is derived from the round's group id *and* the swarm key (``round_secret``): a
-  stranger who slipped into a round can neither send nor receive a part.
-- **State downloads.** Request and answer carry MACs (``diloco.swarm.rounds.transfer``); the state's bytes are checked
-  against the digest in the authenticated metadata.
+- **Records.** Every record a group stores in the DHT is stored as its JSON bytes (expiry included) and an
+  HMAC-SHA256 over its DHT key, subkey and those bytes (``SealedStore``); the MAC is checked before the bytes are
+  parsed, and records without a valid one are dropped on reading, counted, and logged once per sender. The expiry
+  is under the MAC, so an old record replayed cannot outlive the newer one it would shadow.
+- **Rounds.** Groups announce themselves in matchmaking sealed alike, the MAC binding the announcement to the round
+  and to the announcing peer (``sign_member``, ``member_signed``), and the key of a round's TCP handshake is derived
+  from the round's group id *and* the swarm key (``round_secret``): a stranger who slipped into a round can neither
+  send nor receive a part.
+- **State downloads.** The source challenges the request with a nonce of its own and checks its MAC before reading
+  more than a header (``diloco.swarm.rounds.transfer``); the state's bytes are checked against the digest its owner
+  signed in its progress record.
+- **Encryption.** The parts and averages of a round and a downloaded state are sealed with AES-256-GCM under keys
+  derived from the swarm key and both ends' nonces (``diloco.swarm.rounds.frames``), over either transport; ``p2pd``
+  encrypts every stream besides (libp2p's noise). DHT records and announcements are authenticated, not encrypted:
+  their keys name nothing without the swarm key, but a DHT peer of the swarm can read what they say.
 
-What it does not do: encrypt. Over ``--hv.transport tcp`` the averaged bytes and downloaded states travel in the
-clear (anyone on the path can read them, not alter them unnoticed past the handshake); ``p2pd`` encrypts every
-stream (libp2p's noise). Plain Python, no torch.
+Plain Python, no torch.
 """
 
 from __future__ import annotations
@@ -41,7 +46,10 @@ log = logging.getLogger("diloco")
 
 KEY_BYTES = 32
 MAC_FIELD = "mac"
+BODY_FIELD = "sealed"
+SEALED_FIELDS = {BODY_FIELD, MAC_FIELD}  # a sealed value is exactly these: its JSON bytes and their MAC
 EXPIRY_FIELD = "sealed_until"
+MAX_SEALED_BYTES = 2**16  # a record or an announcement is a few hundred bytes
 EXPIRY_SLACK_S = 1e-3  # an expiry read back from the DHT may differ from the sealed one by float rounding
 
 
@@ -94,6 +102,7 @@ class SwarmKey:
         return digest.digest()
 
     def check(self, mac: object, purpose: str, *parts: bytes) -> bool:
+        """Whether `mac` (bytes, or hex) is the MAC of `parts` for `purpose`; False for anything else."""
         return isinstance(mac, (bytes, str)) and hmac.compare_digest(_bytes(mac), self.mac(purpose, *parts))
 
     @property
@@ -112,46 +121,53 @@ class SwarmKey:
     # ------------------------------------------------------------------ records
 
     def seal(self, key: str, subkey: str, value: dict[str, Any], expires: float) -> dict[str, Any]:
-        sealed = {**value, EXPIRY_FIELD: expires}
-        return {**sealed, MAC_FIELD: self.mac("record", key.encode(), subkey.encode(), _canonical(sealed)).hex()}
+        """`value` with its expiry, as the bytes the MAC covers and the MAC (``SEALED_FIELDS``)."""
+        body = _canonical({**value, EXPIRY_FIELD: expires})
+        return {BODY_FIELD: body, MAC_FIELD: self.mac("record", key.encode(), subkey.encode(), body)}
 
     def opened(self, key: str, subkey: str, value: Any, expires: float) -> dict[str, Any] | None:
         """The value of a sealed record, without its seal; None when the seal is missing or wrong, or the record
-        claims a later expiry than it was sealed with."""
-        if not isinstance(value, dict):
+        claims a later expiry than it was sealed with. The MAC is checked over the raw bytes before anything is
+        parsed, so what a peer without the key stores is never parsed here."""
+        body = self._checked(value, "record", key.encode(), subkey.encode())
+        if body is None:
             return None
-        body = {k: v for k, v in value.items() if k != MAC_FIELD}
-        sealed_until = body.get(EXPIRY_FIELD)
-        if not isinstance(sealed_until, (int, float)) or expires > sealed_until + EXPIRY_SLACK_S:
+        sealed_until = body.pop(EXPIRY_FIELD, None)
+        if type(sealed_until) not in (int, float) or expires > sealed_until + EXPIRY_SLACK_S:
             return None
-        canonical = _canonical(body)
-        mac = value.get(MAC_FIELD)
-        if canonical is None or not self.check(mac, "record", key.encode(), subkey.encode(), canonical):
-            return None
-        return {k: v for k, v in body.items() if k != EXPIRY_FIELD}
+        return body
 
     # ------------------------------------------------------------------ matchmaking announcements
 
-    def sign_member(self, entry: dict[str, Any]) -> dict[str, Any]:
-        return {**entry, MAC_FIELD: self.mac("member", _canonical(entry)).hex()}
+    def sign_member(self, entry: dict[str, Any], *context: bytes) -> dict[str, Any]:
+        """A group's announcement, sealed; `context` (the round, the announcing peer) is under the MAC but not in the
+        announcement: a reader must give the same to ``member_signed``, so an announcement replayed into another
+        round, or by another peer, fails."""
+        body = _canonical(entry)
+        return {BODY_FIELD: body, MAC_FIELD: self.mac("member", *context, body)}
 
-    def member_signed(self, entry: Any) -> dict[str, Any] | None:
-        """A group's matchmaking announcement without its MAC; None when it carries no valid one."""
-        if not isinstance(entry, dict):
+    def member_signed(self, entry: Any, *context: bytes) -> dict[str, Any] | None:
+        """A group's matchmaking announcement without its seal; None when it carries no valid one for `context`."""
+        return self._checked(entry, "member", *context)
+
+    def _checked(self, sealed: Any, purpose: str, *context: bytes) -> dict[str, Any] | None:
+        """The JSON object under a seal (``seal``, ``sign_member``) whose MAC over `context` and the raw body holds;
+        None for anything else (another form, a wrong MAC, a body that is not a JSON object)."""
+        if not isinstance(sealed, dict) or set(sealed) != SEALED_FIELDS:
             return None
-        body = {k: v for k, v in entry.items() if k != MAC_FIELD}
-        canonical = _canonical(body)
-        return body if canonical is not None and self.check(entry.get(MAC_FIELD), "member", canonical) else None
+        body, mac = sealed[BODY_FIELD], sealed[MAC_FIELD]
+        if not isinstance(body, bytes) or len(body) > MAX_SEALED_BYTES or not self.check(mac, purpose, *context, body):
+            return None
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError):  # (a key holder's bug: members seal only what ``_canonical`` wrote)
+            return None
+        return value if isinstance(value, dict) else None
 
 
-def _canonical(value: Any) -> bytes | None:
-    """One byte string per value, however the DHT's serializer handed it back (tuples come back as lists); None for
-    a value that has none (bytes, keys of mixed types, nesting deeper than Python's recursion limit: what a peer
-    without the key may send, whose seal then fails without raising)."""
-    try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
-    except (TypeError, ValueError, RecursionError):
-        return None
+def _canonical(value: Any) -> bytes:
+    """One byte string per value: what a seal covers (tuples and lists alike, keys sorted)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
 
 
 def _bytes(mac: bytes | str) -> bytes:
