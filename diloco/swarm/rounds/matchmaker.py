@@ -133,11 +133,12 @@ class Matched:
 @dataclass(frozen=True)
 class Match:
     """A group formed by ``Matchmaker.match``: its secret id, what each member gathered (in the group's order, the
-    same for every member) and this peer's place in it."""
+    same for every member), this peer's place in it, and each member's peer id (base58, in that order)."""
 
     group_id: bytes
     gathered: list[object]
     index: int
+    peers: tuple[str, ...] = ()
 
 
 class Matchmaker:
@@ -229,7 +230,7 @@ class Matchmaker:
             size = int(self._averager.stats.group_size)
             return None, RoundReport(size, time.monotonic() - started, 0, 0, False)
         peers = [peer.to_base58() for peer in gathered]
-        match = Match(self.matched_id(), list(gathered.values()), peers.index(self.peer_id))
+        match = Match(self.matched_id(), list(gathered.values()), peers.index(self.peer_id), tuple(peers))
         return match, RoundReport(len(peers), time.monotonic() - started, 0, 0, True)
 
     def matched_id(self) -> bytes:
