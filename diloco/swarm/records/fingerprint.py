@@ -18,6 +18,10 @@ from dataclasses import dataclass
 import torch
 
 FINGERPRINT_CHARS = 12  # hex characters: enough to tell models apart, short enough for a DHT key
+# The version of what groups exchange: records, announcements, the rounds' and downloads' wire formats and the state
+# digest. It is part of `run_key`, so groups of different versions never meet (they could not average or load each
+# other's states); raised whenever one of those formats changes.
+PROTOCOL = 2
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,6 @@ def model_id(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> ModelId:
 
 
 def run_key(run_id: str, model: ModelId | None) -> str:
-    """The stem of every DHT key that only groups of `model` share (matchmaking, progress); the status key stays
-    the run's, so onlookers and the check above see every group."""
-    return f"{run_id}-{model.fingerprint}" if model else run_id
+    """The stem of every DHT key that only groups of `model` and of this `PROTOCOL` share (matchmaking, progress,
+    token records); the status key stays the run's, so onlookers and the check above see every group."""
+    return f"{run_id}-{model.fingerprint}-p{PROTOCOL}" if model else f"{run_id}-p{PROTOCOL}"
