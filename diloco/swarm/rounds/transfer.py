@@ -12,18 +12,24 @@ digest in that metadata (``diloco.swarm.rounds.digest``), which proves every ran
 Wire protocol, one connection per (downloading rank, source rank), opened by the downloader on the source rank's
 ``listener.Listener``:
 
-* request: ``MAGIC``, the number of runs (u32), then each run's canonical ``[start, stop)`` (u64, u64);
+* request: ``MAGIC``, the number of runs (u32, at most ``MAX_RUNS``), then each run's canonical ``[start, stop)``
+  (u64, u64);
 * answer: the metadata as JSON (u32 length first), the number of tensors (u8: the outer parameters, and the
   momentum once there is one), then per tensor the float32 values of every run, in the order asked;
 * end: the downloader closes, then the source (``tcp.await_close``).
 
 In an open swarm anyone who reaches the listener may download the state, as with hivemind's own state download.
-With a swarm key (``diloco.swarm.records.swarm_key``) the request opens with ``KEYED_MAGIC`` and a random nonce, and
-ends with a MAC of nonce and runs. The answer is the source's own random nonce, then sealed messages
+With a swarm key (``diloco.swarm.records.swarm_key``) the source answers ``KEYED_MAGIC`` with a random nonce of its
+own; the downloader sends its random nonce, the number of runs and a MAC of both nonces and that number, which the
+source checks before it reads any run; then the runs and a MAC of everything. The answer is sealed messages
 (``diloco.swarm.rounds.frames``) under a key derived from the swarm key and both nonces: the metadata, the number of
 tensors, and the values in messages of at most ``CHUNK`` bytes. So only key holders download, only from key
-holders, nobody on the path reads or alters the state, and the caller's digest check still proves the ranks got
-one state whole.
+holders, nobody on the path reads or alters the state, a recorded request fails the next source nonce, a stranger
+gets no more than 56 bytes read, and the caller's digest check still proves the ranks got one state whole.
+
+What a request costs the source is bounded: the copy of the state it answers from is shared by every request
+served while it is in use and the state has not changed (``SharedCopies``), and every request ends by a deadline
+(``StateService``), as does every download.
 """
 
 from __future__ import annotations
@@ -34,28 +40,34 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Sequence
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from diloco.swarm.records.swarm_key import SwarmKey
 from diloco.swarm.rounds import tcp
-from diloco.swarm.rounds.frames import Frames, bytes_of, recv_exact, seal_keys
+from diloco.swarm.rounds.frames import Frames, bytes_of, recv_exact, seal_keys, send_all
 from diloco.swarm.rounds.layout import RankLayout
 from diloco.swarm.rounds.tcp import Endpoint
 
 log = logging.getLogger("diloco")
 
 MAGIC = b"DLS1"
-KEYED_MAGIC = b"DLK2"  # (DLK1: before the answers were sealed)
+KEYED_MAGIC = b"DLK3"  # (DLK2: the request's MAC came after its runs, and it had no source nonce)
 NONCE_BYTES = 16
 CHUNK = 2**20  # bytes of values per sealed message
 COUNT = struct.Struct("!I")
 RUN = struct.Struct("!QQ")
 TENSORS = struct.Struct("!B")
-MAX_RUNS = 2**20
+# runs of one request: one or a few per parameter tensor of the source rank's shard, so a model needs far fewer;
+# it bounds what an open request makes the source read (1 MiB)
+MAX_RUNS = 2**16
+RUNS_READ = 2**16  # bytes of runs read at a time: the buffer grows with what the peer sent, not with what it claims
 MAX_META_BYTES = 2**16
+MIN_RATE = 2**20  # bytes/s: a reader or sender slower than this over a whole answer is cut off at its deadline
 
 State = tuple[dict[str, Any], list[torch.Tensor]]  # (metadata, [outer parameters, momentum?]) of one rank
 Run = tuple[int, int, int]  # canonical start, stop, and where the values go in the downloader's buffer
@@ -77,17 +89,44 @@ def requests(me: RankLayout, source: Sequence[RankLayout]) -> dict[int, list[Run
     return asked
 
 
+class SharedCopies:
+    """Copies of a rank's state tensors, taken once and shared by every request served while any of them still
+    holds the copy and the state has not changed since (``changed``): N concurrent downloads, however slow their
+    readers, cost one copy, not N. A copy nobody holds is freed at once. Call under the state's lock."""
+
+    def __init__(self) -> None:
+        self.version, self.copies = 0, 0  # changes seen; copies taken (how many copies the requests cost)
+        self._of, self._held = -1, []  # the version of the last copy, weak references to its tensors
+
+    def changed(self) -> None:
+        """The state changed: the next request takes a new copy."""
+        self.version += 1
+
+    def get(self, copy: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The current copy, taken with `copy()` unless one of this version is still held."""
+        held = [ref() for ref in self._held]
+        if self._of == self.version and held and all(tensor is not None for tensor in held):
+            return held
+        tensors = copy()
+        self._of, self._held, self.copies = self.version, [weakref.ref(tensor) for tensor in tensors], self.copies + 1
+        return tensors
+
+
 class StateService:
     """Answers state downloads on this rank's ``listener.Listener`` (``listener.serve(MAGIC, service)``).
 
     :param layout: this rank's; a run is served when it lies inside one of the runs this rank holds.
-    :param provider: this rank's current state (copies, taken at one moment).
-    :param timeout: seconds any single read or write of a connection may take.
+    :param provider: this rank's current state (taken at one moment); a provider that copies a large state should
+        share its copies (``SharedCopies``): it is called once per request.
+    :param timeout: seconds any single read or write of a connection may take, and the whole request.
     :param key: the swarm key; None: an open swarm (serve under ``MAGIC``, else under ``KEYED_MAGIC``: ``magic``).
+    :param min_rate: bytes/s: each answer ends by `timeout` + its bytes / `min_rate` after it starts, and a
+        downloader reading slower is cut off (its download fails: "PastDeadline" at debug level).
     """
 
-    def __init__(self, layout: RankLayout, provider: Callable[[], State], timeout: float, key: SwarmKey | None = None):
-        self.held, self.provider, self.timeout, self.key = layout.held, provider, timeout, key
+    def __init__(self, layout: RankLayout, provider: Callable[[], State], timeout: float, key: SwarmKey | None = None,
+                 min_rate: float = MIN_RATE):  # fmt: skip
+        self.held, self.provider, self.timeout, self.key, self.min_rate = layout.held, provider, timeout, key, min_rate
         self.magic = MAGIC if key is None else KEYED_MAGIC
         self._starts = [p.start for p in layout.held]
 
@@ -100,45 +139,57 @@ class StateService:
 
     def __call__(self, conn: socket.socket) -> None:
         conn.settimeout(self.timeout)
-        nonce = bytes(_receive(conn, NONCE_BYTES)) if self.key is not None else b""
-        count_bytes = bytes(_receive(conn, COUNT.size))
-        (count,) = COUNT.unpack(count_bytes)
-        if count > MAX_RUNS:
-            raise ValueError(f"{count} runs asked")
-        data = bytes(_receive(conn, count * RUN.size))
-        if self.key is not None and not self.key.check(bytes(_receive(conn, tcp.MAC_SIZE)), "state-ask", nonce,
-                                                       count_bytes + data):  # fmt: skip
-            raise ConnectionError("a state request without this swarm's key")
-        asked = [RUN.unpack_from(data, i * RUN.size) for i in range(count)]
-        places = [(self.local(start, stop), stop - start) for start, stop in asked]
+        deadline = time.monotonic() + self.timeout  # the request; the answer gets its own by its size
+        if self.key is None:
+            nonces, data = (b"", b""), _read_runs(conn, _count(_receive(conn, COUNT.size, deadline)), deadline)
+        else:
+            nonces, data = self._keyed_request(conn, deadline)
+        places = [(self.local(start, stop), stop - start) for start, stop in _runs(data)]
         meta, tensors = self.provider()
         header = json.dumps(meta).encode()
+        nbytes = sum(numel for _, numel in places) * 4 * len(tensors)
+        deadline = time.monotonic() + self.timeout + nbytes / self.min_rate  # a slow reader is cut off here
         values = (bytes_of(tensor.reshape(-1)[local : local + numel]) for tensor in tensors for local, numel in places)
         if self.key is None:
-            conn.sendall(COUNT.pack(len(header)) + header + TENSORS.pack(len(tensors)))
+            send_all(conn, COUNT.pack(len(header)) + header + TENSORS.pack(len(tensors)), deadline)
             for view in values:
-                conn.sendall(view)
+                send_all(conn, view, deadline)
         else:
-            ours = os.urandom(NONCE_BYTES)
-            conn.sendall(ours)
-            frames = Frames(conn, send_key=_answer_key(self.key, nonce, ours))
+            frames = Frames(conn, send_key=_answer_key(self.key, *nonces), deadline=deadline)
             frames.send(header)
             frames.send(TENSORS.pack(len(tensors)))
             for view in values:
                 for at in range(0, view.nbytes, CHUNK):
                     frames.send(view[at : at + CHUNK])
-        tcp.await_close(conn, self.timeout)  # the downloader closes first: see ``await_close``
+        del tensors, values  # (a copy nobody holds is freed: see ``SharedCopies``)
+        tcp.await_close(conn, max(0.0, min(self.timeout, deadline - time.monotonic())))
+
+    def _keyed_request(self, conn: socket.socket, deadline: float) -> tuple[tuple[bytes, bytes], bytes]:
+        """((the downloader's nonce, ours), the runs' bytes) of a keyed request, proven before its runs are read."""
+        ours = os.urandom(NONCE_BYTES)
+        send_all(conn, ours, deadline)
+        head = bytes(_receive(conn, NONCE_BYTES + COUNT.size + tcp.MAC_SIZE, deadline))
+        theirs, count_bytes, mac = head[:NONCE_BYTES], head[NONCE_BYTES:-tcp.MAC_SIZE], head[-tcp.MAC_SIZE :]
+        if not self.key.check(mac, "state-ask", ours, theirs, count_bytes):  # a stranger, or a replayed request
+            raise ConnectionError("a state request without this swarm's key")
+        data = _read_runs(conn, _count(count_bytes), deadline)
+        if not self.key.check(bytes(_receive(conn, tcp.MAC_SIZE, deadline)), "state-runs", ours, theirs, count_bytes,
+                              data):  # fmt: skip
+            raise ConnectionError("a state request whose runs fail their MAC")
+        return (theirs, ours), data
 
 
 def download(
     me: RankLayout, source: Sequence[RankLayout], endpoints: Sequence[Endpoint], timeout: float,
     connect: tcp.Connect = tcp.connect, key: SwarmKey | None = None, refused: Callable[[str], None] | None = None,
+    min_rate: float = MIN_RATE,
 ) -> State | None:
     """This rank's outer state (in `me`'s layout) from the ranks of a group laid out as `source`, reached at
     `endpoints` (in rank order) through `connect`, authenticated with the swarm `key` if any. None when a rank does
     not answer in full, the answers describe different states, or (with a key) a rank cannot prove it holds it;
     `refused(why)` is told of each answer refused (one that came, but short, malformed, unproven or unlike the
-    others': not an unreachable rank)."""
+    others': not an unreachable rank). All of it ends by one deadline: `timeout` per rank asked, plus the state's
+    bytes (momentum included) at `min_rate` bytes/s, so sources that pace their bytes cannot hold it longer."""
     outer = torch.empty(me.local_numel)
     made: list[list[torch.Tensor]] = []  # the outer parameters, and the momentum once an answer has one
 
@@ -151,16 +202,18 @@ def download(
             raise ValueError("another state than the other ranks'")
         return made[0]
 
+    asked = requests(me, source) or {0: []}  # a rank that holds nothing still needs the meta
+    deadline = time.monotonic() + timeout * len(asked) + 2 * 4 * me.local_numel / min_rate
     meta: dict[str, Any] | None = None
-    for rank, runs in (requests(me, source) or {0: []}).items():  # a rank that holds nothing still needs the meta
+    for rank, runs in asked.items():
         try:
-            conn = connect(endpoints[rank], timeout, None)
+            conn = connect(endpoints[rank], max(0.0, min(timeout, deadline - time.monotonic())), None)
         except OSError as e:
             log.debug("state download: rank %d unreachable: %s: %s", rank, type(e).__name__, e)
             return None
         try:
-            got = _fetch(conn, runs, timeout, buffers, key)
-        except (OSError, ValueError, UnicodeDecodeError) as e:
+            got = _fetch(conn, runs, timeout, buffers, key, deadline)
+        except (OSError, ValueError, UnicodeDecodeError) as e:  # (PastDeadline is a TimeoutError)
             return _refuse(refused, f"rank {rank}'s answer: {type(e).__name__}: {e}")
         if meta is not None and got != meta:
             return _refuse(refused, f"rank {rank} sent another state than the others")
@@ -175,33 +228,33 @@ def _refuse(refused: Callable[[str], None] | None, why: str) -> None:
 
 
 def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callable[[int], list[torch.Tensor]],
-           key: SwarmKey | None = None) -> dict[str, Any]:  # fmt: skip
-    """Ask one source rank, connected on `sock` (closed after), for `runs`; its values go into ``buffers(count)`` at
-    the runs' places."""
+           key: SwarmKey | None = None, deadline: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Ask one source rank, connected on `sock` (closed after), for `runs`, by `deadline` (``time.monotonic()``);
+    its values go into ``buffers(count)`` at the runs' places."""
     sock.settimeout(timeout)
     try:
-        asked = COUNT.pack(len(runs)) + b"".join(RUN.pack(start, stop) for start, stop, _ in runs)
+        count = COUNT.pack(len(runs))
+        asked = b"".join(RUN.pack(start, stop) for start, stop, _ in runs)
         if key is None:
-            nonce, request = b"", MAGIC + asked
-        else:
-            nonce = os.urandom(NONCE_BYTES)
-            request = KEYED_MAGIC + nonce + asked + key.mac("state-ask", nonce, asked)
-        sock.sendall(request)
-        if key is None:
-            (length,) = COUNT.unpack(_receive(sock, COUNT.size))
+            send_all(sock, MAGIC + count + asked, deadline)
+            (length,) = COUNT.unpack(_receive(sock, COUNT.size, deadline))
             if length > MAX_META_BYTES:
                 raise ValueError(f"metadata of {length} bytes")
-            meta = _meta(bytes(_receive(sock, length)))
-            (count,) = TENSORS.unpack(_receive(sock, TENSORS.size))
-            for tensor in buffers(count):
+            meta = _meta(bytes(_receive(sock, length, deadline)))
+            (tensors,) = TENSORS.unpack(_receive(sock, TENSORS.size, deadline))
+            for tensor in buffers(tensors):
                 for start, stop, local in runs:
-                    recv_exact(sock, bytes_of(tensor[local : local + stop - start]))
+                    recv_exact(sock, bytes_of(tensor[local : local + stop - start]), deadline)
             return meta
+        send_all(sock, KEYED_MAGIC, deadline)
+        theirs, ours = bytes(_receive(sock, NONCE_BYTES, deadline)), os.urandom(NONCE_BYTES)
+        proof = key.mac("state-ask", theirs, ours, count)
+        send_all(sock, ours + count + proof + asked + key.mac("state-runs", theirs, ours, count, asked), deadline)
         # a source without the key fails the first seal: "a message that fails its seal"
-        frames = Frames(sock, receive_key=_answer_key(key, nonce, bytes(_receive(sock, NONCE_BYTES))))
+        frames = Frames(sock, receive_key=_answer_key(key, ours, theirs), deadline=deadline)
         meta = _meta(bytes(frames.receive(MAX_META_BYTES)))
-        (count,) = TENSORS.unpack(frames.receive(TENSORS.size))
-        for tensor in buffers(count):
+        (tensors,) = TENSORS.unpack(frames.receive(TENSORS.size))
+        for tensor in buffers(tensors):
             for start, stop, local in runs:
                 view = bytes_of(tensor[local : local + stop - start])
                 for at in range(0, view.nbytes, CHUNK):
@@ -228,7 +281,30 @@ def _meta(header: bytes) -> dict[str, Any]:
     return meta
 
 
-def _receive(sock: socket.socket, size: int) -> memoryview:
+def _receive(sock: socket.socket, size: int, deadline: float | None = None) -> memoryview:
     data = bytearray(size)
-    recv_exact(sock, memoryview(data))
+    recv_exact(sock, memoryview(data), deadline)
     return memoryview(data)
+
+
+def _count(count_bytes: bytes | memoryview) -> int:
+    """The number of runs a request announces; ValueError past ``MAX_RUNS``."""
+    (count,) = COUNT.unpack(count_bytes)
+    if count > MAX_RUNS:
+        raise ValueError(f"{count} runs asked (at most {MAX_RUNS})")
+    return count
+
+
+def _read_runs(sock: socket.socket, count: int, deadline: float) -> bytes:
+    """The `count` runs of a request, read a slice at a time: a peer that claims many and sends few costs few."""
+    data, left = bytearray(), count * RUN.size
+    while left:
+        part = _receive(sock, min(left, RUNS_READ), deadline)
+        data += part
+        left -= part.nbytes
+    return bytes(data)
+
+
+def _runs(data: bytes) -> Iterator[tuple[int, int]]:
+    for at in range(0, len(data), RUN.size):
+        yield RUN.unpack_from(data, at)
