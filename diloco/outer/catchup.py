@@ -9,10 +9,13 @@ swarm) converge again on one state.
 
 A group that joins, falls behind or finds its state unlike the swarm's asks the groups that hold a better one
 (`sources`, best first). Every rank of the group downloads its own shard of the state from
-the same source; the group takes it only when every rank got one and the same state in full and the ranks' parts
-add up to the digest it was served with (`diloco.swarm.rounds.digest`). Answers refused again and again (a stranger's
-forged record, a state of another model) are skipped until their group moves on (`Refused`),
-so they can neither keep a group from starting nor hold it at its boundaries.
+the same source; the group takes it only when every rank got one and the same state in full, that state is the one
+the source's owner signed in its progress record (its outer step and digest: what `sources` ranked it by, not what
+the source says of it when asked), and the ranks' parts add up to that digest (`diloco.swarm.rounds.digest`, which
+nobody can forge). A group whose record lags its state (it took an outer step after this group read its record) is
+refused this once: the group tries the next holder, again a second later when joining, or at its next boundary.
+Answers refused again and again (a stranger's forged record, a state of another model) are skipped until their
+group moves on (`Refused`), so they can neither keep a group from starting nor hold it at its boundaries.
 
 Loading the state it returns is the caller's (``diloco.outer.diloco.DiLoCo``): the parameters, the digest and the
 served metadata change under one lock there.
@@ -50,7 +53,7 @@ class CatchUp:
 
     def __init__(self, swarm: Swarm, group: Group, params: OuterOptimizer, digester: Digest) -> None:
         self.swarm, self.group, self.params, self.digester = swarm, group, params, digester
-        self.rejected_states = 0  # downloaded states that did not fit this rank's shard, or not their digest
+        self.rejected_states = 0  # downloaded states that did not fit this rank's shard, or not the record's
         self.refused = Refused()  # (the same on every rank: what the group refused together)
         self._warned: set[str] = set()  # tokens of the groups whose state could not be loaded, warned about
 
@@ -61,22 +64,30 @@ class CatchUp:
         return self.refused.prune(plan)
 
     def fetch(self, plan: list[list[Progress]]) -> Found | None:
-        """Collective: download the state of the first group of `plan` that sends every rank the same state, whole
-        (not loaded yet). None when no group could."""
+        """Collective: download the state of the first group of `plan` that sends every rank the state its record
+        names, whole (not loaded yet). None when no group could."""
         for holders in plan:
             for record in holders:
                 before = self.refusals_here
                 got = self.swarm.download_state(record, self.group.rank)
                 meta = self._valid(got)
-                part = None if meta is None else self.digester.partial(got[1][0])
                 seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"], meta["digest"]))
-                parts = self.group.gather(part)
-                # every rank got one state, and all of it: the ranks' parts add up to the digest it was served with
                 whole = all(s is not None for s in seen) and len(set(seen)) == 1
-                if not whole or self.digester.combine(parts) != seen[0][2]:
-                    self._refused(record, whole, self.refusals_here > before)
-                    continue
-                return record, meta, got[1]
+                # the state its owner signed, not one the source names when asked; hashed only then (seconds for a
+                # large model) and on every rank together (`seen` is every rank's)
+                named = whole and (seen[0][0], seen[0][2]) == record.state
+                digest = self.digester.combine(self.group.gather(self.digester.partial(*got[1]))) if named else None
+                if digest == record.digest:
+                    return record, meta, got[1]  # every rank got all of the signed state
+                if not whole:
+                    why = "not every rank got it whole"
+                elif seen[0][0] != record.outer_step:  # (a lagging record, or a stranger's)
+                    why = f"it served outer step {seen[0][0]}, its record names outer step {record.outer_step}"
+                elif not named:
+                    why = "it served another digest than its record names"
+                else:
+                    why = "its values do not add up to its digest"
+                self._refused(record, whole, self.refusals_here > before, why)
         return None
 
     @property
@@ -84,16 +95,17 @@ class CatchUp:
         """State answers this rank refused: misfits here, the rest in the swarm's transfer."""
         return self.rejected_states + self.swarm.rejected_states
 
-    def _refused(self, record: Progress, whole: bool, refused_here: bool) -> None:
-        """Collective: a download from `record`'s group failed. An answer that came whole but does not add up to
-        its digest, or that a rank refused, counts against that state (`Refused`); one warning per group start."""
+    def _refused(self, record: Progress, whole: bool, refused_here: bool, why: str) -> None:
+        """Collective: a download from `record`'s group failed (`why`). An answer that came whole but is not the state
+        its record names or does not add up to its digest, or that a rank refused, counts against that state
+        (`Refused`); one warning per group start."""
         if self.group.sum(float(refused_here)) or whole:
             self.refused.note(record)
             if whole and self.group.is_main:
-                self.rejected_states += 1  # values that do not add up to the digest they were served with
+                self.rejected_states += 1  # not the signed state, or values that do not add up to its digest
         if self.group.is_main:
             warn = log.warning if record.token not in self._warned else log.debug
-            warn("could not load the state of worker group %d; trying the next", record.world_rank)
+            warn("could not load the state of worker group %d (%s); trying the next", record.world_rank, why)
             self._warned.add(record.token)
 
     def _valid(self, got: State | None) -> dict[str, Any] | None:

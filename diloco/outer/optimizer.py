@@ -141,14 +141,16 @@ class OuterOptimizer:
 
     # ------------------------------------------------------------------ the state other groups download
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The outer parameters and, once there is one, the momentum buffer: the state other groups download and its
+        digest covers (not copies: hold ``lock``)."""
+        momentum = self.optimizer.state.get(self.outer, {}).get("momentum_buffer")
+        return [self.outer] if momentum is None else [self.outer, momentum]
+
     def export(self) -> list[torch.Tensor]:
-        """Copies of the outer parameters and, once there is one, the momentum buffer."""
+        """Copies of `tensors`."""
         with self.lock:
-            tensors = [self.outer.clone()]
-            momentum = self.optimizer.state.get(self.outer, {}).get("momentum_buffer")
-            if momentum is not None:
-                tensors.append(momentum.clone())
-        return tensors
+            return [tensor.clone() for tensor in self.tensors()]
 
     def fits(self, tensors: list[torch.Tensor]) -> bool:
         """Whether `export()` of another group's same rank could have made `tensors`: one or two float32

@@ -26,7 +26,8 @@ class Progress:
     :param world_rank: the group's world rank.
     :param outer_step: outer steps applied to its outer parameters.
     :param step: inner steps done when the record was written.
-    :param digest: sha256 over the outer parameters of all its ranks (equal digests: identical states).
+    :param digest: the digest of its outer state, parameters and momentum, over all its ranks
+        (``diloco.swarm.rounds.digest``; equal digests: identical states).
     :param tainted: its last outer step was not a full average (it averaged alone, the round failed, or its
         ranks averaged with different peers).
     :param settled: it has joined the swarm (loaded the state or found it was the first), so others may

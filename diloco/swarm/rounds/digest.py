@@ -1,16 +1,24 @@
-"""Digests of a worker group's outer parameters that do not depend on how the group is sharded.
+"""Digests of a worker group's outer state (its outer parameters and momentum) that do not depend on how the group is
+sharded.
 
 Groups of any shape share one state after a round: their digests must be equal when their parameters are, whatever
 their number of ranks and sharding. A sha256 of each rank's shard is not (shards differ); a sha256 of the whole
-canonical vector would need it gathered on one rank. So the digest is a sum: each *unit* of the canonical vector
-gets a 128-bit hash that includes where it sits, and the group's digest is the sum of all units' hashes modulo
-2**128, to which each rank adds the units it owns. Any rank of any shape holds whole rows of every parameter (FSDP
-cuts dim 0, ``diloco.swarm.rounds.layout``), so a unit is one row: rows of at least ``ROW_BYTES`` bytes are hashed with
-sha256 (fast, one call per row), narrower ones value by value with a multiply-xorshift mix in torch (a bias, a
-norm's weight: a small share of any model). Of the replicas holding a row, the one whose exchanged slice holds the
-row's first value owns it, so every row counts exactly once in every group.
+canonical vector would need it gathered on one rank. So the digest is homomorphic: each *unit* of the canonical
+vector is hashed on its own, with where it sits, into a vector that the group adds up, each rank the units it owns.
+Any rank of any shape holds whole rows of every parameter (FSDP cuts dim 0, ``diloco.swarm.rounds.layout``), so a
+unit is one row (one value of a 1-D parameter). Of the replicas holding a row, the one whose exchanged slice holds
+the row's first value owns it, so every row counts exactly once in every group.
 
-The digest tells states apart and proves a download whole; it is no defence against a peer that forges states.
+The sum is LtHash (Lewi et al. 2019, "Securing update propagation with homomorphic hashing", the multiset hash
+family of Bellare and Micciancio): a row's hash is sha256 over a domain tag, the canonical index of its first value
+and its bytes, expanded by shake_128 to ``LANES`` 16-bit lanes; the group's lanes are the rows' added lane by lane
+modulo 2**16, and its digest is the sha256 of them (64 hex characters). Finding another state with the same lanes
+is a short-vector problem in a lattice of dimension ``LANES`` (about 200-bit security), where a plain sum of
+128-bit hashes falls to a generalized birthday search (Wagner) in about 2**16 work per 128 rows an attacker
+chooses. So equal digests prove equal states even against a source that forges them: a downloaded state is taken
+only when its digest is the one its owner signed (``diloco.outer.catchup``).
+Measured: 2.1 s for a 110M-value float32 state (237k rows) on 2 CPU cores, 3.4-4 s with the other core busy.
+Most of it is the expansion, about 5 us a row whatever its width; a rank of a sharded group hashes only its rows.
 """
 
 from __future__ import annotations
@@ -21,28 +29,24 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from diloco.swarm.rounds.layout import RankLayout
 
-ROW_BYTES = 64  # rows at least this wide get one sha256 each; narrower rows are mixed value by value
-MODULUS = 2**128
-_START = struct.Struct("!Q")
-_MASK64 = 2**64 - 1
-
-
-def _signed(constant: int) -> int:
-    return constant - 2**64 if constant >= 2**63 else constant
-
-
-_K1, _K2, _K3 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+LANES = 1024  # 16-bit lanes of a row's hash and of the sum (LtHash16: 2048 bytes)
+DOMAIN = b"diloco outer row\0"  # keeps these row hashes apart from any other sha256 of the same bytes
+BATCH_ROWS = 4096  # rows expanded before one numpy sum: 8 MiB of lanes
+_INDEX = struct.Struct("!Q")
+_LANE = np.dtype("<u2")  # the lanes' byte order, the same on every machine
 
 
 class Digest(Protocol):
     """A group's digest of its outer parameters, as the sum of its ranks' parts."""
 
-    def partial(self, values: torch.Tensor) -> Any:
-        """This rank's part, from its local buffer of outer parameters."""
+    def partial(self, *tensors: torch.Tensor) -> Any:
+        """This rank's part, from its local buffers of the outer state: the outer parameters, then the momentum when
+        there is one (a picklable object: the ranks gather it)."""
         ...
 
     def combine(self, parts: Iterable[Any]) -> str:
@@ -81,37 +85,44 @@ class CanonicalDigest:
                 if stop_row > skip:
                     self.runs.append((lo + skip * width, local + skip * width, width, stop_row - skip))
 
-    def partial(self, values: torch.Tensor) -> int:
-        """This rank's share of the group's digest, from its local buffer `values` (flat float32, CPU)."""
-        flat = values.detach().reshape(-1)
-        total = 0
-        for start, local, width, rows in self.runs:
-            run = flat[local : local + width * rows]
-            if width * 4 >= ROW_BYTES:
-                data = memoryview(run.contiguous().numpy()).cast("B")
-                for row in range(rows):
-                    h = hashlib.sha256(_START.pack(start + row * width))
-                    h.update(data[row * width * 4 : (row + 1) * width * 4])
-                    total += int.from_bytes(h.digest()[:16], "big")
-            else:  # a 64-bit sum, moved to the high half so that splitting it over ranks changes no carry
-                total += _mix_sum(run, start) << 64
-        return total % MODULUS
+    def partial(self, *tensors: torch.Tensor) -> bytes:
+        """This rank's share of the group's digest, from its local buffers (flat float32, CPU, all of one layout):
+        the outer parameters, then the momentum when there is one, each under a domain of its own. The sum of their
+        rows' lanes, ``2 * LANES`` bytes."""
+        total = np.zeros(LANES, dtype=_LANE)
+        expanded: list[bytes] = []
+        for which, values in enumerate(tensors):
+            flat = values.detach().reshape(-1).contiguous()
+            data = memoryview(flat.numpy()).cast("B")
+            size = flat.element_size()
+            domain = DOMAIN + bytes([which])  # a momentum row never hashes like a parameter row of the same bytes
+            for start, local, width, rows in self.runs:
+                row_bytes = width * size
+                at = local * size
+                for row in range(rows):  # sha256 reads the row (several times faster a byte than shake_128 here)
+                    key = hashlib.sha256(domain + _INDEX.pack(start + row * width))
+                    key.update(data[at : at + row_bytes])
+                    expanded.append(hashlib.shake_128(key.digest()).digest(2 * LANES))
+                    at += row_bytes
+                    if len(expanded) == BATCH_ROWS:
+                        total += _lane_sum(expanded)
+                        expanded.clear()
+        if expanded:
+            total += _lane_sum(expanded)
+        return total.tobytes()
 
     @staticmethod
-    def combine(parts: Iterable[int]) -> str:
-        """The group's digest from every rank's `partial` (any order)."""
-        return f"{sum(parts) % MODULUS:032x}"
+    def combine(parts: Iterable[bytes]) -> str:
+        """The group's digest from every rank's `partial` (any order): sha256 of their lanes' sum, hex."""
+        total = np.zeros(LANES, dtype=_LANE)
+        for part in parts:
+            total += np.frombuffer(part, dtype=_LANE, count=LANES)
+        return hashlib.sha256(total.tobytes()).hexdigest()
 
 
-def _mix_sum(values: torch.Tensor, start: int) -> int:
-    """Sum over the values of a 64-bit mix of (canonical index, float32 bits); int64 arithmetic wraps."""
-    bits = values.contiguous().view(torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)
-    z = torch.arange(start, start + values.numel(), dtype=torch.int64).mul_(_K1).bitwise_xor_(bits)
-    z.mul_(_K2)
-    z.bitwise_xor_(z.bitwise_right_shift(31).bitwise_and_(2**33 - 1))  # a logical shift: mask the sign's copies
-    z.mul_(_K3)
-    z.bitwise_xor_(z.bitwise_right_shift(29).bitwise_and_(2**35 - 1))
-    return int(z.sum()) & _MASK64
+def _lane_sum(expanded: list[bytes]) -> np.ndarray:
+    """The lane-wise sum modulo 2**16 of rows' expanded hashes (uint16 arithmetic wraps)."""
+    return np.frombuffer(b"".join(expanded), dtype=_LANE).reshape(-1, LANES).sum(axis=0, dtype=_LANE)
 
 
 class ShardDigest:
@@ -119,8 +130,11 @@ class ShardDigest:
     ``diloco.outer.diloco.DiLoCo`` without a digest): sha256 over the ranks' shard digests, in rank order."""
 
     @staticmethod
-    def partial(values: torch.Tensor) -> str:
-        return hashlib.sha256(memoryview(values.detach().reshape(-1).contiguous().numpy())).hexdigest()
+    def partial(*tensors: torch.Tensor) -> str:
+        digest = hashlib.sha256()
+        for values in tensors:
+            digest.update(memoryview(values.detach().reshape(-1).contiguous().numpy()).cast("B"))
+        return digest.hexdigest()
 
     @staticmethod
     def combine(parts: Iterable[str]) -> str:
