@@ -1,10 +1,12 @@
 """What the groups of a run must agree on, and the one line a group leaves with when it does not.
 
 Rank 0 of a joining group compares its model's fingerprint (``diloco.swarm.records.fingerprint``) with the status
-records (``diloco.swarm.records.status``) of the groups already there, and leaves with one line naming both sides
-when they differ: a second model under one run id is a mistake, and training on alone would hide it. The same goes
-for what else the groups of a run must share: the transport, the outer setting and the schedule (when rounds are due
-and the last inner step).
+records (``diloco.swarm.records.status``) of the groups already there, and in a keyed swarm leaves with one line
+naming both sides when they differ: only members can publish there, so a second model under one run id is an
+operator's mistake, and training on alone would hide it. The same goes for what else the groups of a run must
+share: the transport, the outer setting and the schedule (when rounds are due and the last inner step). In an open
+swarm anyone can publish a status record, so the same line is a warning and the group trains on
+(``DiLoCo.claim_world_rank``): a stranger's record must not stop groups.
 
 Plain Python over status records; no hivemind.
 """
@@ -65,10 +67,10 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
 def mismatch_error(
     other: Status, mine: ModelId, transport: str = "", outer: str = "", schedule: str = "", batch: str = ""
 ) -> FieldError:
-    """The one line a group leaves with when `rival_model` found `other` (naming ``run_id``, ``transport``, the
-    field of the schedule that differs, ``outer_lr`` or ``aggregation``). A schedule that differs comes first: what
-    ``auto`` picks for the outer step follows it, so it is the flag that really differs. `batch`: this group's
-    ``<total batch size>x<sequence length>`` (``Status.batch``)."""
+    """The one line a group leaves with (in an open swarm: warns with) when `rival_model` found `other` (naming
+    ``run_id``, ``transport``, the field of the schedule that differs, ``outer_lr`` or ``aggregation``). A schedule
+    that differs comes first: what ``auto`` picks for the outer step follows it, so it is the flag that really
+    differs. `batch`: this group's ``<total batch size>x<sequence length>`` (``Status.batch``)."""
     if not other.model:
         return FieldError(
             f"{{run_id}}: worker group {other.world_rank} runs a diloco from before model fingerprints, which cannot "

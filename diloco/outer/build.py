@@ -52,8 +52,8 @@ def build_outer(
     :param max_steps: the run's last inner step (it always ends with an outer step).
     :param tokens_per_step: tokens of one inner step of the group (all ranks): its weight under a token budget.
     :raises FieldError: bad input (an unreachable initial peer, a port in use, a world rank another running group
-        holds, another model or setting than the swarm's, an overlap longer than the rounds under a token budget),
-        naming config fields; nothing is left running.
+        holds, in a keyed swarm another model or setting than the swarm's, an overlap longer than the rounds under a
+        token budget), naming config fields; nothing is left running.
     """
     if config.hv.galaxy_size == 1:
         return NoOuter()
@@ -92,7 +92,7 @@ def _join(config: Config, env: DistEnv, model: torch.nn.Module, device: torch.de
         digest = CanonicalDigest(peer.rounds.model_shapes, peer.rounds.layout)  # equal for one state in any shape
         outer = _diloco(config, shards, peer, group, stop, max_steps, tokens_per_step, model_fingerprint,
                         outer_setting(config, tokens_per_step, max_steps), fragments, digest)  # fmt: skip
-        outer.claim_world_rank()
+        outer.claim_world_rank(keyed=hv.swarm_key is not None)
         if group.is_main:  # rank 0 meets the other groups for its whole group
             seen = peer.rendezvous(hv.world_rank, hv.galaxy_size, hv.averaging_timeout, stop)
             log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
@@ -117,7 +117,7 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
         )  # fmt: skip  (a fragment's round every N/F tokens)
     else:
         pace = FixedSteps(hv.local_steps // hv.fragments, max_steps)  # a fragment's round every H/F steps
-    return DiLoCo(
+    loop = DiLoCo(
         shards,
         swarm,
         group,
@@ -144,6 +144,9 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
                           tokens_per_step, hv.fragments, hv.overlap_steps),  # fmt: skip
         batch=f"{config.total_batch_size}x{config.seq_length}",
     )
+    if isinstance(pace, TokenBudget):  # a state the catch-up refused corroborates no claim of being ahead
+        pace.refused = loop.catchup.refused.skipped
+    return loop
 
 
 def _fragments(config: Config, model: torch.nn.Module) -> list[list[int]] | None:

@@ -6,8 +6,8 @@ the average of the groups' pseudo-gradients, and keeps every group on one state:
 before each round a group compares its progress record with the others' and downloads the outer state
 (parameters, momentum, outer step, and on joining the inner step count) from a group that is ahead or holds the
 swarm's state (`diloco.outer.catchup`: which group to ask, and whether what came is that state). So late joiners,
-resumed groups and groups whose round failed end bit-identical with the others. After the last inner step every group waits (bounded) until the live groups hold
-one final state, so all export one model.
+resumed groups and groups whose round failed end bit-identical with the others. After the last inner step every
+group waits (bounded) until the live groups hold one final state, so all export one model.
 
 It reaches the other groups only through the `Swarm` protocol (`diloco.outer.links`; `diloco.swarm.peer.SwarmPeer` in
 training, the in-memory `diloco.outer.memory` in tests and benches), and the other ranks of its own group through
@@ -41,6 +41,7 @@ from diloco.swarm.records.progress import Progress
 from diloco.swarm.records.status import Status
 from diloco.swarm.rounds.digest import Digest, ShardDigest
 from diloco.swarm.rounds.screening import all_finite
+from diloco.swarm.rounds.transfer import SharedCopies
 
 log = logging.getLogger("diloco")
 
@@ -72,7 +73,8 @@ class DiLoCo:
     :param pace: when outer steps are due and where the LR schedule stands (`diloco.outer.pace`); default:
         `FixedSteps(local_steps, final_step)`.
     :param tokens_per_step: tokens of one inner step of this group (all ranks), for the round rows.
-    :param model: this group's model fingerprint; a live group of another model makes `claim_world_rank` leave.
+    :param model: this group's model fingerprint; a live group of another model makes `claim_world_rank` leave (in
+        a keyed swarm) or warn.
     :param digest: how the ranks' outer shards add up to the group's digest (``diloco.swarm.rounds.digest``): equal in
         groups that hold one state; default: sha256 over the shards (groups of one shape only).
     :param fragments: with ``--hv.fragments F``: where each fragment's parameters sit in this rank's flat shard
@@ -141,6 +143,7 @@ class DiLoCo:
         self.claims = Claims(swarm, world_rank, self.token)
         self.peers = tuple(group.gather(swarm.peer_id))
         self.digester = digest or ShardDigest()
+        self.served = SharedCopies()  # the copy of the outer state that concurrent downloads share
         self.digest = ""
         self._update_digest()
         self.catchup = CatchUp(swarm, group, self.params, self.digester)
@@ -167,10 +170,14 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ joining the swarm
 
-    def claim_world_rank(self) -> None:
+    def claim_world_rank(self, keyed: bool = True) -> None:
         """Collective, before anything is written: two running groups with one world rank would train on one
         data shard and overwrite each other's progress record, so the later one leaves (a `FieldError` naming
-        `world_rank`); so does a group whose model differs from a live group's (naming `run_id`)."""
+        `world_rank`). A live group of another model or setting (`rival_model`) makes it leave too (naming
+        `run_id`, or the setting's field) when the swarm is `keyed`: only its members can publish there, so that is
+        an operator's mistake. In an open swarm (``keyed=False``) anyone can publish such a status record, and a
+        stranger must not stop groups with one: one warning line, and the group trains on (groups of another model
+        never average with it: the fingerprint is part of the matchmaking and progress keys)."""
         verdict = other_model = None
         if self.group.is_main:
             verdict = self.claims.rival()
@@ -183,7 +190,11 @@ class DiLoCo:
         verdict, other_model = self.group.broadcast((verdict, other_model))
         if other_model is not None:
             b = self.beacon
-            raise mismatch_error(other_model, self.model, b.transport, b.outer, b.schedule, b.batch)
+            error = mismatch_error(other_model, self.model, b.transport, b.outer, b.schedule, b.batch)
+            if keyed:
+                raise error
+            if self.group.is_main:
+                log.warning("%s (in an open swarm anyone can publish such a status record: training on)", error)
         if verdict is not None:
             raise FieldError(
                 f"{{world_rank}} {self.world_rank} is taken by a running worker group (peer {verdict}); give each "
@@ -435,9 +446,10 @@ class DiLoCo:
     # ------------------------------------------------------------------ progress and state transfer
 
     def _update_digest(self) -> None:
-        """Collective: the group's digest of its outer parameters."""
+        """Collective: the group's digest of its outer state (parameters and momentum: what a download loads)."""
         with self.params.lock:
-            self.digest = self.digester.combine(self.group.gather(self.digester.partial(self.params.outer)))
+            self.digest = self.digester.combine(self.group.gather(self.digester.partial(*self.params.tensors())))
+            self.served.changed()  # (every change of the outer state ends here)
 
     def _record(self) -> Progress:
         return Progress(
@@ -473,7 +485,7 @@ class DiLoCo:
                 "tainted": self.tainted,
                 "world_rank": self.world_rank,
             }
-            return meta, self.params.export()
+            return meta, self.served.get(self.params.export)
 
     def _load_from(self, plan: list[list[Progress]]) -> int | None:
         """Collective: load the outer state of the first group of `plan` that sends every rank the same state

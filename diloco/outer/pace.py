@@ -15,7 +15,18 @@ With ``--hv.fragments F`` a round averages one fragment, so both paces count fra
 N/F tokens of the swarm, each. The outer loop passes the round a group trains for as `outer_step`: its applied
 outer steps, plus one while an overlapped round is on the wire (that round's successor starts when it is sent).
 
-`diloco.outer.diloco.DiLoCo` asks its pace; neither knows the network beyond the `Swarm` protocol's token records.
+Under a token budget no record a stranger can write makes a round due sooner than the group's own tokens allow:
+other groups' tokens count up to a bound (``diloco.swarm.records.budget``), and a token record saying another group
+is ahead (it took, or sent, the outer step this group trains for) counts only when that group's progress record
+(same world rank and owner) corroborates it: settled, live, of a state this group has not refused, at this group's
+outer step or later and at most one round behind the claim (the round it may have on the wire); and only once this
+group trained as many tokens of the round as the bound on the others' lets a round be due (``budget.earliest``).
+Otherwise a stranger's record of a huge outer step would send the group to a round at every inner step, each an
+outer step of its own, and end its run early. A stranger that also keeps a progress record of its own and a live
+peer can still bring this group's rounds due at that bound, no earlier; a state it serves is refused by the
+catch-up as before (``diloco.outer.catchup``).
+
+`diloco.outer.diloco.DiLoCo` asks its pace; neither knows the network beyond the `Swarm` protocol's records.
 """
 
 from __future__ import annotations
@@ -33,8 +44,11 @@ from diloco.swarm.records.budget import RoundTokens
 
 if TYPE_CHECKING:
     from diloco.outer.links import Group, Swarm
+    from diloco.swarm.records.progress import Progress
 
 PUBLISH_S = 1.0  # rank 0 refreshes its round-token record at most this often
+CORROBORATE_S = 2.0  # while a token record says another group is ahead, its progress records are read this often
+CORROBORATE_PINGS = 3  # progress records ahead whose peers one such read asks whether they are alive, at most
 
 
 class Pace(Protocol):
@@ -121,6 +135,10 @@ class TokenBudget:
     :param tokens_per_step: tokens of one inner step of this group (all its ranks).
     :param max_steps: the run's length in inner steps of an average group.
     :param clock: wall-clock time (tests replace it).
+
+    `refused` says whether this group refused the state of a progress record too often to ask for it again
+    (``diloco.outer.catchup.Refused.skipped``; the builder sets the one of the group's catch-up): such a record
+    corroborates no claim of being ahead.
     """
 
     adopts_step = False  # groups run different numbers of inner steps: each keeps its own count
@@ -146,6 +164,10 @@ class TokenBudget:
         self.round_started = clock()
         self.rate = 0.0  # this group's tokens/s in its last round, until the current one has a step
         self.published_at = -math.inf
+        self.galaxy_size = galaxy_size
+        self.earliest = budget.earliest(target_tokens, galaxy_size)  # own tokens before which no round is due
+        self.refused: Callable[[Progress], bool] = lambda record: False
+        self.corroborated: tuple[int, float, bool] = (-1, -math.inf, False)  # (outer step, checked at, verdict)
 
     # ---------------------------------------------------------------- every inner step
 
@@ -161,13 +183,38 @@ class TokenBudget:
             self.rate = tokens / max(now - self.round_started, 1e-6)
         mine = RoundTokens(self.world_rank, outer_step, tokens, self.rate, now)
         records = self.swarm.token_records()
-        estimate = budget.swarm_tokens(records, mine, now)
-        due = estimate >= self.target_tokens or budget.ahead(records, mine) or outer_step >= self.final_outer_step
+        estimate = budget.swarm_tokens(records, mine, now, self.galaxy_size)
+        behind = tokens >= self.earliest and budget.ahead(records, mine) and self._corroborated(records, mine)
+        due = estimate >= self.target_tokens or behind or outer_step >= self.final_outer_step
         if due or now - self.published_at >= PUBLISH_S:
             # closed: this group waits in the round now; the others count its tokens as they are
             self.swarm.publish_tokens(replace(mine, closed=due))
             self.published_at = now
         return due, min(estimate / self.target_tokens, 1.0), estimate
+
+    def _corroborated(self, records: list[RoundTokens], mine: RoundTokens) -> bool:
+        """Rank 0: whether a group whose token record says it is past `mine`'s outer step (`budget.ahead`) shows it
+        in a progress record: of the same world rank of the galaxy and owner, settled, live, at this group's outer
+        step or later and at most one round (the one it may have on the wire) behind its claim, and of a state this
+        group has not refused. Read at most every `CORROBORATE_S` (the read and the pings are the network's)."""
+        step, checked_at, verdict = self.corroborated
+        if step == mine.outer_step and mine.at - checked_at < CORROBORATE_S:
+            return verdict
+        claims: dict[int, list[RoundTokens]] = {}
+        for r in records:
+            if r.outer_step > mine.outer_step and r.world_rank != mine.world_rank and r.world_rank < self.galaxy_size:
+                claims.setdefault(r.world_rank, []).append(r)
+
+        def shown(progress: Progress) -> bool:
+            return progress.settled and progress.outer_step >= mine.outer_step and not self.refused(progress) and any(
+                claim.owner in ("", progress.owner) and progress.outer_step >= claim.outer_step - 1
+                for claim in claims.get(progress.world_rank, ())
+            )  # fmt: skip  (a claim without an owner: the in-memory swarm's, which signs nothing)
+
+        candidates = sorted(filter(shown, self.swarm.records() if claims else ()), key=lambda r: r.outer_step)
+        verdict = any(self.swarm.alive(r.peers[0]) for r in candidates[:CORROBORATE_PINGS])  # the nearest first
+        self.corroborated = (mine.outer_step, mine.at, verdict)
+        return verdict
 
     # ---------------------------------------------------------------- rounds
 

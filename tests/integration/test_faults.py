@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.support.groups import SWARM, finish, group_args, outer_rows, start_group
-from tests.support.paths import ROOT, TORCHRUN
+from tests.support.paths import DILOCO, ROOT, TORCHRUN
 from tests.support.procs import FAST, child_env, metrics, summary
 from tests.support.swarm import descendants, kill_group, left_running
 
@@ -355,51 +355,80 @@ def test_a_sign_flipped_scaled_attacker_is_outvoted_by_a_robust_aggregation(
 
 
 @pytest.mark.slow
-def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(tmp_path: Path, dht_peer: list[str]) -> None:
-    """A group of a running swarm is never disturbed by a newcomer that got its flags wrong: one that takes the
-    same world rank (also with another number of ranks: whole groups of any shape share one progress key), or
-    trains another model (it never exchanged a byte with it), or another schedule (here --max-steps), leaves with
-    one line, exit 2, having written nothing."""
+@pytest.mark.parametrize("keyed", [False, True], ids=["open", "keyed"])
+def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(
+    tmp_path: Path, dht_peer: list[str], keyed: bool
+) -> None:
+    """A group of a running swarm is never disturbed by a newcomer that got its flags wrong. One that takes the
+    same world rank (also with another number of ranks: whole groups of any shape share one progress key) leaves
+    with one line, exit 2, having written nothing. One that trains another model (it never exchanges a byte with
+    the run's groups) or another schedule (here --max-steps): in a keyed swarm, where only members publish records,
+    that is an operator's mistake and it leaves the same way; in an open swarm anyone could publish such a status
+    record, so a stranger could stop every group with one: the newcomer warns once, naming the other group and its
+    model, and trains on."""
     log = tmp_path / "first.log"
-    first = start_group(group_args(0, 2, dht_peer, tmp_path / "first", "--max-steps", "100000"), log)
+    key = []
+    if keyed:
+        made = subprocess.run([str(DILOCO), "keygen", str(tmp_path / "swarm.key")], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        key = ["--hv.swarm-key", str(tmp_path / "swarm.key")]
+    first = start_group(group_args(0, 2, dht_peer, tmp_path / "first", "--max-steps", "100000", *key), log)
     other_model = ROOT / "tests" / "models" / "llama-1m-fresh"
+    newcomers = [(1, "other", ["--path-model", str(other_model)])]
+    if keyed:
+        newcomers.append((1, "short", ["--max-steps", "90000"]))
+    else:  # it trains on (alone: its model meets nobody here), so a short run of its own
+        newcomers = [(0, "second", []), (1, "other", ["--path-model", str(other_model), "--max-steps", "7"])]
     try:
         wait_for(lambda: "worker group 0 joined the swarm" in log.read_text(), 120, "the first group", [first], [log])
         # its training process pauses (SIGSTOP) so the newcomers start up without it taking the CPU; its DHT peer,
         # averager and p2pd, which they meet, go on answering
         os.kill(first.pid, signal.SIGSTOP)
-        refused = [
-            subprocess.run(
-                [sys.executable, "-m", "diloco.train", *group_args(rank, 2, dht_peer, tmp_path / name), *extra],
-                cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+        results = {
+            name: subprocess.run(
+                [sys.executable, "-m", "diloco.train", *group_args(rank, 2, dht_peer, tmp_path / name), *extra, *key],
+                cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=150,
             )
-            for rank, name, extra in [(0, "second", []), (1, "other", ["--path-model", str(other_model)]),
-                                      (1, "short", ["--max-steps", "90000"])]
-        ]  # fmt: skip
-        wide = subprocess.run(
-            [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train",
-             *group_args(0, 2, dht_peer, tmp_path / "wide"), "--per-device-train-batch-size", "1"],
-            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            for rank, name, extra in newcomers
+        }  # fmt: skip
+        wide = None
+        if not keyed:
+            wide = subprocess.run(
+                [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train",
+                 *group_args(0, 2, dht_peer, tmp_path / "wide"), "--per-device-train-batch-size", "1"],
+                cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
         os.kill(first.pid, signal.SIGCONT)
         assert first.poll() is None  # the running group is left alone
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=30) == 130
     finally:
         kill_group(first)
-    errors = []
-    for result in refused:
+    errors = {}
+    for name, result in results.items():
+        if name == "other" and not keyed:
+            continue
         lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-        errors.append(lines[0])
-    assert "--hv.world-rank 0 is taken by a running worker group" in errors[0]
+        errors[name] = lines[0]
     fingerprint = re.search(r"model: [\d,]+ parameters, fingerprint (\w+)", log.read_text()).group(1)
-    assert re.search(rf"^error: --hv.run-id: worker group 0 \(peer \w+\) trains another model \([\d,]+ parameters, "
-                     rf"fingerprint {fingerprint}\) than this group \([\d,]+ parameters, fingerprint (?!{fingerprint})"
-                     r"\w+\); the groups of a run must train the same model", errors[1]), errors[1]  # fmt: skip
-    assert re.search(r"^error: --max-steps: worker group 0 \(peer \w+\) runs 100000 steps, H 5, this group 90000 "
-                     r"steps, H 5; the groups of a run must share one schedule", errors[2]), errors[2]  # fmt: skip
-    assert not any((tmp_path / name).exists() for name in ("second", "other", "short"))
+    another = (rf"worker group 0 \(peer \w+\) trains another model \([\d,]+ parameters, fingerprint {fingerprint}\) "
+               rf"than this group \([\d,]+ parameters, fingerprint (?!{fingerprint})\w+\); the groups of a run must "
+               "train the same model")  # fmt: skip
+    if keyed:
+        assert re.search(rf"^error: --hv.run-id: {another}", errors["other"]), errors["other"]
+        assert re.search(r"^error: --max-steps: worker group 0 \(peer \w+\) runs 100000 steps, H 5, this group 90000 "
+                         r"steps, H 5; the groups of a run must share one schedule", errors["short"]), errors["short"]
+        assert not any((tmp_path / name).exists() for name in results)
+        return
+    assert "--hv.world-rank 0 is taken by a running worker group" in errors["second"]
+    assert not (tmp_path / "second").exists()
+    other = results["other"]
+    warned = [line for line in other.stderr.splitlines() if "trains another model" in line]
+    assert other.returncode == 0 and len(warned) == 1 and re.search(another, warned[0]), other.stderr[-3000:]
+    assert "training on" in warned[0] and "error:" not in other.stderr
+    assert summary(tmp_path / "other")["status"] == "ok" and outer_rows(tmp_path / "other"), other.stderr[-3000:]
     # under torchrun: its rank 0 says it once, and the launcher exits with an error
     ours = [line for line in wide.stderr.splitlines() if line.startswith("error:")]
     assert wide.returncode != 0 and len(ours) == 1 and "--hv.world-rank 0 is taken" in ours[0], wide.stderr[-3000:]

@@ -1,5 +1,6 @@
 """Model fingerprints: the same model (whatever its values) has one, any change of names, shapes or dtypes gives
-another; a group whose model differs from the run's leaves at its start with one line naming both sides."""
+another; a group whose model differs from the run's leaves at its start with one line naming both sides (in a keyed
+swarm; in an open one it warns and trains on)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,27 @@ def test_a_group_of_another_model_leaves_with_one_line_naming_both() -> None:
         "groups of a run must train the same model: give this one the same model or another run id"
     )
     assert hub.statuses[0].model == theirs.fingerprint and hub.statuses[0].peer == "peer-0"
+
+
+def test_in_an_open_swarm_a_status_record_of_another_model_gets_one_warning_and_the_group_trains_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In an open swarm anyone can publish a status record: a stranger's claiming another model (or setting), naming
+    a live peer, must not stop a group. It warns once, naming the other group and what differs, and goes on; with a
+    swarm key (`keyed`, the default) the same record is an operator's mistake and the group leaves."""
+    hub = MemorySwarm(1)
+    hub.statuses[5] = status(5, "aaa", parameters=99, peer="peer-5")  # the stranger's, naming a live peer
+    hub.providers["peer-5"] = lambda: ({}, [])
+    mine = group(hub, 0, net())
+    with caplog.at_level("WARNING", logger="diloco"):
+        mine.claim_world_rank(keyed=False)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "worker group 5 (peer peer-5) trains another model" in warned[0], warned
+    assert "training on" in warned[0]
+    mine.join(0)
+    assert hub.statuses[0].state == "training"  # it took its place in the swarm
+    with pytest.raises(FieldError, match="worker group 5 .* trains another model"):
+        group(hub, 1, net()).claim_world_rank()
 
 
 def test_a_group_of_another_transport_leaves_with_one_line() -> None:

@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,10 +21,11 @@ from diloco.outer.memory import MemorySwarm
 from diloco.outer.pace import FixedSteps, TokenBudget
 from diloco.swarm.records import budget
 from diloco.swarm.records.budget import HORIZON_S, RoundTokens
+from diloco.swarm.records.progress import Progress
 from tests.support.outer import Layered, flat, runs_of
 from tests.support.parse import usage_error
 from tests.support.procs import FAST
-from tests.support.records import owned
+from tests.support.records import owned, progress_record
 
 # ---------------------------------------------------------------- the records and the estimate
 
@@ -36,9 +38,49 @@ def test_other_groups_are_extrapolated_by_their_rate_and_a_closed_one_is_not() -
         RoundTokens(3, 2, 500, 10.0, at=999.0),  # still in an older round: not this one's tokens
         RoundTokens(0, 3, 1, 1.0, at=0.0),  # this group's own, older record: its exact count wins
     ]
-    assert budget.swarm_tokens(others, mine, now=1000.0) == pytest.approx(100 + 60 + 70)
+    assert budget.swarm_tokens(others, mine, now=1000.0, galaxy_size=4) == pytest.approx(100 + 60 + 70)
     assert not budget.ahead(others, mine)
     assert budget.ahead([RoundTokens(1, 4, 0, 0.0, at=999.0)], mine)
+
+
+def test_a_strangers_token_records_count_at_most_the_cap_in_the_galaxys_world_ranks() -> None:
+    """A stranger's record of 10**15 tokens counts as OTHERS_CAP times this group's own; records of world ranks
+    outside the galaxy count nothing, however many; two records of one world rank count once. So even with every
+    other world rank forged, a round of N tokens is not due before this group trained `earliest` of them."""
+    mine = RoundTokens(world_rank=0, outer_step=3, tokens=100, tokens_per_s=50.0, at=1000.0)
+    huge = [RoundTokens(1, 3, 10**15, 10.0**9, at=1000.0), RoundTokens(1, 3, 10**15, 0.0, at=1000.0, closed=True)]
+    outside = [RoundTokens(w, 3, 10**15, 0.0, at=1000.0) for w in range(4, 1000)]
+    cap = budget.OTHERS_CAP * 100
+    assert budget.swarm_tokens(huge + outside, mine, now=1000.0, galaxy_size=4) == pytest.approx(100 + cap)
+    every = [RoundTokens(w, 3, 10**15, 0.0, at=1000.0) for w in (1, 2, 3)]
+    assert budget.swarm_tokens(every, mine, now=1000.0, galaxy_size=4) == pytest.approx(100 * (1 + 3 * 8.0))
+    target = 100 * (1 + 3 * budget.OTHERS_CAP)  # due at exactly 100 own tokens, and not one token before
+    assert budget.earliest(target, 4) == pytest.approx(100)
+    less = RoundTokens(0, 3, 99, 50.0, at=1000.0)
+    assert budget.swarm_tokens(every, less, now=1000.0, galaxy_size=4) < target
+    assert budget.swarm_tokens(every, mine, now=1000.0, galaxy_size=1) == 100  # a galaxy of one: only its own
+    # before a step of its own this group counts nobody's tokens (it cannot tell a stranger from a fast group)
+    assert budget.swarm_tokens(every, RoundTokens(0, 3, 0, 0.0, at=1000.0), now=1000.0, galaxy_size=4) == 0
+
+
+def test_honest_groups_of_unequal_speed_count_in_full() -> None:
+    """The hetero bench's groups (0.8, 0.4 and 0.2 of a core) train 37, 18 and 8 inner steps of a round: in every
+    group's estimate the others count in full, so all reach the budget at one moment."""
+    tps = 1024
+    steps = {0: 37, 1: 18, 2: 8}
+    records = [RoundTokens(w, 5, n * tps, 0.0, at=1000.0, closed=True) for w, n in steps.items()]
+    for w, n in steps.items():
+        mine = RoundTokens(w, 5, n * tps, 0.0, at=1000.0)
+        assert budget.swarm_tokens(records, mine, now=1000.0, galaxy_size=3) == sum(steps.values()) * tps
+
+
+def test_a_token_records_owner_is_its_subkeys_never_its_values() -> None:
+    good = RoundTokens(1, 0, 5, 1.0, 2.0)
+    assert "owner" not in good.to_dict()
+    found = SimpleNamespace(value={owned(1, "k1"): SimpleNamespace(value=good.to_dict()),
+                                   owned(2, "k2"): SimpleNamespace(value={**good.to_dict(), "owner": "k1"})})
+    parsed = budget.parse(found)  # the second's value names an owner: refused
+    assert [r.world_rank for r in parsed] == [1] and parsed[0].owner != ""
 
 
 def test_a_silent_group_stops_adding_tokens_after_the_horizon() -> None:
@@ -79,10 +121,101 @@ def test_the_schedule_follows_the_swarm_and_ends_at_the_same_outer_step_everywhe
     assert not pace.due(step=5, outer_step=0, tokens=100)  # 300 of 600
     assert pace.position(5, 0) == 5  # half a round of 10 average steps
     hub.tokens[1] = RoundTokens(1, 2, 0, 0.0, at=time.time())
-    assert pace.due(step=9, outer_step=1, tokens=0) is True  # another group is past outer step 1: catch up
+    hub.records["g1", 1] = progress_record(1, "t1", "g1", outer_step=2)
+    hub.providers["g1"] = lambda: ({}, [])
+    assert pace.due(step=9, outer_step=1, tokens=100) is True  # group 1 is past outer step 1: catch up
     pace.new_round(outer_step=2)
     assert pace.position(0, 2) == 20 and pace.position(0, 3) == 25  # the end, wherever this group's steps are
     assert FixedSteps(10, 25).position(7, 0) == 7
+
+
+def forged_budget(hub: MemorySwarm, clock: Callable[[], float]) -> TokenBudget:
+    """Group 0's pace, a galaxy of 3, N = 3000 tokens per round, 10 per inner step, 300 inner steps (3 rounds)."""
+    return TokenBudget(
+        hub.member("g0"), solo_group(), world_rank=0, target_tokens=3000, galaxy_size=3, tokens_per_step=10,
+        max_steps=300, clock=clock,
+    )  # fmt: skip
+
+
+def test_a_claim_of_being_ahead_counts_only_when_a_live_settled_unrefused_record_corroborates_it() -> None:
+    """A stranger's token record of outer step 10**6 alone sends this group to no round; a settled progress record
+    past this group's outer step corroborates it only while its peer answers, its state is not one this group
+    refused, and this group trained the tokens below which no round can be due (`budget.earliest`)."""
+    now = [1000.0]
+    hub = MemorySwarm(1)
+    pace = forged_budget(hub, lambda: now[0])
+    hub.tokens[2] = RoundTokens(2, 10**6, 0, 0.0, at=now[0])
+    earliest = budget.earliest(3000, 3)  # 3000 / 17
+    assert not pace.due(step=100, outer_step=1, tokens=1000)  # nothing corroborates it
+    fresh = replace(stranger_progress(outer_step=10**6), settled=False)
+    hub.records["x", 2] = fresh
+    now[0] += budget_corroborate_s()
+    assert not pace.due(step=101, outer_step=1, tokens=1000)  # not settled
+    hub.records["x", 2] = stranger_progress(outer_step=10**6)
+    now[0] += budget_corroborate_s()
+    assert not pace.due(step=102, outer_step=1, tokens=1000)  # its peer does not answer
+    hub.providers["stranger"] = lambda: ({}, [])
+    now[0] += 1.0
+    assert not pace.due(step=103, outer_step=1, tokens=1000)  # the last verdict holds for CORROBORATE_S
+    now[0] += budget_corroborate_s()
+    assert not pace.due(step=104, outer_step=1, tokens=int(earliest) - 1)  # too few tokens of its own yet
+    assert pace.due(step=105, outer_step=1, tokens=int(earliest) + 1)
+    hub.tokens[2] = RoundTokens(2, 10**6, 0, 0.0, at=now[0], owner="someone else")
+    now[0] += budget_corroborate_s()
+    assert not pace.due(step=105, outer_step=1, tokens=1000)  # the progress record is another owner's
+    hub.tokens[2] = RoundTokens(2, 10**6, 0, 0.0, at=now[0], owner="x")
+    now[0] += budget_corroborate_s()
+    assert pace.due(step=105, outer_step=1, tokens=1000)  # its own
+    hub.records["x", 2] = stranger_progress(outer_step=10)
+    now[0] += budget_corroborate_s()
+    assert not pace.due(step=105, outer_step=1, tokens=1000)  # its progress is far behind its claim
+    hub.tokens[2] = RoundTokens(2, 2, 0, 0.0, at=now[0])
+    hub.records["x", 2] = stranger_progress(outer_step=1)
+    now[0] += budget_corroborate_s()
+    assert pace.due(step=105, outer_step=1, tokens=1000)  # a group that sent round 2 and has it on the wire
+    pace.refused = lambda record: record.token == "t2"  # the catch-up refused its state too often
+    now[0] += budget_corroborate_s()
+    assert not pace.due(step=106, outer_step=1, tokens=1000)
+    hub.records["x", 7] = progress_record(7, "t7", "stranger", outer_step=10**6)  # outside the galaxy
+    now[0] += budget_corroborate_s()
+    assert not pace.due(step=107, outer_step=1, tokens=1000)
+
+
+def stranger_progress(outer_step: int) -> Progress:
+    """A settled progress record of world rank 2, owner "x", served by peer "stranger"."""
+    return replace(progress_record(2, "t2", "stranger", outer_step=outer_step), owner="x")
+
+
+def budget_corroborate_s() -> float:
+    from diloco.outer.pace import CORROBORATE_S
+
+    return CORROBORATE_S
+
+
+def test_forged_token_records_bring_rounds_no_earlier_than_the_bound_and_the_run_does_not_end_early() -> None:
+    """Group 0 alone in a galaxy of 3, against a stranger's records of 10**15 tokens in every other world rank and
+    of outer step 10**6: before, a round was due at every inner step and the run ended after 3 of them. Now a round
+    is due once this group trained N / 17 tokens of it (`budget.earliest`): at most 17/3 times as often as among
+    three equal groups (100 inner steps a round), and the run's 3 outer steps take at least 3 x 18 inner steps."""
+    now = [1000.0]
+    hub = MemorySwarm(1)
+    pace = forged_budget(hub, lambda: now[0])
+    for w in (1, 2):
+        hub.tokens[w] = RoundTokens(w, 0, 10**15, 10.0**9, at=now[0], closed=True)
+    hub.tokens[3] = RoundTokens(3, 10**6, 10**15, 0.0, at=now[0])
+    outer_step, round_start, lengths = 0, 0, []
+    for step in range(1, 1000):
+        now[0] += 0.1
+        for w in (1, 2):  # the stranger keeps its records at this group's outer step
+            hub.tokens[w] = RoundTokens(w, outer_step, 10**15, 10.0**9, at=now[0])
+        if pace.due(step, outer_step, (step - round_start) * 10):
+            lengths.append(step - round_start)
+            outer_step, round_start = outer_step + 1, step
+            pace.new_round(outer_step)
+            if pace.position(step, outer_step) >= 300:
+                break
+    assert pace.final_outer_step == 3  # 300 steps of an average group, 100 per round (3000 / (3 x 10))
+    assert lengths == [math.ceil(budget.earliest(3000, 3) / 10)] * 3  # 18 inner steps each, not 1
 
 
 # ---------------------------------------------------------------- groups of different speeds, in threads

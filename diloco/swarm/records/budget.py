@@ -8,16 +8,29 @@ the records are seconds old, so each is extrapolated by its group's rate, as hiv
 read the same records, so they reach the target at about the same moment and meet in one round. A record expires
 ``TOKENS_TTL`` seconds after its last refresh: a group that died stops counting then.
 
+In an open swarm anyone can store records under the run's key, with world ranks of their choosing, so the
+estimate trusts none of them far: only world ranks of the galaxy count (``0 .. galaxy size - 1``, this group's
+excepted), one record each (the largest, should a stranger sign one beside the group's own), and each adds at
+most ``OTHERS_CAP`` times this group's own tokens in the round. A stranger can still pose as groups that are
+``OTHERS_CAP`` times as fast as this one in every other world rank of the galaxy: that brings a round due at the
+earliest once this group trained ``target / (1 + (galaxy size - 1) × OTHERS_CAP)`` tokens of it (`earliest`),
+against about ``target / galaxy size`` among equal groups; no record, however large or numerous, brings it
+earlier. Honest groups up to ``OTHERS_CAP`` times as fast as this one count in full; a faster one is cut in the
+slow group's estimate, which then comes to the round a little after the others (they wait for it in
+matchmaking) or, past their matchmaking time, catches up by loading their state.
+
+The median of the groups' tokens would cap a stranger as well where it held a minority of the world ranks, but a
+stranger can sign records for all of them; this group's own tokens are the one number it cannot touch.
+
 Plain Python: the DHT is any object with hivemind's ``store`` / ``get`` (``progress.Store``), so importing this
 costs no hivemind.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from diloco.swarm.records.ownership import Refused, owned_records
@@ -25,6 +38,10 @@ from diloco.swarm.records.progress import Store
 
 TOKENS_TTL = 60.0  # seconds a record lives without a refresh
 HORIZON_S = 30.0  # a record is extrapolated at most this far: a group gone silent stops adding tokens
+# another group counts at most this many times this group's own tokens in the round: above the speed ratios of
+# honest groups (the hetero bench's fastest group trains 4.6 times the tokens of its slowest in a round), and the
+# bound on how much earlier a stranger's records can bring a round (see the module's docstring)
+OTHERS_CAP = 8.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,7 @@ class RoundTokens:
     :param at: wall-clock time (``time.time()``) of `tokens`.
     :param closed: it stopped training for this round and waits for the others in matchmaking (no
         extrapolation: its tokens stay what they are).
+    :param owner: who signed the record (``ownership.owner_id``), from its subkey; not part of the value.
     """
 
     world_rank: int
@@ -46,6 +64,7 @@ class RoundTokens:
     tokens_per_s: float
     at: float
     closed: bool = False
+    owner: str = field(default="", compare=False)
 
     def now(self, now: float) -> float:
         """Its tokens extrapolated to wall-clock time `now`."""
@@ -54,11 +73,13 @@ class RoundTokens:
         return self.tokens + self.tokens_per_s * min(max(now - self.at, 0.0), HORIZON_S)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key != "owner"}
 
     @classmethod
     def from_dict(cls, data: Any) -> RoundTokens | None:
         """A record read back from the DHT; None when it is not one."""
+        if not isinstance(data, dict) or "owner" in data:  # the owner is the subkey's, never the value's
+            return None
         try:
             record = cls(**data)
         except TypeError:
@@ -66,7 +87,8 @@ class RoundTokens:
         numbers = (record.tokens, record.tokens_per_s, record.at)
         ints = isinstance(record.world_rank, int) and isinstance(record.outer_step, int)
         ints = ints and isinstance(record.closed, bool)
-        finite = all(isinstance(n, (int, float)) and math.isfinite(n) and n >= 0 for n in numbers)
+        # (compared, not converted: an int past float's range is refused, not an OverflowError)
+        finite = all(isinstance(n, (int, float)) and 0 <= n < 2**63 for n in numbers)
         return record if ints and finite else None
 
 
@@ -84,17 +106,29 @@ def publish(dht: Store, key: str, record: RoundTokens, subkey: str, **kwargs: An
 def parse(found: Any, refused: Refused | None = None) -> list[RoundTokens]:
     """The records of a ``get(key, latest=True)`` answer (``ownership.owned_records``: entries that are not records
     are skipped, and `refused` is told of them)."""
-    return [record for _, record in owned_records(found, RoundTokens.from_dict, refused)]
+    return [replace(record, owner=owner) for owner, record in owned_records(found, RoundTokens.from_dict, refused)]
 
 
-def swarm_tokens(records: Iterable[RoundTokens], mine: RoundTokens, now: float) -> float:
-    """The swarm's tokens in this group's round at `now`: its own, exact, plus every other group's training for
-    the same round, extrapolated."""
-    others = (r for r in records if r.world_rank != mine.world_rank and r.outer_step == mine.outer_step)
-    return mine.tokens + sum(r.now(now) for r in others)
+def swarm_tokens(records: Iterable[RoundTokens], mine: RoundTokens, now: float, galaxy_size: int) -> float:
+    """The swarm's tokens in this group's round at `now`: its own, exact, plus every other group's of the galaxy
+    training for the same round, extrapolated, one record per world rank, each at most ``OTHERS_CAP`` times this
+    group's own (see the module's docstring)."""
+    cap = OTHERS_CAP * mine.tokens
+    others: dict[int, float] = {}
+    for r in records:
+        if r.outer_step == mine.outer_step and r.world_rank != mine.world_rank and 0 <= r.world_rank < galaxy_size:
+            others[r.world_rank] = max(others.get(r.world_rank, 0.0), min(r.now(now), cap))
+    return mine.tokens + sum(others.values())
+
+
+def earliest(target: float, galaxy_size: int) -> float:
+    """The fewest tokens of its own with which a group can find a round of `target` tokens due: every other world
+    rank of the galaxy at its cap (`swarm_tokens`)."""
+    return target / (1 + (galaxy_size - 1) * OTHERS_CAP)
 
 
 def ahead(records: Iterable[RoundTokens], mine: RoundTokens) -> bool:
-    """Whether another group already took the outer step this group trains for (it is behind: go to the round,
-    which loads the swarm's state)."""
+    """Whether another group's record says it already took the outer step this group trains for (it would be
+    behind: go to the round, which loads the swarm's state). Only a claim, which anyone can make:
+    ``diloco.outer.pace.TokenBudget`` acts on it once a progress record corroborates it."""
     return any(r.outer_step > mine.outer_step and r.world_rank != mine.world_rank for r in records)
