@@ -1,10 +1,21 @@
 """Hostile worker groups for `diloco bench poison`: a group that trains like the others but, in every round, sends
-a forged pseudo-gradient in place of its own. Each attack passes the norm screen (`diloco.swarm.rounds.screening`: under
-100× the group's median), so only the aggregation rule stands between it and the model.
+a forged pseudo-gradient in place of its own, or announces a forged weight. Each attack passes the norm screen
+(`diloco.swarm.rounds.screening`: under 100× the group's median), so only the aggregation rule and the weight cap
+stand between it and the model.
 
 - `scaled`: 50 × its own pseudo-gradient;
 - `sign-flip`: minus its own pseudo-gradient;
-- `noise`: Gaussian noise with the L2 norm of its own pseudo-gradient, tensor by tensor.
+- `noise`: Gaussian noise with the L2 norm of its own pseudo-gradient, tensor by tensor;
+- `heavy`: minus its own pseudo-gradient, announced with a weight of 1e30, so that the round's result would be its
+  part alone. Every member caps announced weights alike (`screening.capped_weights`: 16× the lower median); in the
+  in-memory swarm, which has no announcements, the attacker hands in the weight the members would count. Among 4
+  honest groups of weight 1 that is still 16/20 of the weight: rules that weigh contributions (the mean, centered
+  clipping) follow it; trimming, which drops values by count, does not.
+
+A group that connects as other groups' ranks (to replace their contributions with its own) is refused at its hello
+(`diloco.swarm.rounds.hello`: each rank signs with its own key); the in-memory swarm has no connections to try it on,
+so that attack is exercised over real sockets (`tests/support/hostile_peer.py`'s `impostor`,
+`tests/unit/test_member_auth.py`).
 """
 
 from __future__ import annotations
@@ -14,12 +25,23 @@ from typing import Any
 
 import torch
 
+from diloco.swarm.rounds.screening import capped_weights
+
 SCALE = 50.0
+HEAVY = 1e30  # the weight `heavy` announces
 ATTACKS: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
     "scaled": lambda t, _: SCALE * t,
     "sign-flip": lambda t, _: -t,
     "noise": lambda t, g: _noise_like(t, g),
+    "heavy": lambda t, _: -t,
 }
+ANNOUNCED = {"heavy": HEAVY}  # the weight an attack announces (the others: their honest one)
+
+
+def counted_weight(announced: float, honest: float, groups: int) -> float:
+    """The weight the members of a round of `groups` count an attacker with when it announces `announced` and every
+    other group `honest` (in this bench all honest weights are equal: 1 per round at a fixed H)."""
+    return capped_weights([honest] * (groups - 1) + [announced])[-1]
 
 
 def _noise_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -34,7 +56,7 @@ class Attacker:
     def __init__(self, member: Any, attack: str, seed: int) -> None:
         if attack not in ATTACKS:
             raise ValueError(f"unknown attack {attack!r}")
-        self.member, self.forge = member, ATTACKS[attack]
+        self.member, self.forge, self.announced = member, ATTACKS[attack], ANNOUNCED.get(attack)
         self.generator = torch.Generator().manual_seed(seed)
 
     def __getattr__(self, name: str) -> Any:
@@ -44,4 +66,6 @@ class Attacker:
                 fragment: int | None = None, outer_step: int | None = None) -> Any:  # fmt: skip
         for tensor in tensors:
             tensor.copy_(self.forge(tensor, self.generator))
+        if self.announced is not None and weight > 0:  # (a group that joined mid-round adds nothing, attacker or not)
+            weight = counted_weight(self.announced, weight, self.member.swarm.barrier.parties)
         return self.member.average(tensors, round_index, weight, stop, fragment, outer_step)

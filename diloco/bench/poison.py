@@ -3,10 +3,12 @@
 The convergence bench's workload (real text, byte tokenizer, its ~1M-parameter llama, S = 200 inner steps per
 group, H = 25, the outer setting `auto` picks for k = 4) with four honest groups, and the same swarm plus a fifth
 group that trains like them but forges what it sends (`diloco.bench.attacks`: 50× its pseudo-gradient,
-sign-flipped, noise at its norm; each under the norm screen's 100×). The honest groups see the same data with or
-without it (equal tokens). Per aggregation rule and attack: the held-out loss of the honest groups' final model
-against the same swarm without the attacker, and against the mean without the attacker (what a robust rule costs
-when nobody attacks). Target: every robust rule within 2% of the attack-free mean for every attack.
+sign-flipped, noise at its norm; each under the norm screen's 100×), or also the weight it announces (`heavy`:
+sign-flipped at 1e30, which every member caps at 16× the median weight; with the mean and no cap its part would be
+the result). The honest groups see the same data with or without it (equal tokens). Per aggregation rule and
+attack: the held-out loss of the honest groups' final model against the same swarm without the attacker, and
+against the mean without the attacker (what a robust rule costs when nobody attacks). Target: every robust rule
+within 2% of the attack-free mean for every attack.
 
 Groups run as threads averaging through the in-memory swarm, whose robust rules are the reducers' own
 (`diloco.swarm.rounds.aggregation`, part by part as over TCP); arms run in parallel processes, one per usable core.
@@ -22,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from diloco.bench import section_head
-from diloco.bench.attacks import ATTACKS, SCALE
+from diloco.bench.attacks import ATTACKS, HEAVY, SCALE
 from diloco.bench.convergence import ArmSpec, Workload, load_corpus, run_arms, workload
 from diloco.bench.convergence_report import workload_text
 from diloco.bench.models import model_folder
 from diloco.model import load_model
 from diloco.outer.auto import auto_outer
 from diloco.swarm.rounds.aggregation import AGGREGATIONS
+from diloco.swarm.rounds.screening import MAX_WEIGHT_RATIO
 
 __all__ = ["markdown", "measure", "plot"]
 
@@ -117,7 +120,8 @@ def markdown(result: dict[str, Any]) -> str:
         "for k = 4)",
         f"- attacker: a fifth group that trains like the others (on group 0's data) and sends, every round, "
         f"{result['scale']:g}× its pseudo-gradient (scaled), minus it (sign-flip) or Gaussian noise at its norm "
-        "(noise); the honest groups' data is the same with and without it",
+        f"(noise), or minus it announced with a weight of {HEAVY:g} (heavy: counted at the cap, "
+        f"{MAX_WEIGHT_RATIO:g}× the median weight); the honest groups' data is the same with and without it",
         "- groups are threads of one process averaging through the in-memory swarm with the reducers' rules, part "
         f"by part; arms in {result['workers']} parallel processes of one torch thread",
         f"- 1-minute load average at start / end: {result['machine']['load_avg_1m']:.1f} / "

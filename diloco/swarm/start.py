@@ -6,6 +6,9 @@ one rank: groups average as wholes, one matchmaking per group (its rank 0), then
 shard to the ranks that reduce them, in whatever group and shape (``rounds.group_round``). The bytes go over plain
 TCP (``--hv.transport tcp``) or as libp2p streams through each rank's p2pd daemon (``p2pd``: ``rounds.tunnel``); the
 groups of a run use one transport.
+
+Each rank makes a signing key of its own once (``group_rounds``); rank 0 announces every rank's public key with the
+group in matchmaking, and a rank's round connections are signed with it (``rounds.hello``).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def start_peer(
             matchmaker = Matchmaker(dht, prefix=prefix, matchmaking_time=hv.matchmaking_time,
                                     averaging_timeout=hv.averaging_timeout, target_group_size=hv.galaxy_size)
         rounds = group_rounds(hv, env, gather, broadcast, side_broadcast, dht, matchmaker, model_shapes, sharding,
-                              port, fragments, key)  # fmt: skip
+                              port, fragments, key, model.fingerprint if model else "")  # fmt: skip
     except BaseException:
         if matchmaker is not None:
             matchmaker.shutdown()
@@ -111,13 +114,18 @@ def start_peer(
 def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]], broadcast: Callable[[Any], Any],
                  side_broadcast: Callable[[], Callable[[Any], Any]], dht: object, matchmaker: object,
                  model_shapes: Sequence[tuple[int, ...]], sharding: str, port: int,
-                 fragments: list[list[int]] | None = None, key: SwarmKey | None = None) -> GroupRounds:  # fmt: skip
-    """Collective: this rank's listener (a TCP socket, or libp2p streams through a ``tunnel.Tunnel``), every rank's
-    endpoint, and the replicas' process groups, for rounds of whole groups (``group_round.GroupRounds``)."""
+                 fragments: list[list[int]] | None = None, key: SwarmKey | None = None,
+                 model: str = "") -> GroupRounds:  # fmt: skip
+    """Collective: this rank's listener (a TCP socket, or libp2p streams through a ``tunnel.Tunnel``), its signing
+    key (made here, once per process), every rank's endpoint and public key, and the replicas' process groups, for
+    rounds of whole groups (``group_round.GroupRounds``) of the model of fingerprint `model` ("": unknown)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from diloco.swarm.records.addresses import announced_hosts, listen_host
     from diloco.swarm.rounds import tcp
     from diloco.swarm.rounds.codecs import WIRE_FORMATS
     from diloco.swarm.rounds.group_round import GroupRounds, Replicas
+    from diloco.swarm.rounds.hello import public_bytes
     from diloco.swarm.rounds.layout import Shape
     from diloco.swarm.rounds.listener import Listener, listen
     from diloco.swarm.rounds.tunnel import Tunnel
@@ -134,7 +142,8 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
         else:
             tunnel = Tunnel(dht, listener)
             endpoint, connect = ((tunnel.peer_id,), 0), tunnel.connect
-        endpoints = gather(endpoint)
+        signer = Ed25519PrivateKey.generate()
+        endpoints, public_keys = zip(*gather((endpoint, public_bytes(signer))))
         replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None
         if hv.overlap_steps and env.world_size > 1:  # (after the replicas' groups: every rank makes them in one order)
             broadcast = side_broadcast()
@@ -147,5 +156,5 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
         matchmaker if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
         endpoints=endpoints, broadcast=broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
         timeout=timeout, replicas=replicas, transport=hv.transport, connect=connect, tunnel=tunnel,
-        fragments=fragments, aggregation=hv.aggregation, key=key,
+        fragments=fragments, aggregation=hv.aggregation, key=key, signer=signer, public_keys=public_keys, model=model,
     )  # fmt: skip

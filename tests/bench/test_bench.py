@@ -330,7 +330,7 @@ def test_poison_quick(tmp_path: Path) -> None:
     data, doc = bench("poison", tmp_path, "--data", str(CORPUS))
     arms = {arm["name"]: arm for arm in data["arms"]}
     assert set(arms) == {f"{rule}/{attack}" for rule in ("mean", "trimmed-mean", "centered-clip")
-                         for attack in ("none", "scaled", "sign-flip", "noise")}  # fmt: skip
+                         for attack in ("none", "scaled", "sign-flip", "noise", "heavy")}  # fmt: skip
     assert all(arm["groups_identical"] for arm in data["arms"])
     assert [arm["groups"] for arm in data["arms"][:2]] == [4, 5]  # the attacker is a fifth group
     clean = arms["mean/none"]["final_eval_loss"][0]

@@ -1,5 +1,5 @@
 """One rank of a worker group in a cross-shape round, for `tests/integration/test_group_round.py`: no hivemind, the
-round's members meet through files (each rank writes its TCP endpoint, then waits for everyone's).
+round's members meet through files (each rank writes its TCP endpoint and public key, then waits for everyone's).
 
 Usage: [torchrun --nproc-per-node W] tests/support/group_round_worker.py DIR GROUP GROUPS...
 GROUPS: every group's STRATEGY:W:NODES, in round order (HYBRID_SHARD's nodes: ranks of one machine stand in). Group g trains canonical vector randn(seed g) and weighs 1 + g.
@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from diloco.swarm.rounds import tcp
 from diloco.swarm.rounds.group_round import Member, Replicas, RoundInfo, run_round
+from diloco.swarm.rounds.hello import public_bytes
 from diloco.swarm.rounds.layout import Shape, group_layout
 from diloco.swarm.rounds.listener import Listener, listen_socket
 
@@ -65,15 +67,18 @@ def main(folder: Path, group: int, shape: Shape, groups: list[Shape]) -> None:
         dist.init_process_group("gloo")
     replicas = Replicas(shape, rank) if shape.world_size > 1 else None
     listener = Listener(listen_socket("127.0.0.1", 0), 10.0).start()
+    signer = Ed25519PrivateKey.generate()
     mine = folder / f"endpoint-{group}-{rank}.json"
-    mine.with_suffix(".tmp").write_text(json.dumps(listener._sock.getsockname()[1]))
+    mine.with_suffix(".tmp").write_text(json.dumps([listener._sock.getsockname()[1], public_bytes(signer).hex()]))
     mine.with_suffix(".tmp").rename(mine)  # whole or not at all
     everyone = [[folder / f"endpoint-{g}-{r}.json" for r in range(s.world_size)] for g, s in enumerate(groups)]
     wait_for([p for paths in everyone for p in paths])
+    announced = [[json.loads(p.read_text()) for p in paths] for paths in everyone]  # per group, (port, key) per rank
     members = tuple(
-        Member(s, tuple(((("127.0.0.1",), json.loads(p.read_text())) for p in paths)), 1.0 + g)
-        for g, (s, paths) in enumerate(zip(groups, everyone))
-    )
+        Member(s, tuple((("127.0.0.1",), port) for port, _ in ranks), 1.0 + g,
+               tuple(bytes.fromhex(key) for _, key in ranks))
+        for g, (s, ranks) in enumerate(zip(groups, announced))
+    )  # fmt: skip
     layout = group_layout(MODEL_SHAPES, shape)[rank]
     full = canonical(group)
     vector = torch.cat([full[p.start : p.stop] for p in layout.held])
@@ -82,7 +87,7 @@ def main(folder: Path, group: int, shape: Shape, groups: list[Shape]) -> None:
         assert torch.equal(local, vector), f"rank {rank}: FSDP2's local shards are not the layout's"
     out = torch.full_like(vector, float("nan"))
     outcome = run_round(RoundInfo(GROUP_ID, members, group), rank, MODEL_SHAPES, vector, out, listener=listener,
-                        codec=tcp.RAW, timeout=20.0)  # fmt: skip
+                        codec=tcp.RAW, timeout=20.0, signer=signer)  # fmt: skip
     if replicas is not None:
         replicas.fill(out)
     listener.close()

@@ -11,6 +11,12 @@ matchmakes for the group) and, in every round, sends
   the 2**40-byte header; ``short``: a part of 12 bytes; ``slowloris``: the handshake, then nothing, holding the
   connection open; ``replay``: the hello it sent that reducer in an earlier round, replayed as recorded, then its
   parts as then. Its own span it reduces honestly.
+- ``heavy``: announces a weight of 1e30 in matchmaking (and in its hellos) and sends minus the swarm's last average:
+  every member caps it at ``screening.MAX_WEIGHT_RATIO`` times the median weight, and a reducer refuses a hello
+  that claims more than the capped weight;
+- ``impostor``: before its honest exchange with each reducer, connects to it as every other sender index of the
+  round (its hellos signed with its own key, the round's group id and digest right), sending a part of zeros on
+  each connection that is answered; prints "impostor: answered as #i" or "refused as #i" per try.
 
 While it takes part in rounds it keeps a status record of a training group fresh, as a group that joined would:
 honest groups count it among those expected in a round and wait (up to their matchmaking time) for it, instead of
@@ -56,6 +62,7 @@ from diloco.swarm.records.dht import rendezvous, start_dht
 from diloco.swarm.records.fingerprint import ModelId, model_id, run_key
 from diloco.swarm.records.ownership import Owner
 from diloco.swarm.records.progress import Progress, progress_key, publish
+from diloco.swarm.rounds import hello as hellos
 from diloco.swarm.rounds import transfer
 from diloco.swarm.rounds.codecs import WIRE_FORMATS
 from diloco.swarm.rounds.frames import LENGTH, recv_exact
@@ -63,22 +70,22 @@ from diloco.swarm.rounds.group_round import GroupRounds
 from diloco.swarm.rounds.layout import Shape
 from diloco.swarm.rounds.listener import Listener, listen_socket
 from diloco.swarm.rounds.matchmaker import Matchmaker
-from diloco.swarm.rounds.tcp import HELLO, MAGIC, Round, _mac
+from diloco.swarm.rounds.tcp import Round
 
+HEAVY = 1e30  # the `heavy` attacker's announced weight
 MATCHMAKING_S = 8  # as the honest groups of the test: long enough under load for all three to gather
 AVERAGING_S = 15
 
 
 FRAMES = ("huge", "short", "slowloris", "replay")
-hellos: dict[int, bytes] = {}  # reducer index -> the hello this peer sent it last (what `replay` replays)
+recorded: dict[int, bytes] = {}  # reducer index -> the hello this peer sent it last (what `replay` replays)
 bad_frame = ["huge"]  # the attack of this round's connections
 
 
 def bad_frames(self: Round, reducer: int) -> None:
     """In place of ``Round._exchange``: the connection ``bad_frame[0]`` says to `reducer`, and no honest part."""
-    attack, old = bad_frame[0], hellos.get(reducer)
-    fields = HELLO.pack(MAGIC, self.tag, self.index, reducer, self.k, self.digest, self.codec.name.encode(), 1.0)
-    hellos[reducer] = fields + _mac(self.group_id, fields)  # this round's, for a later replay
+    attack, old = bad_frame[0], recorded.get(reducer)
+    recorded[reducer] = own_hello(self, self.index, reducer)  # this round's, for a later replay
     try:
         if attack == "replay" and old is not None:
             sock = socket.create_connection(tuple_of(self.endpoints[reducer]), timeout=5)
@@ -100,6 +107,34 @@ def bad_frames(self: Round, reducer: int) -> None:
     except OSError:
         pass
     self._fail(f"reducer #{reducer}: sent it a bad connection ({attack})")
+
+
+def own_hello(self: Round, sender: int, reducer: int) -> bytes:
+    """A hello of `sender` to `reducer` in this round, signed with this peer's own key (right for its index only)."""
+    fields = hellos.new_hello(self.tag, sender, reducer, self.k, self.digest, self.codec.name,
+                              self.roster.weights[sender], self.roster.digest)  # fmt: skip
+    return hellos.pack(fields, self.group_id, self.signer)
+
+
+honest_exchange = Round._exchange
+
+
+def impostor(self: Round, reducer: int) -> None:
+    """In place of ``Round._exchange``: try to connect to `reducer` as each other sender, then exchange honestly."""
+    for sender in range(self.k):
+        if sender in (self.index, reducer):
+            continue
+        try:
+            with socket.create_connection(tuple_of(self.endpoints[reducer]), timeout=5) as sock:
+                sock.sendall(own_hello(self, sender, reducer))
+                sock.settimeout(self.timeout)
+                answered = sock.recv(1) != b""
+                if answered:
+                    sock.sendall(LENGTH.pack(4 * 2**18) + bytes(4 * 2**18))
+        except OSError:
+            answered = False
+        print(f"impostor: {'answered' if answered else 'refused'} as #{sender} by reducer #{reducer}", flush=True)
+    honest_exchange(self, reducer)
 
 
 def tuple_of(endpoint) -> tuple[str, int]:
@@ -265,13 +300,15 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
         averager, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[tuple(p.shape) for p in module.parameters()],
         endpoints=[(announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1])], broadcast=lambda o: o,
         listener=listener, codec=WIRE_FORMATS["none"].tcp, timeout=AVERAGING_S / 4, replicas=None,
-        aggregation=aggregation,
+        aggregation=aggregation, model=model.fingerprint,
     )  # fmt: skip
     last = torch.zeros(size)  # the swarm's last average, as it came back
     if attack == "frame":
         Round._exchange = huge_frames
     elif attack == "frames":
         Round._exchange = bad_frames
+    elif attack == "impostor":
+        Round._exchange = impostor
     done = threading.Event()
     threading.Thread(target=heartbeat, args=(dht, owner, run_id, model, world_rank, done), daemon=True).start()
     try:
@@ -279,9 +316,10 @@ def main(attack: str, model_dir: str, run_id: str, galaxy: int, world_rank: int,
         for round_index in range(1, rounds + 1):
             if attack == "nan":
                 sent = torch.full((size,), float("nan"))
-            else:  # flip50's forgery; `frame` sends nothing (zeros count only in its own span)
-                sent = -50 * last if attack == "flip50" else torch.zeros(size)
-            report = group.average([sent], round_index, 1.0, lambda: False)  # in place: `sent` holds the average
+            else:  # flip50's and heavy's forgeries; `frame` sends nothing (zeros count only in its own span)
+                sent = {"flip50": -50 * last, "heavy": -last}.get(attack, torch.zeros(size))
+            weight = HEAVY if attack == "heavy" else 1.0
+            report = group.average([sent], round_index, weight, lambda: False)  # in place: `sent` holds the average
             if report.ok and report.num_peers > 1:
                 last = sent
             print(f"round {round_index}: ok={report.ok} num_peers={report.num_peers} {bad_frame[0]}", flush=True)

@@ -168,7 +168,7 @@ def rounds_seeing(gathered: list[Any], index: int = 0):
 
 def announcement(port: int, weight: float = 1.0, outer_step: int = 2) -> dict[str, Any]:
     return {"shape": ["FULL_SHARD", 1, 1], "endpoints": [[["127.0.0.1"], port]], "weight": weight,
-            "outer_step": outer_step}  # fmt: skip
+            "outer_step": outer_step, "keys": ["00" * 32]}  # fmt: skip
 
 
 @pytest.mark.parametrize(

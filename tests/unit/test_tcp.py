@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from diloco.swarm.rounds import hello as hellos
 from diloco.swarm.rounds import tcp
 from diloco.swarm.rounds.codecs import WIRE_FORMATS
 from diloco.swarm.rounds.frames import LENGTH, Frames, bytes_of, seal_keys
@@ -365,9 +366,9 @@ def test_a_byte_altered_on_the_path_fails_a_sealed_round_and_slips_through_an_op
 def replay_hello(port: int, recorded: Round, tag: bytes, wait_s: float) -> bytes:
     """Send peer 0's hello to peer 1 of `recorded` (MAC under its group id) with `tag`; the first byte answered
     within `wait_s` (b"": the connection was closed unanswered)."""
-    fields = tcp.HELLO.pack(tcp.MAGIC, tag, 0, 1, 2, recorded.digest, b"none", 1.0)
+    hello = hellos.pack(hellos.new_hello(tag, 0, 1, 2, recorded.digest, "none", 1.0), recorded.group_id, None)
     with socket.create_connection(("127.0.0.1", port)) as replay:
-        replay.sendall(fields + tcp._mac(recorded.group_id, fields))
+        replay.sendall(hello)
         replay.settimeout(wait_s)
         return replay.recv(1)
 
@@ -424,8 +425,8 @@ def test_strangers_and_wrong_hosts_are_refused_and_the_round_goes_on():
     for listener, round_ in zip(listeners, rounds):
         listener.register(round_)
     stranger = socket.create_connection(("127.0.0.1", ports[1]))
-    fields = tcp.HELLO.pack(tcp.MAGIC, rounds[1].tag, 0, 1, 2, rounds[1].digest, b"none", 1.0)
-    stranger.sendall(fields + b"\0" * tcp.MAC_SIZE)
+    hello = hellos.pack(hellos.new_hello(rounds[1].tag, 0, 1, 2, rounds[1].digest, "none", 1.0), os.urandom(32), None)
+    stranger.sendall(hello)  # the MAC of another key
     stranger.settimeout(5)
     assert stranger.recv(1) == b""  # dropped without an answer
     stranger.close()

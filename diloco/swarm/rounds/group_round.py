@@ -10,10 +10,16 @@ rank ends with the average of everything it holds. No rank ever holds more than 
 
 The result is bit-identical in every group: each span's average is computed once, by its reducer, and the same
 encoded bytes go to every group.
+
+Each rank signs its connections with a key of its own (``diloco.swarm.rounds.hello``); its group announces every
+rank's public key in matchmaking, with the group's weight, which every member caps alike
+(``diloco.swarm.rounds.screening.capped_weights``): a reducer counts a sender with that weight, never one from the wire.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,11 +28,13 @@ from typing import get_args
 
 import torch
 import torch.distributed as dist
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from diloco.config import ShardingStrategy
 from diloco.swarm.records.swarm_key import SwarmKey
 from diloco.swarm.rounds import tcp
 from diloco.swarm.rounds.aggregation import Aggregation
+from diloco.swarm.rounds.hello import KEY_SIZE, Roster, public_bytes
 from diloco.swarm.rounds.layout import (
     Shape,
     group_layout,
@@ -35,6 +43,7 @@ from diloco.swarm.rounds.layout import (
     replica_slice,
 )
 from diloco.swarm.rounds.listener import Listener
+from diloco.swarm.rounds.screening import capped_weights
 
 log = logging.getLogger("diloco")
 
@@ -45,11 +54,14 @@ STRATEGIES = set(get_args(ShardingStrategy))
 @dataclass(frozen=True)
 class Member:
     """A worker group in a round, as it announced itself in matchmaking: its shape, each rank's endpoint (in rank
-    order) and its weight in the average."""
+    order), its weight in the average (before the round's cap), each rank's raw Ed25519 public key (in rank order;
+    empty: none announced, and no round takes the group) and its model's fingerprint ("": not announced)."""
 
     shape: Shape
     endpoints: tuple[Endpoint, ...]
     weight: float
+    keys: tuple[bytes, ...] = ()
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,23 @@ class Replicas:
             buffer[begin:end] = values[: end - begin]
 
 
+def members_digest(members: Sequence[Member]) -> bytes:
+    """32 bytes that hash a round's members as announced (shapes, endpoints, weights, keys, models, in order): two
+    participants that read different announcements hold different digests, and refuse each other's connections."""
+    canonical = [[[m.shape.strategy, m.shape.world_size, m.shape.nodes], [[list(h), p] for h, p in m.endpoints],
+                  repr(float(m.weight)), [k.hex() for k in m.keys], m.model] for m in members]  # fmt: skip
+    return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).digest()
+
+
+def roster(members: Sequence[Member]) -> Roster:
+    """Every participant's key and capped weight (participants numbered group by group, rank by rank)."""
+    if any(len(m.keys) != m.shape.world_size for m in members):
+        raise ValueError("a member of the round announced no key for each of its ranks")
+    weights = capped_weights([m.weight for m in members])
+    return Roster(tuple(k for m in members for k in m.keys),
+                  tuple(w for m, w in zip(members, weights) for _ in m.keys), members_digest(members))  # fmt: skip
+
+
 def run_round(
     info: RoundInfo,
     rank: int,
@@ -124,12 +153,14 @@ def run_round(
     listener: Listener,
     codec: tcp.Codec,
     timeout: float,
+    signer: Ed25519PrivateKey,
     connect: tcp.Connect = tcp.connect,
     aggregation: Aggregation = "mean",
 ) -> Outcome:
     """This rank's part of the round: `vector` is its local buffer (its shard of every parameter, concatenated in
     the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``); it may
-    be `vector` itself.
+    be `vector` itself. `signer`: this rank's key, the one its group announced for it. The round's connections end
+    by ``tcp.ROUND_STEPS`` x `timeout` from now.
     Never raises on network failures."""
     layouts = [group_layout(model_shapes, member.shape) for member in info.members]
     total = sum(int(torch.Size(shape).numel()) for shape in model_shapes)
@@ -138,9 +169,9 @@ def run_round(
     schedule = plan_schedule(plan(layouts, total), layouts, (info.me, rank), codec.part_numel)
     endpoints = [(list(hosts), port) for member in info.members for hosts, port in member.endpoints]
     round_ = tcp.Round(
-        vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints,
-        weight=info.members[info.me].weight, codec=codec, timeout=timeout, schedule=schedule, connect=connect,
-        aggregation=aggregation, sealed=info.sealed,
+        vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints, roster=roster(info.members),
+        signer=signer, codec=codec, timeout=timeout, schedule=schedule, connect=connect, aggregation=aggregation,
+        sealed=info.sealed,
     )  # fmt: skip
     listener.register(round_)
     try:
@@ -175,6 +206,10 @@ class GroupRounds:
     :param aggregation: how this rank combines the contributions to the spans it reduces (``--hv.aggregation``).
     :param key: the swarm key (``diloco.swarm.records.swarm_key``): announcements without its MAC are left out of the
         round, and the round's handshakes are keyed with it too. None: an open swarm.
+    :param signer: this rank's own signing key (None: a new one, for a one-rank group).
+    :param public_keys: every rank's public key (``hello.public_bytes``), in rank order; rank 0 announces them (None:
+        a one-rank group's own).
+    :param model: the group's model fingerprint, announced: a round leaves out members of another model.
     """
 
     def __init__(
@@ -196,8 +231,17 @@ class GroupRounds:
         fragments: Sequence[Sequence[int]] | None = None,
         aggregation: Aggregation = "mean",
         key: SwarmKey | None = None,
+        signer: Ed25519PrivateKey | None = None,
+        public_keys: Sequence[bytes] | None = None,
+        model: str = "",
     ):
-        self.aggregation, self.key = aggregation, key
+        self.aggregation, self.key, self.model = aggregation, key, model
+        self.signer = Ed25519PrivateKey.generate() if signer is None else signer
+        if public_keys is None and shape.world_size != 1:
+            raise ValueError("a group of several ranks announces every rank's public key")
+        self.public_keys = tuple(public_keys) if public_keys is not None else (public_bytes(self.signer),)
+        if len(self.public_keys) != shape.world_size or self.public_keys[rank] != public_bytes(self.signer):
+            raise ValueError(f"rank {rank}'s key is not at its place among the group's {shape.world_size}")
         self.matcher, self.rank, self.shape, self.model_shapes = matcher, rank, shape, [tuple(s) for s in model_shapes]
         self.endpoints = tuple((tuple(hosts), int(port)) for hosts, port in endpoints)
         self.broadcast, self.listener, self.codec, self.timeout, self.replicas = (
@@ -240,7 +284,7 @@ class GroupRounds:
         # in place: no second copy of the pseudo-gradient (the trainer's one tensor is viewed flat, not copied)
         vector = tcp.flatten(list(tensors))
         outcome = run_round(info, self.rank, shapes, vector, vector, listener=self.listener,
-                            codec=self.codec, timeout=self.timeout, connect=self.connect,
+                            codec=self.codec, timeout=self.timeout, signer=self.signer, connect=self.connect,
                             aggregation=self.aggregation)  # fmt: skip
         if self.replicas is not None:
             self.replicas.fill(vector)  # collective: also when this rank's part failed
@@ -257,23 +301,33 @@ class GroupRounds:
         """Rank 0: (the round, or None; groups in it; ok; behind). A group behind the others' outer step sits the
         round out (``abreast``): no round, not ok (it applies nothing), behind."""
         mine = {"shape": [self.shape.strategy, self.shape.world_size, self.shape.nodes],
-                "endpoints": [[list(hosts), port] for hosts, port in self.endpoints], "weight": weight}  # fmt: skip
+                "endpoints": [[list(hosts), port] for hosts, port in self.endpoints], "weight": weight,
+                "keys": [k.hex() for k in self.public_keys]}  # fmt: skip
+        if self.model:
+            mine["model"] = self.model
         if outer_step is not None:
             mine["outer_step"] = outer_step
-        match, report = self.matcher.match(round_index, self.key.sign_member(mine) if self.key else mine, stop)
+        # a keyed announcement's MAC binds it to this round and to the announcing peer: replayed into another round
+        # or by another peer, it is left out
+        context = _context(round_index, getattr(self.matcher, "peer_id", ""))
+        announcement = self.key.sign_member(mine, *context) if self.key else mine
+        match, report = self.matcher.match(round_index, announcement, stop)
         if match is None:
             return None, report.num_peers, report.ok, False
         gathered, me, group_id = list(match.gathered), match.index, match.group_id
         if self.key is not None:  # every member sees the same announcements: all leave out the same ones
-            signed = [self.key.member_signed(entry) for entry in gathered]
+            peers = match.peers or ("",) * len(gathered)
+            signed = [self.key.member_signed(entry, *_context(round_index, peer))
+                      for entry, peer in zip(gathered, peers)]  # fmt: skip
             if (left_out := sum(entry is None for entry in signed)) > 0:
                 log.warning("averaging: %d group(s) in this round announced themselves without this swarm's key; "
                             "averaging without them", left_out)  # fmt: skip
             me = sum(entry is not None for entry in signed[:me])
             gathered, group_id = [entry for entry in signed if entry is not None], self.key.round_secret(group_id)
-        # every member reads the same announcements alike, so all leave out the same unreadable ones
+        # every member reads the same announcements alike, so all leave out the same unreadable ones (and those that
+        # announce no key per rank: nobody could tell their connections from an impostor's)
         parsed = [announced(entry) for entry in gathered]
-        valid = [i for i, member in enumerate(parsed) if member is not None]
+        valid = [i for i, member in enumerate(parsed) if member is not None and member.keys]
         if len(valid) < len(parsed):
             self.malformed += len(parsed) - len(valid)
             warn = log.warning if self.malformed == len(parsed) - len(valid) else log.debug  # (once, then debug)
@@ -287,10 +341,20 @@ class GroupRounds:
             log.warning("averaging: this group is at outer step %s, others in the round at a later one: it sits the "
                         "round out and applies nothing", outer_step)  # fmt: skip
             return None, len(gathered), False, True
-        members, me = tuple(parsed[i] for i in kept), kept.index(me)
+        members, me = [parsed[i] for i in kept], kept.index(me)
+        kept = same_model([member.model for member in members], self.model)
+        if len(kept) < len(members):
+            log.warning("averaging: %d group(s) in this round announced another model than this one's; averaging "
+                        "without them", len(members) - len(kept))  # fmt: skip
+        members, me = tuple(members[i] for i in kept), kept.index(me)
         if len(members) < 2:
             return None, len(members), True, False  # alone among strangers: as a round of one
         return RoundInfo(group_id, members, me, sealed=self.key is not None), len(members), True, False
+
+
+def _context(round_index: int, peer_id: str) -> tuple[bytes, bytes]:
+    """What a keyed announcement's MAC binds it to besides its contents: the round and the announcing peer."""
+    return str(round_index).encode(), peer_id.encode()
 
 
 def announced(entry: object) -> Member | None:
@@ -315,7 +379,13 @@ def member_of(entry: object) -> Member:
     weight = float(entry["weight"])
     if not weight >= 0 or weight == float("inf"):
         raise ValueError(f"weight {weight}")
-    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight)
+    keys = tuple(bytes.fromhex(key) for key in entry.get("keys", ()))  # (a state's source announces none)
+    if keys and (len(keys) != len(endpoints) or any(len(key) != KEY_SIZE for key in keys)):
+        raise ValueError(f"{len(keys)} keys for {len(endpoints)} ranks, or a key that is not {KEY_SIZE} bytes")
+    model = entry.get("model", "")
+    if not isinstance(model, str) or len(model) > 128:
+        raise ValueError("a model fingerprint that is no short string")
+    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight, keys, model)
 
 
 def abreast(claims: list[object], round_index: int) -> list[int]:
@@ -329,3 +399,13 @@ def abreast(claims: list[object], round_index: int) -> list[int]:
     steps = [c if type(c) is int and 0 <= c < round_index else None for c in claims]
     top = max((s for s in steps if s is not None), default=None)
     return [i for i, s in enumerate(steps) if s is None or s == top]
+
+
+def same_model(models: list[str], mine: str) -> list[int]:
+    """The members of a round that average, by the model fingerprint each announced ("": none): those of this
+    group's model `mine`, and those that announced none (all, when `mine` is unknown). Groups of one model
+    matchmake under one key (``run_key``), so every honest member holds the same `mine` and computes the same list;
+    what it leaves out is a stranger's announcement or a misconfigured group, whose vector laid out by another
+    model's shapes would garble the average. Unlike a majority rule, no number of strangers' announcements can send
+    an honest group out."""
+    return [i for i, model in enumerate(models) if not model or not mine or model == mine]

@@ -3,13 +3,17 @@
 A reducer (the peer that averages one span of the vector) judges every contribution to each of its parts before
 adding it: NaN/Inf values, a weight that is not a finite number >= 0, or an L2 norm far above the group's are
 left out. Both transports (``diloco.swarm.rounds.tcp`` and ``diloco.bench.libp2p``) apply this rule, and the outer loop
-checks its own pseudo-gradient with ``all_finite`` before it averages. Plain torch.
+checks its own pseudo-gradient with ``all_finite`` before it averages.
+
+Weights are bounded before any of that: a group's weight in a round is the one it announced in matchmaking, capped
+at ``MAX_WEIGHT_RATIO`` times the round's reference weight (``capped_weights``); every member computes the same
+capped weights from the same announcements, so a reducer never counts a weight a sender puts on the wire. Plain torch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -20,6 +24,29 @@ import torch
 # over an order of magnitude of headroom for honest spread (few-step warm-up, uneven data) before a peer is cut.
 # With two peers the median is the smaller norm: the larger contribution is the one dropped.
 MAX_NORM_RATIO = 100.0
+
+# A group's weight in a round is capped at this many times the lower median of the positive weights its members
+# announced. Honest weights are 1 (--hv.local-steps) or the tokens a group trained in the round (--hv.target-tokens:
+# its throughput over the round's time), so they differ by the groups' speeds: a few times between GPU generations,
+# rarely over 10x between groups a swarm would pair. 16 leaves that spread untouched; a group announcing 1e30 counts
+# as 16 median groups at most instead of outweighing the round (with `mean` its part would be the result). The lower
+# median is an honest weight as long as hostile members are at most as many as honest ones.
+MAX_WEIGHT_RATIO = 16.0
+
+
+def reference_weight(weights: Iterable[float]) -> float:
+    """The weight a round's weights are capped against: the lower median of the positive finite ones (0: none). A
+    group that joined mid-round announces 0 and adds nothing; counting it would let it lower everyone's cap."""
+    positive = sorted(w for w in weights if math.isfinite(w) and w > 0)
+    return positive[(len(positive) - 1) // 2] if positive else 0.0
+
+
+def capped_weights(weights: Sequence[float], max_ratio: float = MAX_WEIGHT_RATIO) -> list[float]:
+    """The round's members' announced `weights` (in the round's order), each capped at `max_ratio` times their
+    ``reference_weight``; every member computes the same list from the same announcements. Weights that are not a
+    finite number >= 0 pass unchanged, for ``rejection`` to refuse."""
+    cap = max_ratio * reference_weight(weights)
+    return [min(w, cap) if math.isfinite(w) and w > cap else w for w in weights]
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -15,9 +15,11 @@ comes from the one rank of each group that exchanges it.
 
 Wire protocol, one TCP connection per (sender, reducer) pair, opened by the sender:
 
-* hello, sender -> reducer: ``HELLO`` fields, then HMAC-SHA256 of them keyed with the group id;
+* hello, sender -> reducer (``diloco.swarm.rounds.hello``): its fields (a fresh nonce of the sender's among them), its
+  Ed25519 signature with the sender's own key, and HMAC-SHA256 of both keyed with the group id;
 * ack, reducer -> sender: HMAC-SHA256 of ``b"ack" + hello``, same key; sealed, a random nonce first, then
-  HMAC-SHA256 of ``b"ack" + hello + nonce``;
+  HMAC-SHA256 of ``b"ack" + hello + nonce``. The keys of a sealed connection derive from the hello and that nonce:
+  both ends add randomness, so no two connections share keys, even when a group id repeats;
 * parts, sender -> reducer: per part of the reducer's span, its encoding as one message (``diloco.swarm.rounds.frames``:
   its byte length (u64) and its bytes; sealed, AES-256-GCM under the connection's keys);
 * averages, reducer -> sender: per part, its encoded average as one message; a reducer that bans the sender closes
@@ -28,42 +30,38 @@ Only the group knows its id (matchmaking hands it out over libp2p), so the HMACs
 swarm the tensor bytes travel unencrypted; in a keyed one the group id is the round's secret
 (``SwarmKey.round_secret``) and every part and average is sealed, so a machine on the path can neither read them nor
 alter them unseen.
+Given a ``Roster`` (every round of whole groups), members are told apart by signatures and counted with their
+announced weights, capped (``diloco.swarm.rounds.hello``). Every read and write of a round ends by its deadline.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
-import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from diloco.swarm.rounds import hello as hellos
 from diloco.swarm.rounds.aggregation import Aggregation, aggregate
-from diloco.swarm.rounds.frames import (
-    NONCE_SIZE,
-    Frames,
-    bytes_of,
-    recv_exact,
-    seal_keys,
-)
+from diloco.swarm.rounds.frames import Frames, bytes_of, seal_keys
+from diloco.swarm.rounds.hello import Roster, public_bytes
 from diloco.swarm.rounds.layout import Part, Schedule, flat_schedule
 from diloco.swarm.rounds.screening import MAX_NORM_RATIO, part_norm, screen
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DLB1"
-# magic, tag (first 16 bytes of sha256(group id)), sender index, reducer index, group size, the first 16 bytes of the
-# schedule's digest, codec name, sender's weight
-HELLO = struct.Struct("!4s16sHHH16s8sd")
-MAC_SIZE = 32
+ROUND_STEPS = 4  # a round's deadline, in its `timeout`s: 4 x (--hv.averaging-timeout / 4), the flag's own meaning
+HELLO, MAC_SIZE, MAGIC = hellos.HELLO, hellos.MAC_SIZE, hellos.MAGIC  # what the listener reads a hello by
+DEADLINE_GRACE_S = 1.0  # past the deadline, what its last reads and writes get to end on their own before an abort
 WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of its slowest reply: bounds memory
 
 Endpoint = tuple[Sequence[str], int]  # the hosts a rank's listener may be reached at, and its port
@@ -126,13 +124,9 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += tensor.numel()
 
 
-def _frames(sock: socket.socket, keys: tuple[bytes, bytes] | None) -> Frames:
-    """The messages of a round's connection: sealed under (send key, receive key), or plain without keys."""
-    return Frames(sock) if keys is None else Frames(sock, send_key=keys[0], receive_key=keys[1])
-
-
-def _mac(key: bytes, data: bytes) -> bytes:
-    return hmac.new(key, data, hashlib.sha256).digest()
+def _frames(sock: socket.socket, keys: tuple[bytes, bytes] | None, deadline: float) -> Frames:
+    """A round connection's messages, sealed under (send key, receive key) if any, each ended by `deadline`."""
+    return Frames(sock, *(keys or (None, None)), deadline=deadline)
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -188,9 +182,19 @@ class Round:
     :param index: this peer's position in the group order, which every peer sees alike.
     :param endpoints: per peer of the group, ([hosts], port) where its ``Listener`` accepts connections.
     :param connect: how to reach an endpoint (``connect``: over TCP).
-    :param weight: this peer's weight in the average; 0 takes the others' average and adds nothing.
+    :param weight: this peer's weight in the average; 0 takes the others' average and adds nothing. Without a
+        `roster` only: a reducer then counts each sender with the weight its hello carries.
+    :param roster: every participant's announced public key and (capped) weight, and the digest of the round's
+        announcements (``diloco.swarm.rounds.hello.Roster``): hellos must be signed by their sender's key and name
+        this digest, and each sender counts with its roster weight. None: a round whose members all trust each other
+        (benches, tests); the group-id MAC alone then tells members from strangers.
+    :param signer: this peer's private key, the one announced for `index` in the roster (with a roster only).
     :param timeout: seconds any single step may take: connecting, a groupmate's next part, a reply. A sender
         silent that long is dropped from the average (the others go on); a silent reducer fails the round.
+    :param round_timeout: seconds from now by which every read and write of the round's connections ends, however
+        a peer paces its bytes (None: ``ROUND_STEPS`` x `timeout`, which is ``--hv.averaging-timeout`` for rounds of
+        whole groups). Past it the round is aborted here and fails: a peer sending a byte every few seconds, each
+        within `timeout`, cannot hold it longer.
     :param schedule: who reduces and sends which parts, as this peer sees it; None: every peer holds the whole
         vector (``flat_schedule``).
     :param aggregation: how this peer, as reducer, combines the screened contributions
@@ -208,17 +212,26 @@ class Round:
         group_id: bytes,
         index: int,
         endpoints: Sequence[Endpoint],
-        weight: float,
         codec: Codec,
         timeout: float,
+        weight: float | None = None,
+        roster: Roster | None = None,
+        signer: Ed25519PrivateKey | None = None,
+        round_timeout: float | None = None,
         max_norm_ratio: float = MAX_NORM_RATIO,
         schedule: Schedule | None = None,
         connect: Connect = connect,
         aggregation: Aggregation = "mean",
         sealed: bool = False,
     ):
+        self.started = time.monotonic()
+        self.deadline = self.started + (ROUND_STEPS * timeout if round_timeout is None else round_timeout)
         self.vector, self.out, self.group_id, self.index = vector, out, group_id, index
-        self.sealed = sealed
+        self.sealed, self.roster, self.signer = sealed, roster, signer
+        if (roster is None) != (signer is None) or (roster is None) == (weight is None):
+            raise ValueError("a round takes either a weight, or a roster and this peer's signing key")
+        if roster is not None and (len(roster.keys) != len(endpoints) or roster.keys[index] != public_bytes(signer)):
+            raise ValueError(f"the roster is not of this group of {len(endpoints)}, or names another key for {index}")
         self._keys: dict[int, tuple[bytes, bytes] | None] = {}  # per reducer: the keys of our connection to it
         self.aggregation = aggregation
         self.connector = connect
@@ -247,7 +260,7 @@ class Round:
                 self._place[q][sender] = i
         self._delivered = [0] * self.k  # parts of our span each sender delivered
         self._replied = [0] * self.k  # averages of our span sent back to each sender
-        self._weights: dict[int, float] = {index: weight}
+        self._weights: dict[int, float] = {index: weight if roster is None else roster.weights[index]}
         self._banned: dict[int, str] = {}  # sender -> why it is left out from now on
         self._results: dict[int, tuple[torch.Tensor, object]] = {}  # part of our span -> (average, its encoding)
         self._reduced = 0
@@ -270,14 +283,14 @@ class Round:
         reducers = [j for j in range(self.k) if j != self.index and j not in self._complete]
         workers += [self._thread(self._exchange, j) for j in reducers]
         for worker in workers:
-            worker.join()
+            self._join(worker)
         while True:  # readers and writers of attached senders, which may still be appended
             with self._cv:
                 pending = [thread for thread in self._threads if thread.is_alive()]
             if not pending:
                 break
             for thread in pending:
-                thread.join()
+                self._join(thread)
         with self._cv:
             self._aborted = True  # late connections are refused from now on
             sockets = list(self._sockets)
@@ -292,25 +305,21 @@ class Round:
         if problems:
             raise RoundFailed("; ".join(problems))
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "aborted") -> None:
         """Stop every thread of the round soon (closing its sockets); ``run()`` then raises."""
         with self._cv:
             self._aborted = True
-            self._errors.append("aborted")
+            self._errors.append(reason)
             self._cv.notify_all()
             sockets = list(self._sockets)
         for sock in sockets:
             close_socket(sock)
 
     def attach(self, sock: socket.socket, hello: bytes) -> None:
-        """Take over a sender's connection whose hello (fields and MAC) was read by the ``Listener``."""
-        fields, mac = hello[: HELLO.size], hello[HELLO.size :]
-        if not hmac.compare_digest(mac, _mac(self.group_id, fields)):
-            raise ConnectionError("hello with a wrong MAC")
-        _, _, sender, reducer, k, digest, codec, weight = HELLO.unpack(fields)
-        expected = (self.index, self.k, self.digest, self.codec.name.encode())
-        if (reducer, k, digest, codec.rstrip(b"\0")) != expected or not 0 <= sender < k or sender == self.index:
-            raise ConnectionError(f"hello {(sender, reducer, k, digest.hex(), codec)} does not match this round")
+        """Take over a sender's connection whose hello (fields, signature and MAC) was read by the ``Listener``.
+        The MAC first: a stranger is refused before any signature work."""
+        expected = hellos.Hello(self.tag, -1, self.index, self.k, self.digest, self.codec.name.encode(), 0.0, b"", b"")
+        sender, weight = hellos.accept(hello, self.group_id, expected, self.roster)
         if not self._sent_by[sender]:
             raise ConnectionError(f"sender {sender} holds no part of our span")
         with self._cv:
@@ -320,12 +329,11 @@ class Round:
             self._weights[sender] = weight
             self._sockets.append(sock)
         sock.settimeout(self.timeout)
-        nonce = os.urandom(NONCE_SIZE) if self.sealed else b""
-        sock.sendall(nonce + _mac(self.group_id, b"ack" + hello + nonce))
+        nonce = hellos.answer(sock, hello, self.group_id, self.sealed, self.deadline)
         # we answer: the second key of the pair is ours to send under
-        frames = _frames(sock, seal_keys(self.group_id, hello + nonce)[::-1] if self.sealed else None)
+        frames = _frames(sock, seal_keys(self.group_id, hello + nonce)[::-1] if self.sealed else None, self.deadline)
         with self._cv:
-            self.bytes_sent += len(nonce) + MAC_SIZE
+            self.bytes_sent += len(nonce) + hellos.MAC_SIZE
             self._threads.append(self._thread(self._read_parts, frames, sender))
             self._threads.append(self._thread(self._write_averages, frames, sender))
 
@@ -456,7 +464,7 @@ class Round:
                     self._release()
                     self._cv.notify_all()
             # the sender's parts were all read (its last average needed its last part): nothing else reads the socket
-            await_close(frames.sock, self.timeout)
+            await_close(frames.sock, min(self.timeout, self.deadline - time.monotonic()))
         except OSError as e:
             with self._cv:
                 if not self._aborted:
@@ -488,7 +496,7 @@ class Round:
         sock = None
         try:
             sock = self._connect(reducer)
-            frames = _frames(sock, self._keys[reducer])
+            frames = _frames(sock, self._keys[reducer], self.deadline)
             receiver = self._thread(self._read_averages, frames, reducer)
             for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
@@ -527,24 +535,19 @@ class Round:
         # a reducer may hold our next part (or its average) back for up to `timeout` while it waits for a slow
         # groupmate before dropping it: give our side of the connection twice that
         sock.settimeout(2 * self.timeout)
-        codec = self.codec.name.encode()
-        weight = self._weights[self.index]
-        fields = HELLO.pack(MAGIC, self.tag, self.index, reducer, self.k, self.digest, codec, weight)
-        hello = fields + _mac(self.group_id, fields)
+        digest = hellos.NO_DIGEST if self.roster is None else self.roster.digest
+        fields = hellos.new_hello(self.tag, self.index, reducer, self.k, self.digest, self.codec.name,
+                                  self._weights[self.index], digest)  # fmt: skip
+        hello = hellos.pack(fields, self.group_id, self.signer)
         try:
-            sock.sendall(hello)
-            ack = bytearray((NONCE_SIZE if self.sealed else 0) + MAC_SIZE)
-            recv_exact(sock, memoryview(ack))
-            nonce, mac = bytes(ack[:-MAC_SIZE]), bytes(ack[-MAC_SIZE:])
-            if not hmac.compare_digest(mac, _mac(self.group_id, b"ack" + hello + nonce)):
-                raise ConnectionError("the peer answered with a wrong MAC")
+            nonce = hellos.greet(sock, hello, self.group_id, self.sealed, self.deadline)
         except OSError:
             close_socket(sock)
             raise
         with self._cv:
             self._keys[reducer] = seal_keys(self.group_id, hello + nonce) if self.sealed else None
             self.bytes_sent += len(hello)
-            self.bytes_received += len(ack)
+            self.bytes_received += len(nonce) + hellos.MAC_SIZE
         return sock
 
     # ------------------------------------------------------------------------------------------------- helpers
@@ -581,7 +584,17 @@ class Round:
             self.abort()
             raise _LocalFailure from e
 
+    def _join(self, thread: threading.Thread) -> None:
+        """Wait for one of the round's threads. Every read and write ends by the deadline on its own; should a thread
+        still run a moment after it (waiting on another), the round is aborted: it fails, but never hangs."""
+        thread.join(max(0.0, self.deadline + DEADLINE_GRACE_S - time.monotonic()))
+        if thread.is_alive():
+            self.abort(f"past the round's deadline ({self.deadline - self.started:.3g} s after it started)")
+            thread.join()
+
     def _fail(self, problem: str) -> None:
+        if time.monotonic() >= self.deadline:  # (a read or write cut by it reads "timed out" otherwise)
+            problem += " (past the round's deadline)"
         with self._cv:
             self._errors.append(problem)
 
