@@ -65,6 +65,18 @@ def test_one_attacker_among_five_barely_moves_a_robust_rule(rule: str, attack: s
         assert float((aggregate(parts, [1.0] * 5, "mean") - target).norm()) > 9 * float(target.norm())
 
 
+@pytest.mark.parametrize("rule", ["trimmed-mean", "centered-clip"])
+def test_a_heavy_attacker_counts_as_the_median_contribution_under_a_robust_rule(rule: str):
+    """An attacker announcing the most weight the cap lets through (16 median groups) and sending minus its
+    pseudo-gradient: a robust rule counts it as one median contribution, so it stays near the honest mean, where
+    the mean follows the attacker."""
+    good = honest(4)
+    target = aggregate(good, [1.0] * 4, "mean")
+    parts, weights = [*good, -good[0]], [1.0, 2.0, 1.0, 1.0, 16.0]
+    assert float((aggregate(parts, weights, rule) - target).norm()) < 0.35 * float(target.norm())
+    assert float((aggregate(parts, weights, "mean") - target).norm()) > float(target.norm())
+
+
 def test_centered_clipping_bounds_the_pull_of_one_contribution():
     """However far one contribution lies, it moves the result by at most its share of tau per pass."""
     good = honest(4)

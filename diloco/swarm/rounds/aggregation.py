@@ -10,7 +10,9 @@
 
 A robust rule needs at least ``ROBUST_MIN`` contributions with a positive weight; with fewer it is the mean (two
 contributors cannot outvote each other). Contributions of weight 0 (a group that joined mid-round) add nothing
-under any rule.
+under any rule. Under a robust rule a contribution counts at most as much as the median one (``votes``): the rules
+bound what one contributor does by counting contributors, and a weight that is a multiple of the others' (up to the
+cap of ``diloco.swarm.rounds.screening``) would bring that back.
 
 Every part is combined once, by its reducer, and the same bytes go to every group, so groups stay bit-identical
 whatever the rule; the rules are deterministic all the same (stable sorts, fixed summation order). Plain torch.
@@ -44,12 +46,19 @@ def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: Agg
     if rule == "mean" or len(live) < ROBUST_MIN:
         return weighted_mean(parts, weights)
     stacked = torch.stack([part for part, _ in live])
-    scale = torch.tensor([weight for _, weight in live], dtype=stacked.dtype)
+    scale = votes(torch.tensor([weight for _, weight in live], dtype=stacked.dtype))
     if rule == "trimmed-mean":
         return trimmed_mean(stacked, scale)
     if rule == "centered-clip":
         return centered_clip(stacked, scale)
     raise ValueError(f"unknown aggregation {rule!r}")
+
+
+def votes(weights: torch.Tensor) -> torch.Tensor:
+    """`weights` (all positive) capped at their lower median: under a robust rule no contribution outvotes the median
+    one, however much it announced; honest groups of unequal speed count alike above the median."""
+    median = weights.sort().values[(len(weights) - 1) // 2]
+    return weights.clamp(max=float(median))
 
 
 def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
