@@ -76,6 +76,11 @@ BENCH_HELP = {
     "churn": "A 30-minute soak: four worker groups of mixed shapes, two of them killed (kill -9), stopped (SIGTERM), "
     "restarted from checkpoints or rejoining fresh every 10-30 s (seeded); divergences, hangs, one final model, "
     "throughput retained against the swarm without churn, RSS over time (cgroups; needs root).",
+    "flood": "One rank under a flood of held, garbage and trickling connections and state requests from a stranger's "
+    "address while an honest peer averages with it and downloads its state: the rank's peak RSS growth, honest work "
+    "done, connections refused.",
+    "fuzz": "Malformed, truncated, oversized, wrong-typed and deeply nested inputs thrown at every parser (records, "
+    "announcements, seals, metadata, codecs, frames) and at a live listener and DHT: crashes, hangs, refusals.",
     "wan": "Time to a loss on a slow link: DDP, DiLoCo blocking, and fragments overlapping the inner steps (with int4) "
     "on real text, 2 workers behind tbf links of 100 Mbit/s and 1 Gbit/s (network namespaces; needs root).",
 }

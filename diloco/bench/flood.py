@@ -347,11 +347,20 @@ def run_flood(work_dir: Path, quick: bool) -> dict[str, Any]:
     return result
 
 
+def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """`diloco bench flood`: ``run_flood`` (the bench's contract: ``diloco.bench``)."""
+    return run_flood(work_dir, quick)
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The result as a short section: the flood, the rank's memory, the honest work."""
+    from diloco.bench import section_head
+
     mib = 2**20
+    head = section_head(result) if "machine" in result else []
     lines = [
-        f"# A rank under a flood\n\n{result['connections']:,} connections held from {result['attacker']}, and "
+        *head,
+        f"\n{result['connections']:,} connections held from {result['attacker']}, and "
         f"{result['requests_per_s']} state requests/s, for {result['flood_seconds']} s (load average "
         f"{result['load_average'][0]} at the start): the attacker opened {result['connections_opened']:,} "
         f"connections in all, the rank refused {result['refused']:,}.\n",
