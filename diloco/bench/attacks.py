@@ -7,10 +7,10 @@ stand between it and the model.
 - `sign-flip`: minus its own pseudo-gradient;
 - `noise`: Gaussian noise with the L2 norm of its own pseudo-gradient, tensor by tensor;
 - `heavy`: minus its own pseudo-gradient, announced with a weight of 1e30, so that the round's result would be its
-  part alone. Every member caps announced weights alike (`screening.capped_weights`: 16× the lower median); in the
-  in-memory swarm, which has no announcements, the attacker hands in the weight the members would count. Among 4
-  honest groups of weight 1 that is still 16/20 of the weight: rules that weigh contributions (the mean, centered
-  clipping) follow it; trimming, which drops values by count, does not.
+  part alone. Every member caps announced weights alike (`screening.capped_weights`: 16× the lower median; the
+  in-memory swarm caps the weights it is handed the same way). Among 4 honest groups of weight 1 that is still
+  16/20 of the weight, which the mean follows; the robust rules count no contribution above the median one
+  (`diloco.swarm.rounds.aggregation.votes`).
 
 A group that connects as other groups' ranks (to replace their contributions with its own) is refused at its hello
 (`diloco.swarm.rounds.hello`: each rank signs with its own key); the in-memory swarm has no connections to try it on,
@@ -25,8 +25,6 @@ from typing import Any
 
 import torch
 
-from diloco.swarm.rounds.screening import capped_weights
-
 SCALE = 50.0
 HEAVY = 1e30  # the weight `heavy` announces
 ATTACKS: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
@@ -36,12 +34,6 @@ ATTACKS: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
     "heavy": lambda t, _: -t,
 }
 ANNOUNCED = {"heavy": HEAVY}  # the weight an attack announces (the others: their honest one)
-
-
-def counted_weight(announced: float, honest: float, groups: int) -> float:
-    """The weight the members of a round of `groups` count an attacker with when it announces `announced` and every
-    other group `honest` (in this bench all honest weights are equal: 1 per round at a fixed H)."""
-    return capped_weights([honest] * (groups - 1) + [announced])[-1]
 
 
 def _noise_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -67,5 +59,5 @@ class Attacker:
         for tensor in tensors:
             tensor.copy_(self.forge(tensor, self.generator))
         if self.announced is not None and weight > 0:  # (a group that joined mid-round adds nothing, attacker or not)
-            weight = counted_weight(self.announced, weight, self.member.swarm.barrier.parties)
+            weight = self.announced  # the swarm caps it, as every member of a round caps the announced weights
         return self.member.average(tensors, round_index, weight, stop, fragment, outer_step)

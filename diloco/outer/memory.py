@@ -26,6 +26,7 @@ from diloco.swarm.records.progress import Progress
 from diloco.swarm.records.status import Status
 from diloco.swarm.rounds.aggregation import aggregate
 from diloco.swarm.rounds.group_round import abreast
+from diloco.swarm.rounds.screening import capped_weights
 from diloco.swarm.rounds.tcp import RAW
 
 State = tuple[dict[str, Any], list[torch.Tensor]]
@@ -86,8 +87,10 @@ class MemorySwarm:
         return out.view(tensor.shape)
 
     def combine(self, inputs: list[tuple[list[torch.Tensor], float]]) -> list[torch.Tensor]:
-        """The groups' (tensors, weight) combined, tensor by tensor, as every group receives them."""
-        weights = [w for _, w in inputs]
+        """The groups' (tensors, weight) combined, tensor by tensor, as every group receives them; weights capped
+        as the transport caps the announced ones (``capped_weights``)."""
+        weights = capped_weights([w for _, w in inputs])
+        inputs = [(ts, w) for (ts, _), w in zip(inputs, weights)]
         if self.aggregation == "mean":
             total = sum(weights)
             return [self.wire(sum(ts[i] * w for ts, w in inputs) / total) for i in range(len(inputs[0][0]))]
