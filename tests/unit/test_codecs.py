@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,3 +86,69 @@ def test_int8_decodes_without_a_warning_about_the_received_buffer():
         decoded = codec.extract(encoded)
     inside = values.abs() < 2.5  # 256 levels over mean ± 3 sigma: the tails beyond are clipped
     assert decoded.shape == values.shape and float((decoded - values)[inside].abs().max()) < 0.05
+
+
+def int8_part(n: int = 100, **header) -> bytes:
+    """An int8 part of n values as a round sends it, with `header` fields (dtype, size, requires_grad, buffer)
+    replaced."""
+    values = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # hivemind's encoder uses torch's deprecated quantize_per_tensor
+        message = Uniform8Bit().compress(values, None)
+    for name, value in header.items():
+        if name == "size":
+            del message.size[:]
+            message.size.extend(value)
+        else:
+            setattr(message, name, value)
+    return message.SerializeToString()
+
+
+def decode(codec: str, data: bytes, n: int) -> torch.Tensor:
+    return WIRE_FORMATS[codec].tcp.decode(memoryview(bytearray(data)), n)
+
+
+def test_int8_decodes_a_round_part_to_float32_values_without_grad():
+    decoded = decode("int8", int8_part(100), 100)
+    assert decoded.dtype == torch.float32 and decoded.shape == (100,) and not decoded.requires_grad
+
+
+def codebook(levels: int, extra: bytes = b"") -> bytes:
+    return np.int64(levels).tobytes() + np.zeros(max(min(levels, 4), 0), dtype=np.float32).tobytes() + extra
+
+
+@pytest.mark.parametrize(
+    "header, why",
+    [
+        ({"dtype": "float64"}, "dtype 'float64'"),
+        ({"dtype": "int64"}, "dtype 'int64'"),
+        ({"size": [10, 10]}, r"size \[10, 10\]"),
+        ({"size": [99]}, r"size \[99\]"),
+        ({"requires_grad": True}, "requires_grad True"),
+        ({"buffer": codebook(2**60)}, "codebook of 1152921504606846976 levels"),
+        ({"buffer": codebook(-1)}, "codebook of -1 levels"),
+        ({"buffer": codebook(4, bytes([0, 1, 2, 200] * 25))}, "index 200 beyond a codebook of 4 levels"),
+        ({"buffer": codebook(4, bytes(99))}, r"size \[100\] with 99 indices"),
+        ({"buffer": b"\1\0\0"}, "buffer of 3 bytes"),
+    ],
+    ids=["float64", "int64", "2-d", "short-size", "grad", "huge-codebook", "negative-codebook", "index", "few-indices",
+         "short-buffer"],
+)  # fmt: skip
+def test_int8_refuses_a_part_whose_header_does_not_describe_n_float32_values(header: dict, why: str):
+    """What a sender claims in the part's header is checked here, so the sender is blamed (ValueError), not the
+    reducer's own computations later."""
+    with pytest.raises(ValueError, match=why):
+        decode("int8", int8_part(100, **header), 100)
+
+
+def test_int8_refuses_bytes_that_are_no_message():
+    with pytest.raises(ValueError, match="not an int8 part"):
+        decode("int8", b"\xff" * 20, 100)
+
+
+@pytest.mark.parametrize("codec, size", [("none", 4), ("fp16", 2)])
+def test_plain_formats_refuse_any_length_but_n_values(codec: str, size: int):
+    assert decode(codec, bytes(size * 10), 10).shape == (10,)
+    for wrong in (bytes(size * 10 - 1), bytes(size * 10 + size), b""):
+        with pytest.raises(ValueError, match=f"bytes of {codec} for 10 values"):
+            decode(codec, wrong, 10)

@@ -8,10 +8,13 @@ hivemind codec: it travels only in rounds of whole groups, which is how the trai
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 from hivemind.compression import (
     CompressionBase,
     CompressionInfo,
@@ -32,14 +35,47 @@ class Uniform8Bit(Uniform8BitQuantization):
     no bitsandbytes needed."""
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        """The tensor a part describes; ValueError naming what is wrong when its header and buffer disagree (a
+        codebook longer than 256 levels or than the buffer, indices beyond the codebook, a size that is not the
+        number of indices, a dtype that is no float): a peer's message, checked before anything is allocated."""
         buffer = serialized_tensor.buffer
+        if len(buffer) < 8:
+            raise ValueError(f"an int8 buffer of {len(buffer)} bytes: no codebook length")
         codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+        itemsize = np.dtype(self.codebook_dtype).itemsize
+        if not 0 < codebook_size <= self.n_bins or 8 + codebook_size * itemsize > len(buffer):
+            raise ValueError(f"an int8 codebook of {codebook_size} levels in {len(buffer)} bytes")
         codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
         indices = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        size = tuple(serialized_tensor.size)
+        if any(d < 0 for d in size) or math.prod(size) != indices.size:
+            raise ValueError(f"an int8 part of size {list(size)} with {indices.size} indices")
+        if indices.size and int(indices.max()) >= codebook_size:
+            raise ValueError(f"int8 index {int(indices.max())} beyond a codebook of {codebook_size} levels")
+        dtype = getattr(torch, serialized_tensor.dtype, None) if serialized_tensor.dtype in FLOATS else None
+        if dtype is None:
+            raise ValueError(f"an int8 part of dtype {serialized_tensor.dtype[:32]!r}")
         # copies: torch warns on (and must never write to) a read-only view of the received buffer
         values = torch.from_numpy(codebook.copy())[torch.from_numpy(indices.astype(np.int64))]
-        values = values.to(getattr(torch, serialized_tensor.dtype)).reshape(tuple(serialized_tensor.size))
-        return values.requires_grad_(serialized_tensor.requires_grad)
+        return values.to(dtype).reshape(size).requires_grad_(serialized_tensor.requires_grad)
+
+
+FLOATS = ("float32", "float16", "bfloat16", "float64")  # the dtypes hivemind's 8-bit parts may claim
+
+
+def decode_int8(quantizer: Uniform8Bit, data: memoryview, n: int) -> torch.Tensor:
+    """A round's int8 part: exactly n float32 values without grad, else ValueError naming what the header claims
+    (parts are float32 vectors, so any other dtype, shape or a gradient is the sender's error, not this reducer's)."""
+    try:
+        message = runtime_pb2.Tensor.FromString(bytes(data))
+    except DecodeError as e:
+        raise ValueError(f"not an int8 part: {e}") from None
+    if message.compression != quantizer.compression_type:
+        raise ValueError(f"an int8 part compressed as {message.compression}")
+    if message.dtype != "float32" or list(message.size) != [n] or message.requires_grad:
+        raise ValueError(f"an int8 part of dtype {message.dtype[:32]!r}, size {list(message.size)[:4]}, "
+                         f"requires_grad {message.requires_grad}: float32 [{n}] without grad expected")  # fmt: skip
+    return quantizer.extract(message)
 
 
 @dataclass(frozen=True)
@@ -83,8 +119,9 @@ def encode_int4(part: torch.Tensor) -> memoryview:
 
 
 def decode_int4(data: memoryview, n: int) -> torch.Tensor:
+    """n float32 values of ``encode_int4``'s bytes; ValueError when there are not exactly as many bytes as they take."""
     blocks = _blocks(n)
-    if data.nbytes != blocks * (4 + INT4_BLOCK // 2):
+    if data.nbytes != blocks * (4 + INT4_BLOCK // 2) or n < 1:
         raise ValueError(f"{data.nbytes} bytes of int4 for {n} values")
     scale = torch.frombuffer(data, dtype=torch.float32, count=blocks)
     packed = torch.frombuffer(data, dtype=torch.uint8, offset=4 * blocks).view(blocks, INT4_BLOCK // 2)
@@ -105,15 +142,27 @@ def _int8() -> WireFormat:
         "int8",
         2**17,  # 512 KiB of float32 per codebook, as over libp2p
         encode=lambda part: quantizer.compress(part, CompressionInfo.from_tensor(part)).SerializeToString(),
-        decode=lambda data, n: quantizer.extract(runtime_pb2.Tensor.FromString(bytes(data))),
+        decode=lambda data, n: decode_int8(quantizer, data, n),
         max_bytes=lambda n: 4 * n + 4096,
     )
     return WireFormat("int8", quantizer, codec)
 
 
+def exact(codec: tcp.Codec, bytes_per_value: int) -> tcp.Codec:
+    """`codec` (a plain array of `bytes_per_value`-byte values) refusing a message of any other length than n values
+    (its own decoder reads the first n and ignores the rest)."""
+
+    def decode(data: memoryview, n: int) -> torch.Tensor:
+        if data.nbytes != n * bytes_per_value or n < 1:
+            raise ValueError(f"{data.nbytes} bytes of {codec.name} for {n} values")
+        return codec.decode(data, n)
+
+    return dataclasses.replace(codec, decode=decode)
+
+
 WIRE_FORMATS: dict[str, WireFormat] = {
-    "none": WireFormat("none", NoCompression(), tcp.RAW),  # exact float32
-    "fp16": WireFormat("fp16", Float16Compression(), tcp.FP16),
+    "none": WireFormat("none", NoCompression(), exact(tcp.RAW, 4)),  # exact float32
+    "fp16": WireFormat("fp16", Float16Compression(), exact(tcp.FP16, 2)),
     "int8": _int8(),
     "int4": WireFormat("int4", None, INT4),  # 4.5 bits per value: 7.1x fewer bytes than float32
 }
