@@ -4,8 +4,8 @@ Each trainer rank runs one hivemind DHT peer in a background process that owns o
 runs one as the swarm's bootstrap peer. hivemind is pinned to 1.1.12; this module relies on these private names
 of ``hivemind.DHT``: ``run`` (overridden), ``_parent_pid``, ``_inner_pipe`` (its request pipe, read by
 ``DHT.run``) and ``_ready`` (``set_result`` once the node is up), the ``caller`` that ``hivemind.p2p.p2p_daemon``
-puts on the log records it relays from p2pd, and ``DHTNode.p2p._client.connect`` (p2pd's connect command, for the
-rendezvous).
+puts on the log records it relays from p2pd, ``DHTNode.p2p._client.connect`` (p2pd's connect command, for the
+rendezvous) and ``hivemind.dht.node._SearchState`` (``__init__`` and its ``serializer``: ``_Tolerant``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import hivemind
 from hivemind.p2p import PeerID
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 from multiaddr import Multiaddr
 
@@ -158,6 +159,7 @@ class _DHT(hivemind.DHT):
     def run(self) -> None:
         detach_from_parent(self._parent_pid)
         self._inner_pipe = _RequestPipe(self._inner_pipe)
+        _tolerate_undecodable_entries()  # (in this process alone: the DHT's)
         # a daemon that fails to start logs its shutdown (seen: "swarm listener for /p2p-circuit accept error:
         # listener closed" at ERROR) beside the one line start_dht gives for it: quiet until the node is up
         started = threading.Event()
@@ -168,6 +170,34 @@ class _DHT(hivemind.DHT):
 
     async def _drop_request(self, reason: str) -> None:
         logger.warning(f"DHT dropped a request from a process that exited: {reason}")
+
+
+class _Tolerant(MSGPackSerializer):
+    """hivemind's serializer for the values a DHT search found, reading an entry it cannot decode as None. hivemind
+    decodes every entry of a key before it answers the read, and a decoding error there leaves the read unanswered
+    for good: one entry any peer can store (a map with integer keys: "int is not allowed for map key") would hang
+    every reader of that key. As None the entry is one the readers refuse and count (``ownership.owned_records``)."""
+
+    @classmethod
+    def loads(cls, buf: bytes) -> object:
+        try:
+            return super().loads(buf)
+        except Exception:  # noqa: BLE001 - (ValueError, TypeError, msgpack's own): a stranger's bytes, not a record
+            return None
+
+
+def _tolerate_undecodable_entries() -> None:
+    """Every search state of this process decodes what it found with ``_Tolerant`` (hivemind hands its protocol's
+    serializer to each one, so the class default alone would not do)."""
+    from hivemind.dht.node import _SearchState
+
+    made = _SearchState.__init__
+
+    def tolerant(self, *args, **kwargs) -> None:
+        made(self, *args, **kwargs)
+        self.serializer = _Tolerant
+
+    _SearchState.__init__ = tolerant
 
 
 class _QuietUntil(logging.Filter):
