@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from hivemind.utils.crypto import RSAPrivateKey
 
 KEY_FILE = "owner.key"
-_OWNED = re.compile(r"^(\d+)(\[owner:[^\]]+\])$")  # a world rank, then hivemind's owner marker
+# a world rank (at most 18 digits: int() refuses a string of thousands), then hivemind's owner marker
+_OWNED = re.compile(r"^([0-9]{1,18})(\[owner:[^\]]+\])$")
 
 
 class Owner:
