@@ -133,7 +133,8 @@ class SwarmKey:
         if body is None:
             return None
         sealed_until = body.pop(EXPIRY_FIELD, None)
-        if type(sealed_until) not in (int, float) or expires > sealed_until + EXPIRY_SLACK_S:
+        # (the slack comes off `expires`: a sealed int past float's range compares, where adding overflows)
+        if type(sealed_until) not in (int, float) or expires - EXPIRY_SLACK_S > sealed_until:
             return None
         return body
 
