@@ -12,6 +12,7 @@ targets throw connections at a live listener (``Net``), and the DHT target store
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import socket
@@ -427,7 +428,7 @@ class Net:
 
     def targets(self) -> list[Target]:
         make = self._make
-        return [Target("listener.round_hello", self.hellos or [b"DLB1"], make, self._send, weight=0.25),
+        return [Target("listener.round_hello", self.hellos or [b"DLB2"], make, self._send, weight=0.25),
                 Target("listener.state_request", self.requests, make, self._send, weight=0.25)]  # fmt: skip
 
     def _make(self, m: Mutator, seed: bytes) -> tuple[bytes, str]:
@@ -566,7 +567,7 @@ def run_fuzz(inputs: int, seed: int, work_dir: Path, *, sockets: bool = True, dh
     tallies: dict[str, Tally] = {}
     try:
         for target in targets:
-            count = max(1, round(inputs * target.weight / total))
+            count = max(1, math.ceil(inputs * target.weight / total))  # (at least `inputs` in all)
             mutator.rng = random.Random(f"{seed}:{target.name}")  # each target's inputs, whatever the others'
             tallies[target.name] = fuzz_target(target, count, mutator, watchdog)
     finally:

@@ -255,11 +255,13 @@ class Watchdog:
 def fuzz_target(target: Target, inputs: int, mutator: Mutator, watchdog: Watchdog) -> Tally:
     """`inputs` inputs made from `target`'s seeds, each parsed under `watchdog`."""
     tally, started = Tally(), time.monotonic()
-    for _ in range(inputs):
+    for _ in range(4 * inputs):  # (bounded: a target whose values mostly fail to serialize still ends)
+        if tally.inputs >= inputs:
+            break
         try:
             value = target.make(mutator, mutator.rng.choice(target.seeds))
         except (RecursionError, ValueError, TypeError, OverflowError):
-            continue  # the mutator could not serialize this one (a deep value as JSON): no input
+            continue  # the mutator could not serialize this one (a deep value as JSON): no input, make another
         tally.inputs += 1
         outcome = watchdog.run(target.call, value)
         if outcome is None:

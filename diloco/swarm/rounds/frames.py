@@ -34,14 +34,16 @@ class PastDeadline(TimeoutError):
     """A connection's absolute deadline passed (the peer may still be sending, a byte at a time)."""
 
 
-def _bound(sock: socket.socket, deadline: float | None, step: float | None) -> None:
-    """Let the socket's next call wait at most its per-call `step` and never past `deadline` (monotonic)."""
+def _bound(sock: socket.socket, deadline: float | None, step: float | None) -> bool:
+    """Let the socket's next call wait at most its per-call `step` and never past `deadline` (monotonic); returns
+    whether the deadline is the nearer limit (a timeout then means the deadline passed)."""
     if deadline is None:
-        return
+        return False
     left = deadline - time.monotonic()
     if left <= 0:
         raise PastDeadline("the connection's deadline passed")
     sock.settimeout(left if step is None else min(step, left))
+    return step is None or left <= step
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
@@ -50,8 +52,13 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
     step = sock.gettimeout()
     try:
         while view:
-            _bound(sock, deadline, step)
-            received = sock.recv_into(view)
+            last = _bound(sock, deadline, step)
+            try:
+                received = sock.recv_into(view)
+            except TimeoutError as e:
+                if last and not isinstance(e, PastDeadline):
+                    raise PastDeadline("the connection's deadline passed") from e
+                raise
             if received == 0:
                 raise ConnectionError("connection closed by the peer")
             view = view[received:]
@@ -67,12 +74,17 @@ def send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
     view = memoryview(data).cast("B")
     try:
         while view:
-            _bound(sock, deadline, step)
+            last = _bound(sock, deadline, step)
             if deadline is None:
                 sock.sendall(view)
                 return
             # a slice at a time, so that the deadline is checked between them (sendall's timeout is per call)
-            sent = sock.send(view[: 2**20])
+            try:
+                sent = sock.send(view[: 2**20])
+            except TimeoutError as e:
+                if last:
+                    raise PastDeadline("the connection's deadline passed") from e
+                raise
             view = view[sent:]
     finally:
         if deadline is not None:
