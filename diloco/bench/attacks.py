@@ -14,8 +14,7 @@ stand between it and the model.
 
 A group that connects as other groups' ranks (to replace their contributions with its own) is refused at its hello
 (`diloco.swarm.rounds.hello`: each rank signs with its own key); the in-memory swarm has no connections to try it on,
-so that attack is exercised over real sockets (`tests/support/hostile_peer.py`'s `impostor`,
-`tests/unit/test_member_auth.py`).
+so that attack runs over real sockets, in the fault tests.
 """
 
 from __future__ import annotations

@@ -263,6 +263,32 @@ def test_a_peer_that_sends_bad_frames_is_dropped_and_counted(tmp_path: Path, dht
 
 
 @pytest.mark.slow
+def test_a_member_cannot_connect_as_another_members_rank(tmp_path: Path, dht_peer: list[str]) -> None:
+    """A third group joins the rounds and, before its honest exchange with each reducer, connects to it as every
+    other sender of the round (``tests.support.hostile_peer``'s ``impostor``: the round's MAC and schedule right, its
+    hellos signed with its own key). Every reducer refuses those hellos (the key announced for that index is
+    another's), counts them, and the honest groups end on one model with the rounds they had together."""
+    dirs = [tmp_path / f"w{i}" for i in range(2)]
+    logs = [tmp_path / f"w{i}.log" for i in range(3)]
+    steps = ["--max-steps", "40", "--hv.run-id", "impostor", "--hv.matchmaking-time", "8"]
+    procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
+    procs.append(start_hostile(["impostor", "impostor", "3", "2", "6", "mean"], dht_peer, logs[2]))
+    try:
+        finish(procs[:2], logs[:2], timeout=420)
+        procs[2].wait(timeout=120)
+    finally:
+        kill_group(procs[2])
+    hostile = logs[2].read_text()
+    tries = [line for line in hostile.splitlines() if line.startswith("impostor: ")]
+    assert tries and all(" refused as #" in line for line in tries), hostile[-3000:]
+    assert sum(summary(d)["refused_connections"] for d in dirs) >= len(tries)
+    rows = [outer_rows(d) for d in dirs]
+    assert any(r.get("num_peers") == 3 for r in rows[0] + rows[1])  # it was in rounds with them
+    assert len({summary(d)["params_sha256"] for d in dirs}) == 1
+    assert all(summary(d)["status"] == "ok" for d in dirs)
+
+
+@pytest.mark.slow
 def test_a_forged_record_of_a_huge_outer_step_draws_no_group_away(tmp_path: Path, dht_peer: list[str]) -> None:
     """In an open swarm a stranger stores a progress record claiming outer step 10**6, and its listener answers
     state downloads with a state of the wrong size. The swarm's first group tries it three times, refuses every
