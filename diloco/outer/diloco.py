@@ -173,11 +173,9 @@ class DiLoCo:
     def claim_world_rank(self, keyed: bool = True) -> None:
         """Collective, before anything is written: two running groups with one world rank would train on one
         data shard and overwrite each other's progress record, so the later one leaves (a `FieldError` naming
-        `world_rank`). A live group of another model or setting (`rival_model`) makes it leave too (naming
-        `run_id`, or the setting's field) when the swarm is `keyed`: only its members can publish there, so that is
-        an operator's mistake. In an open swarm (``keyed=False``) anyone can publish such a status record, and a
-        stranger must not stop groups with one: one warning line, and the group trains on (groups of another model
-        never average with it: the fingerprint is part of the matchmaking and progress keys)."""
+        `world_rank`). A live group of another model or setting (`rival_model`) makes it leave too when the swarm is
+        `keyed` (only members publish there: an operator's mistake); in an open swarm anyone can publish such a
+        record, so it gets one warning line and the group trains on (other models never meet it: `run_key`)."""
         verdict = other_model = None
         if self.group.is_main:
             verdict = self.claims.rival()

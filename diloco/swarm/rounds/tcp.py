@@ -26,12 +26,10 @@ Wire protocol, one TCP connection per (sender, reducer) pair, opened by the send
   early.
 * end: the sender closes once it has every average; the reducer closes after that (``await_close``).
 
-Only the group knows its id (matchmaking hands it out over libp2p), so the HMACs keep strangers out. In an open
-swarm the tensor bytes travel unencrypted; in a keyed one the group id is the round's secret
-(``SwarmKey.round_secret``) and every part and average is sealed, so a machine on the path can neither read them nor
-alter them unseen.
-Given a ``Roster`` (every round of whole groups), members are told apart by signatures and counted with their
-announced weights, capped (``diloco.swarm.rounds.hello``). Every read and write of a round ends by its deadline.
+Only the group knows its id (matchmaking hands it out), so the HMACs keep strangers out; given a ``Roster`` (every
+round of whole groups) members are told apart by their signatures and counted with their announced weights, capped.
+In a keyed swarm the group id is the round's secret (``SwarmKey.round_secret``) and every part and average is sealed.
+Every read and write of a round ends by its deadline.
 """
 
 from __future__ import annotations
