@@ -338,7 +338,7 @@ def test_poison_quick(tmp_path: Path) -> None:
         assert arm["gap_vs_mean"] == pytest.approx(arm["final_eval_loss"][0] / clean - 1), arm["name"]
     assert arms["mean/scaled"]["gap_vs_mean"] > 0.05  # 50x its pseudo-gradient moves the mean
     for rule, verdict in data["verdicts"].items():
-        worst = max(arms[f"{rule}/{a}"]["gap_vs_mean"] for a in ("scaled", "sign-flip", "noise"))
+        worst = max(arms[f"{rule}/{a}"]["gap_vs_mean"] for a in ("scaled", "sign-flip", "noise", "heavy"))
         assert verdict["worst_gap_under_attack"] == pytest.approx(worst) and verdict["met"] == (worst <= 0.02)
     assert (tmp_path / "poison-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## poison (quick): " in doc and "| trimmed-mean | scaled |" in doc and "poison-quick.png" in doc

@@ -27,5 +27,5 @@ def test_flood_quick_bounds_the_rank_and_lets_honest_work_through(tmp_path: Path
     assert result["peak_rss_growth_bytes"] <= result["state_bytes"] * 1.5, result  # one copy, and some slack
     assert result["state_copies_taken"] >= 1 and len(result["load_average"]) == 3
     doc = flood.markdown(result)
-    assert "# A rank under a flood" in doc and "honest downloads ok" in doc
+    assert "connections held from" in doc and "honest downloads ok" in doc
     assert not [p for p in psutil.Process().children(recursive=True) if "diloco.bench.flood" in " ".join(p.cmdline())]
