@@ -47,6 +47,23 @@ def start_hostile(args: list[str], peers: list[str], log: Path) -> subprocess.Po
         )  # fmt: skip
 
 
+def beside_hostile(tmp_path: Path, dht_peer: list[str], steps: list[str], hostile: list[str], timeout: float
+                   ) -> tuple[list[Path], list[Path]]:  # fmt: skip
+    """Two honest groups (world ranks 0 and 1 of a galaxy of 3, flags `steps`) and a `start_hostile` peer (`hostile`)
+    as the third; returns once the groups finished (within `timeout`) and the hostile peer ended, which is stopped on
+    the way out whatever happened: (the groups' run folders, the three logs)."""
+    dirs = [tmp_path / f"w{i}" for i in range(2)]
+    logs = [tmp_path / f"w{i}.log" for i in range(3)]
+    procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
+    procs.append(start_hostile(hostile, dht_peer, logs[2]))
+    try:
+        finish(procs[:2], logs[:2], timeout=timeout)
+        procs[2].wait(timeout=120)
+    finally:
+        kill_group(procs[2])
+    return dirs, logs
+
+
 def divergent_rounds(dirs: list[Path]) -> dict[str, set[str]]:
     """The rounds (by name) that left the groups in them on different outer states: none, ever (a group behind sits a
     round out). Fails when no round had two groups."""
@@ -203,15 +220,10 @@ def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(
 def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: list[str]) -> None:
     """A third peer sends NaN in every round: the two honest groups reject it, complete their rounds and stay
     finite and bit-identical."""
-    dirs = [tmp_path / f"w{i}" for i in range(2)]
-    logs = [tmp_path / f"w{i}.log" for i in range(3)]
     # matchmaking long enough (as the poisoned peer's) that under load a round waits for all three: a group formed
     # from one honest group and the poisoned one leaves the other honest group alone, and none has both
     steps = ["--max-steps", "15", "--hv.run-id", "poisoned", "--hv.matchmaking-time", "8"]
-    procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
-    procs.append(start_hostile(["nan", "poisoned", "3", "2", "3", "mean"], dht_peer, logs[2]))
-    finish(procs[:2], logs[:2], timeout=240)
-    procs[2].wait(timeout=120)
+    dirs, logs = beside_hostile(tmp_path, dht_peer, steps, ["nan", "poisoned", "3", "2", "3", "mean"], timeout=240)
     rows = [outer_rows(d) for d in dirs]
     by_step = [{r["step"]: r for r in per_group} for per_group in rows]
     # bit-identical after every round both honest groups averaged in; under load a round may group one of them
@@ -235,16 +247,8 @@ def test_a_peer_that_sends_bad_frames_is_dropped_and_counted(tmp_path: Path, dht
     The honest reducers drop it (at once, or after their timeout; nothing of the claimed size is allocated) and say
     why, refuse the replay at its hello, count both (`dropped` in the rows, `refused_connections` in the summary),
     average their spans without it, and the honest groups end on one model."""
-    dirs = [tmp_path / f"w{i}" for i in range(2)]
-    logs = [tmp_path / f"w{i}.log" for i in range(3)]
     steps = ["--max-steps", "60", "--hv.run-id", "frames", "--hv.matchmaking-time", "8"]
-    procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
-    procs.append(start_hostile(["frames", "frames", "3", "2", "10", "mean"], dht_peer, logs[2]))
-    try:
-        finish(procs[:2], logs[:2], timeout=420)
-        procs[2].wait(timeout=120)
-    finally:
-        kill_group(procs[2])
+    dirs, logs = beside_hostile(tmp_path, dht_peer, steps, ["frames", "frames", "3", "2", "10", "mean"], timeout=420)
     hostile = logs[2].read_text()
     met = [line.split()[-1] for line in hostile.splitlines() if line.startswith("round ") and "num_peers=3" in line]
     assert set(met) >= {"huge", "short", "slowloris", "replay"}, hostile[-3000:]
@@ -268,16 +272,9 @@ def test_a_member_cannot_connect_as_another_members_rank(tmp_path: Path, dht_pee
     other sender of the round (``tests.support.hostile_peer``'s ``impostor``: the round's MAC and schedule right, its
     hellos signed with its own key). Every reducer refuses those hellos (the key announced for that index is
     another's), counts them, and the honest groups end on one model with the rounds they had together."""
-    dirs = [tmp_path / f"w{i}" for i in range(2)]
-    logs = [tmp_path / f"w{i}.log" for i in range(3)]
     steps = ["--max-steps", "40", "--hv.run-id", "impostor", "--hv.matchmaking-time", "8"]
-    procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
-    procs.append(start_hostile(["impostor", "impostor", "3", "2", "6", "mean"], dht_peer, logs[2]))
-    try:
-        finish(procs[:2], logs[:2], timeout=420)
-        procs[2].wait(timeout=120)
-    finally:
-        kill_group(procs[2])
+    hostile = ["impostor", "impostor", "3", "2", "6", "mean"]
+    dirs, logs = beside_hostile(tmp_path, dht_peer, steps, hostile, timeout=420)
     hostile = logs[2].read_text()
     tries = [line for line in hostile.splitlines() if line.startswith("impostor: ")]
     assert tries and all(" refused as #" in line for line in tries), hostile[-3000:]
@@ -362,14 +359,10 @@ def test_a_sign_flipped_scaled_attacker_is_outvoted_by_a_robust_aggregation(
     nothing is rejected (but at the end, when the cosine schedule shrank the honest pseudo-gradients). With the
     mean, the averaged pseudo-gradient would grow ~16x per round (-50/3 of the last); with a robust
     --hv.aggregation it stays at the honest groups' scale, and they end on one model."""
-    dirs = [tmp_path / f"w{i}" for i in range(2)]
-    logs = [tmp_path / f"w{i}.log" for i in range(3)]
     steps = ["--max-steps", "30", "--hv.run-id", "flipped", "--hv.matchmaking-time", "8",
              "--hv.aggregation", aggregation, "--hv.outer-lr", "1", "--hv.outer-momentum", "0"]  # fmt: skip
-    procs = [start_group(group_args(i, 3, dht_peer, dirs[i], *steps), logs[i]) for i in (0, 1)]
-    procs.append(start_hostile(["flip50", "flipped", "3", "2", "6", aggregation], dht_peer, logs[2]))
-    finish(procs[:2], logs[:2], timeout=300)
-    procs[2].wait(timeout=120)
+    hostile = ["flip50", "flipped", "3", "2", "6", aggregation]
+    dirs, logs = beside_hostile(tmp_path, dht_peer, steps, hostile, timeout=300)
     rows = [outer_rows(d) for d in dirs]
     # rounds the attacker took part in after its first (zeros), unscreened: its -50x went into the reducers' rule
     attacked = [r for r in rows[0] if r.get("num_peers") == 3 and r["outer_step"] > 1 and r.get("rejected") == 0]
