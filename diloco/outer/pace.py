@@ -184,7 +184,8 @@ class TokenBudget:
         mine = RoundTokens(self.world_rank, outer_step, tokens, self.rate, now)
         records = self.swarm.token_records()
         estimate = budget.swarm_tokens(records, mine, now, self.galaxy_size)
-        behind = tokens >= self.earliest and budget.ahead(records, mine) and self._corroborated(records, mine)
+        claims = budget.claims_ahead(records, mine, self.galaxy_size)
+        behind = tokens >= self.earliest and bool(claims) and self._corroborated(claims, mine)
         due = estimate >= self.target_tokens or behind or outer_step >= self.final_outer_step
         if due or now - self.published_at >= PUBLISH_S:
             # closed: this group waits in the round now; the others count its tokens as they are
@@ -192,18 +193,15 @@ class TokenBudget:
             self.published_at = now
         return due, min(estimate / self.target_tokens, 1.0), estimate
 
-    def _corroborated(self, records: list[RoundTokens], mine: RoundTokens) -> bool:
-        """Rank 0: whether a group whose token record says it is past `mine`'s outer step (`budget.ahead`) shows it
-        in a progress record: of the same world rank of the galaxy and owner, settled, live, at this group's outer
-        step or later and at most one round (the one it may have on the wire) behind its claim, and of a state this
-        group has not refused. Read at most every `CORROBORATE_S` (the read and the pings are the network's)."""
+    def _corroborated(self, claims: dict[int, list[RoundTokens]], mine: RoundTokens) -> bool:
+        """Rank 0: whether a group whose token record says it is past `mine`'s outer step (`claims`, by world rank:
+        ``budget.claims_ahead``) shows it in a progress record: of the same world rank of the galaxy and owner,
+        settled, live, at this group's outer step or later and at most one round (the one it may have on the wire)
+        behind its claim, and of a state this group has not refused. Read at most every `CORROBORATE_S` (the read
+        and the pings are the network's)."""
         step, checked_at, verdict = self.corroborated
         if step == mine.outer_step and mine.at - checked_at < CORROBORATE_S:
             return verdict
-        claims: dict[int, list[RoundTokens]] = {}
-        for r in records:
-            if r.outer_step > mine.outer_step and r.world_rank != mine.world_rank and r.world_rank < self.galaxy_size:
-                claims.setdefault(r.world_rank, []).append(r)
 
         def shown(progress: Progress) -> bool:
             return progress.settled and progress.outer_step >= mine.outer_step and not self.refused(progress) and any(
@@ -211,7 +209,7 @@ class TokenBudget:
                 for claim in claims.get(progress.world_rank, ())
             )  # fmt: skip  (a claim without an owner: the in-memory swarm's, which signs nothing)
 
-        candidates = sorted(filter(shown, self.swarm.records() if claims else ()), key=lambda r: r.outer_step)
+        candidates = sorted(filter(shown, self.swarm.records()), key=lambda r: r.outer_step)
         verdict = any(self.swarm.alive(r.peers[0]) for r in candidates[:CORROBORATE_PINGS])  # the nearest first
         self.corroborated = (mine.outer_step, mine.at, verdict)
         return verdict

@@ -127,8 +127,20 @@ def earliest(target: float, galaxy_size: int) -> float:
     return target / (1 + (galaxy_size - 1) * OTHERS_CAP)
 
 
+def claims_ahead(records: Iterable[RoundTokens], mine: RoundTokens, galaxy_size: int | None = None
+                 ) -> dict[int, list[RoundTokens]]:  # fmt: skip
+    """By world rank (of the galaxy, when its size is given), the other groups' records saying they already took the
+    outer step this group trains for (it would be behind: go to the round, which loads the swarm's state). Only
+    claims, which anyone can make: ``diloco.outer.pace.TokenBudget`` acts on one once a progress record corroborates
+    it."""
+    claims: dict[int, list[RoundTokens]] = {}
+    for r in records:
+        in_galaxy = galaxy_size is None or r.world_rank < galaxy_size
+        if r.outer_step > mine.outer_step and r.world_rank != mine.world_rank and in_galaxy:
+            claims.setdefault(r.world_rank, []).append(r)
+    return claims
+
+
 def ahead(records: Iterable[RoundTokens], mine: RoundTokens) -> bool:
-    """Whether another group's record says it already took the outer step this group trains for (it would be
-    behind: go to the round, which loads the swarm's state). Only a claim, which anyone can make:
-    ``diloco.outer.pace.TokenBudget`` acts on it once a progress record corroborates it."""
-    return any(r.outer_step > mine.outer_step and r.world_rank != mine.world_rank for r in records)
+    """Whether any other group's record claims to be ahead of this group (``claims_ahead``)."""
+    return bool(claims_ahead(records, mine))
