@@ -97,7 +97,29 @@ def outer_line(row: dict[str, Any]) -> str:
             parts.append(row["transport"])
     if row.get("loaded_state_from") is not None:
         parts.append(f"loaded the state of group {row['loaded_state_from']}")
+    if row.get("discarded_steps"):
+        parts.append(f"lost {row['discarded_steps']} step{'s' if row['discarded_steps'] != 1 else ''}")
     return " | ".join(parts)
+
+
+LOST_WARN_PERCENT = 10  # a group that discarded more than this share of its inner steps is marked and named
+
+
+def lost_steps(discarded: int | None, steps: int | None) -> str:
+    """A group's discarded inner steps as a table cell: ``0``, ``12 (8%)`` (of `steps`, when any), with a trailing
+    ``!`` over ``LOST_WARN_PERCENT`` of its steps; ``-`` when unknown (an earlier trainer's files)."""
+    if discarded is None:
+        return "-"
+    if not discarded:
+        return "0"
+    share = f" ({discarded / steps:.0%})" if steps else ""
+    return f"{discarded}{share}{'!' if lost_too_many(discarded, steps) else ''}"
+
+
+def lost_too_many(discarded: int | None, steps: int | None) -> bool:
+    """Whether `discarded` is over ``LOST_WARN_PERCENT`` of `steps` (any discarded step of a group with none
+    counts)."""
+    return bool(discarded) and discarded * 100 > LOST_WARN_PERCENT * (steps or 0)
 
 
 # ---------------------------------------------------------------- the end of `diloco launch`
@@ -114,6 +136,7 @@ class GroupResult:
     rounds: dict[str, int]  # ok / alone / failed
     final_eval_loss: float | None
     sha: str | None
+    discarded_steps: int | None = None  # None: the summary has no count (an earlier trainer)
 
 
 def read_group(run_dir: Path) -> GroupResult:
@@ -135,17 +158,21 @@ def read_group(run_dir: Path) -> GroupResult:
         rounds=rounds,
         final_eval_loss=summary.get("final_eval_loss"),
         sha=summary.get("params_sha256"),
+        discarded_steps=summary.get("discarded_steps"),
     )
 
 
 def verdict(groups: list[GroupResult]) -> str:
-    """The table `diloco launch` ends with, and one line: did every group end with the same model?"""
-    header = ["group", "status", "inner steps", "outer steps", "rounds ok/alone/failed", "final eval loss", "model"]
+    """The table `diloco launch` ends with, a line for each group that discarded over ``LOST_WARN_PERCENT`` of its
+    inner steps, and one line: did every group end with the same model?"""
+    header = ["group", "status", "inner steps", "lost steps", "outer steps", "rounds ok/alone/failed",
+              "final eval loss", "model"]  # fmt: skip
     rows = [
         [
             g.name,
             g.status,
             _or_dash(g.steps),
+            lost_steps(g.discarded_steps, g.steps),
             _or_dash(g.outer_steps),
             f"{g.rounds['ok']}/{g.rounds['alone']}/{g.rounds['failed']}",
             "-" if g.final_eval_loss is None or not math.isfinite(g.final_eval_loss) else f"{g.final_eval_loss:.4f}",
@@ -156,7 +183,18 @@ def verdict(groups: list[GroupResult]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
     lines = [" | ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *rows]]
     lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join([*lines, same_model_line(groups)])
+    return "\n".join([*lines, *lost_lines(groups), same_model_line(groups)])
+
+
+def lost_lines(groups: list[GroupResult]) -> list[str]:
+    """One line per group that discarded over ``LOST_WARN_PERCENT`` of its inner steps."""
+    return [
+        f"! {g.name} discarded {g.discarded_steps} of {_or_dash(g.steps)} inner steps"
+        + (f" ({g.discarded_steps / g.steps:.0%})" if g.steps else "")
+        + ": it loaded another group's state over its own work, or a round applied nothing (see docs/reliability.md)"
+        for g in groups
+        if lost_too_many(g.discarded_steps, g.steps)
+    ]
 
 
 def same_model_line(groups: list[GroupResult]) -> str:

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from diloco.console import lost_steps
 from diloco.errors import FieldError
 from diloco.swarm.records import status
 from diloco.swarm.records.status import Status
@@ -35,7 +36,8 @@ UNREACHABLE_EXIT = 1
 NO_GROUPS_EXIT = 3
 CLIENT_MADDR = "/ip4/127.0.0.1/tcp/0"  # a client only dials out: nothing needs to reach it
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen: a terminal redraws in place
-COLUMNS = ("group", "ranks", "sharding", "step", "outer", "tokens/s", "last round", "peers", "digest", "heard", "state")
+COLUMNS = ("group", "ranks", "sharding", "step", "lost", "outer", "tokens/s", "last round", "peers", "digest", "heard",
+           "state")  # fmt: skip
 
 
 class StatusError(FieldError):
@@ -183,8 +185,8 @@ def cells(record: Status, now: float) -> tuple[str, ...]:
     last = "-" if record.round_at is None else f"{record.round} {ago(now - record.round_at)}"
     peers = "-" if record.round_peers is None else str(record.round_peers)
     return (
-        str(record.world_rank), str(record.ranks), shown(record.sharding) or "-", step, str(record.outer_step), tokens,
-        last, peers, shown(record.digest[:8]) or "-", ago(now - record.heard_at), shown(record.state),
+        str(record.world_rank), str(record.ranks), shown(record.sharding) or "-", step,
+        lost_steps(record.discarded_steps, record.step), str(record.outer_step), tokens, last, peers, shown(record.digest[:8]) or "-", ago(now - record.heard_at), shown(record.state),
     )  # fmt: skip
 
 

@@ -52,6 +52,23 @@ def test_entries_that_are_not_status_records_are_skipped() -> None:
     assert [r.world_rank for r in status.read(dht, key)] == [0, 6]
 
 
+def test_discarded_steps_round_trip_and_default_to_0_in_an_earlier_trainer_s_record() -> None:
+    assert Status.from_dict(record(discarded_steps=12).to_dict()) == record(discarded_steps=12)
+    earlier = {k: v for k, v in record().to_dict().items() if k != "discarded_steps"}
+    assert "discarded_steps" not in earlier and Status.from_dict(earlier) == record()
+    assert record().discarded_steps == 0
+
+
+@pytest.mark.parametrize("value", [True, False, -1, "3", 2.0, None])
+def test_a_record_whose_discarded_steps_is_not_a_count_is_not_a_record(value: Any) -> None:
+    assert Status.from_dict(record().to_dict() | {"discarded_steps": value}) is None
+    dht = FakeDHT()
+    key = status.status_key("run")
+    dht.store(key, record(0).to_dict() | {"discarded_steps": value}, 0.0, subkey=owned(0))
+    dht.store(key, record(1, discarded_steps=3).to_dict(), 0.0, subkey=owned(1))
+    assert status.read(dht, key) == [record(1, discarded_steps=3)]
+
+
 @pytest.mark.parametrize(("peers", "word"), [(None, None), (0, "failed"), (1, "alone"), (2, "ok"), (5, "ok")])
 def test_the_last_round_reads_ok_alone_or_failed_by_its_peers(peers: int | None, word: str | None) -> None:
     assert record(round_peers=peers).round == word
@@ -68,17 +85,32 @@ def test_the_table_has_one_aligned_row_per_group() -> None:
         record(3, round_peers=None, round_at=None, outer_step=0, state="joining", digest="", heard_at=NOW + 2),
     ]
     lines = table(groups, NOW).splitlines()
-    assert lines[0].split() == ["group", "ranks", "sharding", "step", "outer", "tokens/s", "last", "round", "peers",
-                                "digest", "heard", "state"]  # fmt: skip
-    assert lines[1].split() == ["0", "2", "FULL_SHARD", "25/30", "5", "1,234", "ok", "12s", "ago", "2", "01234567",
-                                "3s", "ago", "training"]  # fmt: skip
-    assert lines[2].split() == ["1", "2", "FULL_SHARD", "25/30", "5", "1,234", "alone", "5m", "ago", "1", "01234567",
-                                "45s", "ago", "done"]  # fmt: skip
-    assert lines[3].split() == ["2", "2", "FULL_SHARD", "25", "5", "-", "failed", "2s", "ago", "0", "01234567",
+    assert lines[0].split() == ["group", "ranks", "sharding", "step", "lost", "outer", "tokens/s", "last", "round",
+                                "peers", "digest", "heard", "state"]  # fmt: skip
+    assert lines[1].split() == ["0", "2", "FULL_SHARD", "25/30", "0", "5", "1,234", "ok", "12s", "ago", "2",
+                                "01234567", "3s", "ago", "training"]  # fmt: skip
+    assert lines[2].split() == ["1", "2", "FULL_SHARD", "25/30", "0", "5", "1,234", "alone", "5m", "ago", "1",
+                                "01234567", "45s", "ago", "done"]  # fmt: skip
+    assert lines[3].split() == ["2", "2", "FULL_SHARD", "25", "0", "5", "-", "failed", "2s", "ago", "0", "01234567",
                                 "3s", "ago", "training"]  # fmt: skip
     # a group whose clock is ahead of this one's was heard just now
-    assert lines[4].split() == ["3", "2", "FULL_SHARD", "25/30", "0", "1,234", "-", "-", "-", "0s", "ago", "joining"]
+    assert lines[4].split() == ["3", "2", "FULL_SHARD", "25/30", "0", "0", "1,234", "-", "-", "-", "0s", "ago",
+                                "joining"]  # fmt: skip
     assert len({line.rindex(" ") + 1 for line in lines}) == 1  # the last column starts at one place in every line
+
+
+def test_the_lost_column_gives_discarded_steps_with_their_share_and_marks_over_10_percent() -> None:
+    groups = [
+        record(0, step=150, discarded_steps=12),  # 8%
+        record(1, step=120, discarded_steps=41),  # 34%: marked
+        record(2, step=120, discarded_steps=12),  # exactly 10%: not marked
+        record(3, step=0, discarded_steps=0),
+        record(4, step=0, discarded_steps=5),  # nothing left of its steps
+    ]
+    lines = table(groups, NOW).splitlines()
+    start, end = lines[0].index("lost"), lines[0].index("outer")
+    assert [line[start:end].strip() for line in lines] == ["lost", "12 (8%)", "41 (34%)!", "12 (10%)", "0", "5!"]
+    assert len({line.index(" 5 ", start) for line in lines[1:]}) == 1  # the outer column starts at one place
 
 
 def test_json_gives_every_field_the_round_in_words_and_ages_in_seconds() -> None:
@@ -87,6 +119,9 @@ def test_json_gives_every_field_the_round_in_words_and_ages_in_seconds() -> None
     first, second = look["groups"]
     assert first == record(0).to_dict() | {"round": "ok", "round_age_s": 12.0, "heard_s": 3.0}
     assert second["round"] == "alone" and second["world_rank"] == 1
+    assert first["discarded_steps"] == 0
+    look = json.loads(render([record(0, discarded_steps=7)], "my-run", NOW, as_json=True))
+    assert look["groups"][0]["discarded_steps"] == 7
 
 
 def test_an_empty_look_says_so_in_one_title_line() -> None:

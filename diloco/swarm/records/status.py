@@ -54,6 +54,8 @@ class Status:
         ``200 steps, H 25``; empty from earlier trainers.
     :param batch: its inner step, ``<--total-batch-size>x<--seq-length>`` (e.g. ``16x128``); empty from earlier
         trainers.
+    :param discarded_steps: inner steps this group discarded so far (loaded over by another group's state, or a last
+        round that applied nothing); 0 from earlier trainers.
     """
 
     world_rank: int
@@ -75,6 +77,7 @@ class Status:
     outer: str = ""
     schedule: str = ""
     batch: str = ""
+    discarded_steps: int = 0
 
     @property
     def round(self) -> str | None:
@@ -111,7 +114,13 @@ def _well_typed(record: Status) -> bool:
                                              record.transport, record.outer, record.schedule,
                                              record.batch))  # fmt: skip
         and (record.parameters is None or isinstance(record.parameters, int))
+        and _count(record.discarded_steps)
     )
+
+
+def _count(value: Any) -> bool:
+    """A count of things: an int (not a bool) >= 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # ---------------------------------------------------------------- in the DHT
