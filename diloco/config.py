@@ -117,8 +117,20 @@ class HvConfig(_Strict):
         "on the median); the robust two blunt a hostile or broken group, with 3 groups or more. Every group of a "
         "run uses one.",
     )
-    matchmaking_time: float = Field(5.0, gt=0, description="Seconds to wait for peers when forming a round.")
+    matchmaking_time: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="Seconds a round waits at most for the other groups. auto: under --hv.local-steps it waits for "
+        "every live group whose status record says it arrives within one of this group's own rounds (at least 5 s), "
+        "and no longer; under --hv.target-tokens 5 s. Either way it closes once every live group is in.",
+    )
     averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
+    late_work: Literal["keep", "drop"] = Field(
+        "keep",
+        description="What a group that arrives after the swarm's round formed does with its inner steps since its "
+        "last round: keep (it loads the new outer state and moves its model along, so they land in its next round, "
+        "weighted by their tokens) or drop (reset to the loaded state, as OpenDiLoCo does). Either way the rows, "
+        "summary.json and `diloco status` count the inner steps thrown away.",
+    )
     skip_load_from_peers: bool = Field(False, description="Do not download the outer state from peers on join.")
     compression: Compression = Field(
         "none",

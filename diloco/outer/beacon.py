@@ -41,6 +41,7 @@ class Beacon:
     batch: str = ""
     tokens_per_s: float | None = None  # of the group, from the training loop's last metrics row
     last_round: tuple[int, float] | None = None  # (num_peers, wall-clock end) of the last round
+    discarded_steps: int = 0  # inner steps this group threw away so far (``DiLoCo._discard``)
     sent_at: float = -math.inf  # monotonic time of the last record
 
     @property
@@ -77,6 +78,7 @@ class Beacon:
             parameters=self.model.parameters if self.model else None,
             peer=self.peer,
             batch=self.batch,
+            discarded_steps=self.discarded_steps,
         )
         self.swarm.publish_status(record)
         return record

@@ -27,6 +27,7 @@ from diloco.outer.fragments import fragment_params, local_runs
 from diloco.outer.links import Group, Swarm
 from diloco.outer.loop import NoOuter, OuterLoop
 from diloco.outer.pace import FixedSteps, Pace, TokenBudget, check_overlap
+from diloco.swarm.records.arrivals import default_wait
 from diloco.swarm.records.fingerprint import ModelId, model_id
 from diloco.swarm.rounds.digest import Digest
 
@@ -116,7 +117,8 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
             galaxy_size=hv.galaxy_size, tokens_per_step=tokens_per_step, max_steps=max_steps,
         )  # fmt: skip  (a fragment's round every N/F tokens)
     else:
-        pace = FixedSteps(hv.local_steps // hv.fragments, max_steps)  # a fragment's round every H/F steps
+        # a fragment's round every H/F steps; its pseudo-gradient holds the H steps since its last round
+        pace = FixedSteps(hv.local_steps // hv.fragments, max_steps, hv.local_steps * tokens_per_step)
     loop = DiLoCo(
         shards,
         swarm,
@@ -129,7 +131,7 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
         stop=stop,
         join_timeout=hv.averaging_timeout,
         final_step=max_steps,
-        settle_timeout=hv.matchmaking_time + hv.averaging_timeout + 5,  # a group still in the last round
+        settle_timeout=default_wait(hv.matchmaking_time) + hv.averaging_timeout + 5,  # one still in the last round
         sharding=config.sharding_strategy,
         transport=hv.transport,
         pace=pace,
@@ -143,6 +145,7 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
         schedule=schedule(max_steps, hv.local_steps, hv.target_tokens if isinstance(pace, TokenBudget) else None,
                           tokens_per_step, hv.fragments, hv.overlap_steps),  # fmt: skip
         batch=f"{config.total_batch_size}x{config.seq_length}",
+        late_work=hv.late_work,
     )
     if isinstance(pace, TokenBudget):  # a state the catch-up refused corroborates no claim of being ahead
         pace.refused = loop.catchup.refused.skipped

@@ -87,6 +87,10 @@ class DiLoCo:
     :param schedule: the group's schedule (``agreement.schedule``), which the groups of a run must share too;
         empty: not compared. `batch`: its inner step, ``<total batch size>x<sequence length>``, for the line that
         names the flag a token budget's groups differ in.
+    :param late_work: what a group that loads the swarm's newer state does with the inner steps it took since its
+        last round (``--hv.late-work``): ``keep`` moves its model along with the outer parameters, so they land in
+        its next round, weighted by their tokens (a one-round-stale contribution); ``drop`` resets the model to the
+        loaded state. Either way every row and the summary count the inner steps thrown away (``discarded_steps``).
     """
 
     def __init__(
@@ -117,15 +121,21 @@ class DiLoCo:
         schedule: str = "",
         batch: str = "",
         claim_settle_s: float = 1.0,
+        late_work: str = "keep",
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup, fragments)
         self.claim_settle_s = claim_settle_s  # how long a claim waits for a group that started at the same moment
         self.fragments = len(fragments) if fragments else 1
         self.overlap, self.mix = overlap_steps, overlap_mix
         self.in_flight: InFlight | None = None
-        self.pace = pace or FixedSteps(local_steps // self.fragments, final_step)
+        self.pace = pace or FixedSteps(local_steps // self.fragments, final_step, local_steps * tokens_per_step)
         self.tokens_per_step = tokens_per_step
         self.round_start = 0  # the inner step at which this group's current round began
+        self.pace_start = 0  # ... as its pace counts: a group that kept its late work counts from the load on
+        self.keep_late = late_work == "keep"
+        self.discarded_steps = self.discarded_tokens = 0  # inner steps (tokens) thrown away in this run
+        self.unlogged: dict[str, int] = {}  # what the next outer row reports (`_row`): discarded, carried steps
+        self.alone_steps = 0  # inner steps of the last round this group applied alone (lost if it loads a state)
         # per fragment, the inner step its values were last reset to the outer ones (the weight's tokens count
         # from there: a fragment's pseudo-gradient holds every inner step since, over F rounds)
         self.fragment_start = [0] * self.fragments
@@ -269,8 +279,8 @@ class DiLoCo:
         return self.outer_step + (self.in_flight is not None)
 
     def _tokens(self, step: int) -> int:
-        """Tokens this group trained since its last round started."""
-        return (step - self.round_start) * self.tokens_per_step
+        """Tokens this group trained since its last round started, as its pace counts them."""
+        return (step - self.pace_start) * self.tokens_per_step
 
     def _fragment_tokens(self, step: int, fragment: int | None) -> int:
         """Tokens this group trained since `fragment` (None: the whole model) was last reset to the outer values."""
@@ -279,7 +289,7 @@ class DiLoCo:
     def _new_round(self, step: int, fragment: int | None = None) -> None:
         """The outer parameters changed (an outer step, a loaded state): the model (or the one fragment a round
         averaged) was reset to them."""
-        self.round_start = step
+        self.round_start = self.pace_start = step
         self.pace.new_round(self._paced)
         self._reset_fragments(step, fragment)
 
@@ -328,9 +338,15 @@ class DiLoCo:
         return None if self.fragments == 1 else fragment_of(index, self.fragments)
 
     def _join_round(self, step: int, source: int | None) -> list[dict[str, Any]]:
-        """Collective: take part in the round under way with no weight (this group just loaded the state)."""
+        """Collective: take part in the round under way (this group just loaded the state): with the inner steps
+        it kept (``late_work`` keep), weighted by their tokens; else with no weight."""
         index = self.pace.round_index(step, self._paced)
-        zeros = torch.zeros(self.params.numel(self._fragment(index)))
+        fragment = self._fragment(index)
+        tokens = self._fragment_tokens(step, fragment)
+        if self.keep_late and tokens > 0:
+            pseudo_gradient = self.params.pseudo_gradient(fragment)
+            return self._round(step, index, pseudo_gradient, self.pace.weight(tokens), source, tokens, overlap=False)
+        zeros = torch.zeros(self.params.numel(fragment))
         return self._round(step, index, zeros, 0.0, source, overlap=False)
 
     def _round(
@@ -355,7 +371,7 @@ class DiLoCo:
                 step, step + self.overlap, index, fragment, pseudo_gradient, weight, tokens, source,
                 self.outer_step, self.pace.summary(tokens),
             ).start(self.swarm, self.stop)
-            self.round_start = step  # the next round starts now: its tokens count for the pace from here
+            self.round_start = self.pace_start = step  # the next round starts now: its tokens count from here
             self.pace.new_round(self._paced)
             return []
         report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment, self.outer_step)
@@ -408,13 +424,14 @@ class DiLoCo:
         with self.params.lock:  # a state served meanwhile has the digest of its parameters
             if all_ok and num_peers > 1:
                 self.params.step(pseudo_gradient, fragment, mix)
-                self.tainted = False
+                self.tainted, self.alone_steps = False, 0
             elif all_ok and weight:  # as the paper does: a group that found nobody applies its own pseudo-gradient
                 log.warning(
                     "outer step %d: no peer was ready, applying this group's own pseudo-gradient", self.outer_step + 1
                 )
                 self.params.step(pseudo_gradient, fragment, mix)
                 self.tainted = True
+                self.alone_steps = tokens // self.tokens_per_step if self.tokens_per_step else 0
             else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
                 log.warning(
                     "outer step %d: %s; nothing applied, the inner steps carry over to the next round",
@@ -438,8 +455,25 @@ class DiLoCo:
         return row | {"tokens": tokens, "weight": weight} | (self.pace.summary(tokens) if landed is None else landed)
 
     def _row(self, step: int, *, source: int | None, **round_fields: Any) -> dict[str, Any]:
-        """Collective: the metrics row of this group's outer state at `step` (``rows.round_row``)."""
-        return round_row(self.group, step, self.outer_step, self.digest, source=source, **round_fields)
+        """Collective: the metrics row of this group's outer state at `step` (``rows.round_row``), with the inner
+        steps (tokens) thrown away since the last row, and those kept through a load (``carried_steps``)."""
+        row = round_row(self.group, step, self.outer_step, self.digest, source=source, **round_fields)
+        lost = {"discarded_steps": 0, "discarded_tokens": 0} | self.unlogged
+        self.unlogged = {}
+        return row | lost
+
+    def _discard(self, steps: int) -> None:
+        """`steps` inner steps of this group were thrown away (its model reset without them)."""
+        if steps <= 0:
+            return
+        tokens = steps * self.tokens_per_step
+        self.discarded_steps += steps
+        self.discarded_tokens += tokens
+        self.beacon.discarded_steps = self.discarded_steps
+        for name, value in (("discarded_steps", steps), ("discarded_tokens", tokens)):
+            self.unlogged[name] = self.unlogged.get(name, 0) + value
+        if self.group.is_main:
+            log.warning("discarded %d inner step(s) of this group (%d in this run)", steps, self.discarded_steps)
 
     # ------------------------------------------------------------------ progress and state transfer
 
@@ -493,7 +527,12 @@ class DiLoCo:
         if found is None:
             return None
         record, meta, tensors = found
-        self._load(meta, tensors)
+        trained = self._trained()
+        keep = self.keep_late and trained > 0  # (nothing trained: the model is reset to the state exactly)
+        if self.tainted:  # the round it applied alone is not in the state it loads
+            self._discard(self.alone_steps)
+        self.alone_steps = 0
+        self._load(meta, tensors, keep)
         self.loaded_from = record.world_rank
         if self.group.is_main:
             log.info(
@@ -505,12 +544,26 @@ class DiLoCo:
         # failed may not have reached this group's next boundary yet. Under a token budget every group keeps its own
         ahead = meta["outer_step"] > outer_before and self.pace.adopts_step
         step = max(meta["step"], self.step) if ahead else self.step
-        self._new_round(step)  # the model holds the loaded outer parameters: the inner steps since are gone
+        if keep:  # the model moved with the outer parameters: its inner steps since each reset stay in it
+            shift = step - self.step  # (an adopted step count moves every start along, so the tokens stay)
+            self.round_start += shift
+            self.fragment_start = [start + shift for start in self.fragment_start]
+            self.pace_start = step  # the pace counts the swarm's new round from here
+            self.pace.new_round(self._paced)
+            self.unlogged["carried_steps"] = trained
+        else:
+            self._discard(trained)
+            self._new_round(step)  # the model holds the loaded outer parameters: the inner steps since are gone
         return step
 
-    def _load(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    def _trained(self) -> int:
+        """Inner steps this group's model holds beyond its outer parameters (since its fragments were last reset;
+        their mean with fragments, where each was reset at its own round)."""
+        return max(0, round(sum(self.step - start for start in self.fragment_start) / self.fragments))
+
+    def _load(self, meta: dict[str, Any], tensors: list[torch.Tensor], keep: bool = False) -> None:
         with self.params.lock:
-            self.params.load(meta["outer_step"], tensors)
+            self.params.load(meta["outer_step"], tensors, keep)
             self.tainted = bool(meta["tainted"])
             self._update_digest()
         self.loaded_from_peers = True
@@ -568,6 +621,7 @@ class DiLoCo:
         if stale:  # the last round applied nothing here: export the swarm's model, not this group's drift
             if self.group.is_main:
                 log.warning("the last round applied nothing: the final model is the swarm's outer parameters")
+            self._discard(self._trained())
             self.params.reset_shards()
         if source is None and not stale:
             return None
@@ -589,6 +643,7 @@ class DiLoCo:
         downloads, connections at their hello."""
         refused, claims = self.catchup.refusals_here, self.claims.rejected
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers,
+                "discarded_steps": self.discarded_steps, "discarded_tokens": self.discarded_tokens,
                 "rejected_records": self.swarm.rejected_records, "rejected_claims": int(self.group.sum(float(claims))),
                 "rejected_states": int(self.group.sum(float(refused))),
                 "refused_connections": int(self.group.sum(float(self.swarm.refused_connections)))}  # fmt: skip

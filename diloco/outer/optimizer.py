@@ -160,9 +160,16 @@ class OuterOptimizer:
         return fits and all(t.shape == outer.shape for t in tensors)
 
     @torch.no_grad()
-    def load(self, steps: int, tensors: list[torch.Tensor]) -> None:
-        """Take over another group's exported state (see `fits`) and reset the model's shard to it."""
+    def load(self, steps: int, tensors: list[torch.Tensor], keep: bool = False) -> None:
+        """Take over another group's exported state (see `fits`) and reset the model's shard to it; with `keep`,
+        move the model's shard by as much as the outer parameters moved instead, so that it keeps the inner steps
+        taken since its last round: every fragment's pseudo-gradient is what it was (up to rounding)."""
         with self.lock:
+            if keep:
+                moved = tensors[0].reshape(-1) - self.outer
+                for view, a, b in self._pieces(self.whole):
+                    view.add_(moved[a:b].to(view.device, view.dtype))
+                del moved
             self.outer.copy_(tensors[0].reshape(-1))
             state = self.optimizer.state[self.outer]
             if len(tensors) > 1:
@@ -170,7 +177,8 @@ class OuterOptimizer:
             else:
                 state.pop("momentum_buffer", None)
             self.steps = steps
-            self._write(self.whole, 0.0)
+            if not keep:
+                self._write(self.whole, 0.0)
 
     # ------------------------------------------------------------------ checkpoints
 

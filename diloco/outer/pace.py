@@ -91,12 +91,17 @@ class Pace(Protocol):
 
 
 class FixedSteps:
-    """H inner steps per round in every group; the run's last inner step also ends with an outer step."""
+    """H inner steps per round in every group; the run's last inner step also ends with an outer step.
+
+    :param tokens_per_h: the group's tokens in H inner steps (a whole round's, or F fragment rounds'): a round that
+        brings more, with inner steps kept from a round the group missed (``DiLoCo`` ``late_work``), weighs that
+        many rounds; 0: every round weighs 1.
+    """
 
     adopts_step = True
 
-    def __init__(self, local_steps: int, final_step: int | None) -> None:
-        self.local_steps, self.final_step = local_steps, final_step
+    def __init__(self, local_steps: int, final_step: int | None, tokens_per_h: int = 0) -> None:
+        self.local_steps, self.final_step, self.tokens_per_h = local_steps, final_step, tokens_per_h
 
     def due(self, step: int, outer_step: int, tokens: int) -> bool:
         return step % self.local_steps == 0 or step == self.final_step
@@ -115,7 +120,7 @@ class FixedSteps:
         return step
 
     def weight(self, tokens: int) -> float:
-        return 1.0
+        return max(1.0, tokens / self.tokens_per_h) if self.tokens_per_h else 1.0
 
     def new_round(self, outer_step: int) -> None:
         pass

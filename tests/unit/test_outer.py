@@ -340,6 +340,9 @@ def test_when_the_last_round_failed_everywhere_every_group_exports_the_outer_par
     rows = finish_all(outers)
     assert rows[0]["outer_step"] == rows[1]["outer_step"] == 0
     assert torch.equal(params(nets[0]), params(nets[1])) and torch.equal(params(nets[0]), outers[0].outer)
+    # the two inner steps of each group were thrown away, and every place that reports it says so
+    assert [rows[g]["discarded_steps"] for g in (0, 1)] == [2, 2]
+    assert [outers[g].summary()["discarded_steps"] for g in (0, 1)] == [2, 2]
 
 
 def test_a_finished_group_waits_a_bounded_time_for_a_live_group_still_training() -> None:
