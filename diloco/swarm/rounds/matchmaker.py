@@ -5,13 +5,16 @@ what its group brings (its shape, its ranks' endpoints, its weight: ``diloco.swa
 forms the group, gives it a secret id and gathers every member's announcement in one order for all; no tensor byte
 moves through hivemind. The ranks of the groups then average among themselves (``group_round``). A lone group, one
 that gives up or is stopped, gets no match and a ``RoundReport`` that says so; nothing here raises on the network.
+A round waits for groupmates ``matchmaking_time`` or the wait its caller gives (``Matchmaker.match``), and closes
+as soon as the expected groups are in (``Matchmaker.expect``).
 
 Matchmaking runs in a background process (``ExactAverager``, a hivemind ``DecentralizedAverager`` that shares the
 rank's DHT daemon). Its class name is part of its RPC names, so it stays ``ExactAverager``: groups of earlier versions
 of diloco matchmake with it. hivemind is pinned to 1.1.12; this module relies on these private names of
 ``DecentralizedAverager``: ``_run_allreduce_inplace_`` (called once per all-reduce attempt once a group formed),
 ``_running_groups`` (a future per group whose result must offer ``finalize`` and ``rpc_aggregate_part``),
-``_matchmaking`` (its ``target_group_size`` and ``potential_leaders.target_group_size``), ``_outer_pipe``,
+``_matchmaking`` (its ``target_group_size``, ``min_matchmaking_time`` and ``request_timeout``, and its
+``potential_leaders``' ``target_group_size`` and ``min_matchmaking_time``: set per round), ``_outer_pipe``,
 ``_p2p``, ``_parent_pid``, ``run`` and the ``_rpc_handlers`` / ``_stub_type`` class caches of
 ``hivemind.p2p.ServicerBase``; and ``StepControl.stage`` / ``allow_allreduce`` / ``cancel`` from
 ``step(require_trigger=True, wait=False)``.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import multiprocessing as mp
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -34,6 +38,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import NoCompression
 from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from diloco.swarm.records.dht import detach_from_parent
@@ -43,6 +48,14 @@ logger = logging.getLogger(__name__)
 
 ROUND_BITS = 20  # round indices are told apart modulo 2**20
 GROUP_ID_MAX = 64  # bytes; hivemind's group ids are 20
+MAX_REQUEST_TIMEOUT_S = 3.0  # hivemind's request_timeout: at most this, and below the round's wait
+
+
+def request_timeout_for(wait: float) -> float:
+    """hivemind's ``request_timeout`` for a matchmaking wait of ``wait`` seconds: how long a peer waits for a leader
+    to answer its join request. hivemind requires it below the wait (``min_matchmaking_time``): two peers that ask each
+    other at once deadlock until it runs out."""
+    return min(MAX_REQUEST_TIMEOUT_S, wait / 2)
 
 
 class RoundStats(ctypes.Structure):
@@ -112,6 +125,25 @@ class ExactAverager(hivemind.DecentralizedAverager):
             if not future.done():
                 future.set_exception(e)
 
+    def set_matchmaking_time(self, seconds: float) -> None:
+        """Wait `seconds` for groupmates (hivemind's ``min_matchmaking_time``, and a ``request_timeout`` below it);
+        applies from the next ``step`` on, which must also be given ``scheduled_time`` = now + `seconds` (hivemind's
+        default for it reads the value given at construction, in the caller's process)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_matchmaking_time", [], dict(seconds=seconds, future=future)))
+        future.result(timeout=10.0)
+
+    async def _set_matchmaking_time(self, seconds: float, future: MPFuture) -> None:
+        try:  # how long this peer declares itself (and re-declares itself after finding nobody), and thus when a
+            # leader assembles whoever joined; the time a peer waits for a leader's answer; the queue's horizon
+            matchmaking = self._matchmaking
+            matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = seconds
+            matchmaking.request_timeout = request_timeout_for(seconds)
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
+
     async def _shutdown(self, timeout: float | None) -> None:
         try:
             await super()._shutdown(timeout)
@@ -149,13 +181,14 @@ class Matchmaker:
     :param dht: a running DHT (``diloco.swarm.records.dht.start_dht``); not owned, shut it down after ``shutdown()``.
     :param prefix: the run's matchmaking key; only peers with the same prefix meet. Must not contain '.'.
     :param matchmaking_time: seconds to wait for groupmates before forming a group with whoever joined; with nobody
-        else the round returns after about this time plus ``grace``.
+        else the round returns after about this time plus ``grace``. The default: ``match(wait=...)`` sets a round's.
     :param averaging_timeout: seconds a formed group may take to be announced to every member.
     :param target_group_size: start as soon as this many peers (including this one) joined; None waits the whole
         ``matchmaking_time`` and takes everyone.
-    :param grace: seconds after ``matchmaking_time`` to wait for the group to be announced; capped at half of
-        ``matchmaking_time`` so that giving up never coincides with the next matchmaking deadline (a peer that found
-        nobody re-declares itself for another ``matchmaking_time``, and a latecomer may join it).
+    :param grace: seconds after the round's wait (``matchmaking_time`` by default) to wait for the group to be
+        announced; capped at half of that wait so that giving up never coincides with the next matchmaking deadline
+        (a peer that found nobody re-declares itself for another such wait, and a latecomer may join it). The
+        ``grace`` attribute is the grace of a round that waits ``matchmaking_time``.
     :param startup_timeout: seconds to wait for the averager process to start.
     :param averager: further keyword arguments of the averager process (``ExactAverager`` or a subclass).
     """
@@ -180,7 +213,10 @@ class Matchmaker:
         if matchmaking_time <= 0 or averaging_timeout <= 0:
             raise ValueError("matchmaking_time and averaging_timeout must be positive (seconds)")
         self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
+        self._grace = grace
         self.grace = min(grace, matchmaking_time / 2)
+        self._wait = matchmaking_time  # the wait the averager process has now
+        self._planned: float | None = None  # the wait `expect` set for the next rounds
         self.target_group_size = self._expected = target_group_size
         self._averager = self.averager_type(
             [tensor.detach().clone() for tensor in tensors] or [torch.zeros(1)],
@@ -190,7 +226,7 @@ class Matchmaker:
             target_group_size=target_group_size,
             min_group_size=2,  # a lone peer is handled here (by cancelling), never as a group of one
             min_matchmaking_time=matchmaking_time,
-            request_timeout=min(3.0, matchmaking_time / 2),  # hivemind: must be < min_matchmaking_time
+            request_timeout=request_timeout_for(matchmaking_time),  # hivemind: must be < min_matchmaking_time
             allreduce_timeout=averaging_timeout,
             next_chunk_timeout=averaging_timeout / 4,  # drop a silent groupmate before the round times out
             allow_state_sharing=False,
@@ -203,23 +239,32 @@ class Matchmaker:
             self.shutdown()
             raise
 
-    def expect(self, groups: int) -> None:
+    def expect(self, groups: int, wait: float | None = None) -> None:
         """The groups (this one included) expected in the next round: matchmaking closes once they are all in,
         instead of waiting out ``matchmaking_time`` for groups that are gone. Between 2 and the size given at
-        construction; a peer told too few would turn later ones away, so callers count generously."""
+        construction; a peer told too few would turn later ones away, so callers count generously. `wait`: how
+        long the next rounds wait for them when ``match`` is given none (None: ``matchmaking_time``)."""
+        self._planned = wait
         size = max(2, min(groups, self.target_group_size or groups))
         if size != self._expected:
             self._averager.set_target_group_size(size)
             self._expected = size
 
-    def match(self, round_index: int, gather: object, stop: Callable[[], bool] = lambda: False
-              ) -> tuple[Match | None, RoundReport]:  # fmt: skip
+    def match(self, round_index: int, gather: object, stop: Callable[[], bool] = lambda: False,
+              wait: float | None = None) -> tuple[Match | None, RoundReport]:  # fmt: skip
         """Form this round's group and gather what every member brings; no tensor bytes move. Returns (the match, a
         report of the matchmaking); no match when nobody else came (``num_peers`` 1) or it failed or was stopped
-        (``ok`` False)."""
+        (``ok`` False).
+
+        :param wait: seconds this round waits for groupmates (any positive value; None: ``matchmaking_time``). It
+            still closes as soon as the expected peers are in (``expect``); with nobody else it gives up after about
+            ``wait`` plus the grace (capped at half of ``wait``). Peers of one round may wait differently: the one
+            whose wait ends first leads, and the group forms by then at the latest.
+        """
+        wait = self._round_wait(self._planned if wait is None else wait)
         started = time.monotonic()
-        control = self._start_step(round_index, 1.0, gather)
-        grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
+        control = self._start_step(round_index, 1.0, gather, wait)
+        grouped = self._trigger_when_grouped(control, time.monotonic() + wait + min(self._grace, wait / 2), stop)
         if not grouped:
             return None, RoundReport(1 if grouped is False else 0, time.monotonic() - started, 0, 0, grouped is False)
         try:
@@ -238,16 +283,30 @@ class Matchmaker:
         raw = self._averager.matched_id.raw
         return raw[1 : 1 + raw[0]]
 
-    def _start_step(self, round_index: int | None, weight: float, gather: object) -> StepControl:
-        """Clear the round's figures and enter matchmaking, under ``<prefix>.0b<round bits>`` when a round index is
-        given; the all-reduce waits for our trigger, so giving up cannot race with it."""
+    def _round_wait(self, wait: float | None) -> float:
+        """The round's matchmaking wait: ``wait`` (positive, finite seconds), or ``matchmaking_time`` when None."""
+        if wait is None:
+            return self.matchmaking_time
+        if not 0 < wait < math.inf:
+            raise ValueError(f"a round's matchmaking wait must be positive seconds, got {wait!r}")
+        return float(wait)
+
+    def _start_step(self, round_index: int | None, weight: float, gather: object, wait: float | None = None
+                    ) -> StepControl:  # fmt: skip
+        """Clear the round's figures and enter matchmaking for ``wait`` seconds (None: ``matchmaking_time``), under
+        ``<prefix>.0b<round bits>`` when a round index is given; the all-reduce waits for our trigger, so giving up
+        cannot race with it."""
+        wait = self._round_wait(wait)
+        if wait != self._wait:  # one round trip to the averager process, only when the wait changed
+            self._averager.set_matchmaking_time(wait)
+            self._wait = wait
         if round_index is not None:
             self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
         self._averager.stats.clear()
         self._averager.matched_id.raw = bytes(1 + GROUP_ID_MAX)  # no group yet: a failed round names none
         return self._averager.step(
-            weight=weight, timeout=self.matchmaking_time + self.averaging_timeout, allow_retries=True, gather=gather,
-            require_trigger=True, wait=False,
+            weight=weight, scheduled_time=get_dht_time() + wait, timeout=wait + self.averaging_timeout,
+            allow_retries=True, gather=gather, require_trigger=True, wait=False,
         )  # fmt: skip
 
     @staticmethod
