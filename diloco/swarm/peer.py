@@ -19,6 +19,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from diloco.swarm.records import budget, progress, status
+from diloco.swarm.records.arrivals import plan_wait
 from diloco.swarm.records.budget import RoundTokens
 from diloco.swarm.records.dht import rendezvous
 from diloco.swarm.records.ownership import Owner
@@ -56,6 +57,11 @@ class SwarmPeer:
     :param owner: the key that signs the group's records (rank 0: the one `dht`'s validator holds); None on a peer
         that publishes none.
     :param members_key: the DHT key of the groups' rendezvous at start (``rendezvous``).
+    :param round_steps: under fixed H, the inner steps between two rounds (H, or H/F with fragments): round r is
+        due at inner step r x `round_steps` in every group, so the others' status records say when they will reach
+        it (``arrivals``). None: every group's round is due at one moment (a token budget).
+    :param wait_cap: the longest a round waits for the groups coming (``--hv.matchmaking-time``, or
+        ``arrivals.AUTO_CAP_S`` for auto); None: always the matchmaker's ``matchmaking_time``, as a fixed wait.
     """
 
     def __init__(
@@ -69,9 +75,14 @@ class SwarmPeer:
         rounds: GroupRounds | None = None,
         owner: Owner | None = None,
         members_key: str = "",
+        round_steps: int | None = None,
+        wait_cap: float | None = None,
     ):
         self.dht, self.matchmaker, self.rounds, self._owner = dht, matchmaker, rounds, owner
         self.members_key = members_key
+        self.round_steps, self.wait_cap = round_steps, wait_cap
+        self._round_ended = time.monotonic()  # this group's own round takes from here to its next boundary
+        self._longest_wait = 0.0  # the longest a round of this group waited for others (``round_wait``)
         self.owner = "" if owner is None else owner.id
         self.progress_key, self.request_timeout, self.status_key = progress_key, request_timeout, status_key
         self.tokens_key = tokens_key
@@ -95,28 +106,50 @@ class SwarmPeer:
         outer_step: int | None = None,
     ) -> RoundReport:
         if self.matchmaker is not None:
-            self.matchmaker.expect(self.expected_groups())
-        report = self.rounds.average(tensors, round_index, weight, stop, fragment, outer_step)
+            try:
+                records = self.status_records()
+            except Exception as e:  # the DHT is shutting down: expect everyone, as without records
+                log.debug("status records unreadable (%s): expecting every group", e)
+                records = None
+            self.matchmaker.expect(self.expected_groups(records), self.round_wait(records, round_index))
+        try:
+            report = self.rounds.average(tensors, round_index, weight, stop, fragment, outer_step)
+        finally:
+            self._round_ended = time.monotonic()
         if report.ok:
             self._last_peers = report.num_peers
         return report
 
-    def expected_groups(self) -> int:
+    def expected_groups(self, records: list[Status] | None) -> int:
         """Rank 0: the groups that may come to the next round: this one, the others whose status record is fresh
         and says they have not left, and at least as many as the last round had. A group killed a moment ago still
         counts until its record is stale (then matchmaking stops waiting for it); one counted too few would be
-        turned away, so a record is fresh for two heartbeats plus a whole failed round, in which none is written."""
+        turned away, so a record is fresh for two heartbeats plus a whole failed round, in which none is written.
+        `records`: the status records (None: unreadable, every group is expected)."""
         matchmaker = self.matchmaker
-        fresh_s = 2 * status.HEARTBEAT_S + matchmaker.matchmaking_time + matchmaker.averaging_timeout
-        now = time.time()
-        try:
-            records = self.status_records()
-        except Exception as e:  # the DHT is shutting down: expect everyone, as without records
-            log.debug("status records unreadable (%s): expecting every group", e)
+        if records is None:
             return matchmaker.target_group_size or 2
+        waits = max(matchmaker.matchmaking_time, self._longest_wait)  # (a group in matchmaking writes no record)
+        fresh_s = 2 * status.HEARTBEAT_S + waits + matchmaker.averaging_timeout
+        now = time.time()
         others = {r.world_rank for r in records
                   if r.peer != self.peer_id and r.state not in status.LEFT and now - r.heard_at <= fresh_s}  # fmt: skip
         return max(1 + len(others), self._last_peers)
+
+    def round_wait(self, records: list[Status] | None, round_index: int) -> float | None:
+        """Rank 0: how long round `round_index` waits for the groups coming (``arrivals.plan_wait``: those whose
+        status records say they arrive within this group's own round time); None: the matchmaker's fixed wait (no
+        cap given, or no records to go by)."""
+        if self.wait_cap is None or records is None:
+            return None
+        own_round = time.monotonic() - self._round_ended
+        boundary = None if self.round_steps is None else round_index * self.round_steps
+        wait = plan_wait(records, me=self.peer_id, boundary=boundary, now=time.time(), bound=own_round,
+                         cap=self.wait_cap)  # fmt: skip
+        self._longest_wait = max(self._longest_wait, wait)
+        if wait > self.matchmaker.matchmaking_time:
+            log.info("round %d: waiting up to %.0f s for the worker groups on their way", round_index, wait)
+        return wait
 
     def rendezvous(self, world_rank: int, galaxy_size: int, timeout: float, stop: Callable[[], bool]) -> int:
         """Rank 0: meet the other groups at start (``dht.rendezvous``, at most `timeout` seconds); returns how many

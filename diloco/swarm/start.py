@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from diloco.swarm.records.arrivals import default_wait, wait_cap
+
 if TYPE_CHECKING:
     from diloco.config import HvConfig
     from diloco.distenv import DistEnv
@@ -95,7 +97,7 @@ def start_peer(
     matchmaker = None
     try:
         if env.rank == 0:
-            matchmaker = Matchmaker(dht, prefix=prefix, matchmaking_time=hv.matchmaking_time,
+            matchmaker = Matchmaker(dht, prefix=prefix, matchmaking_time=default_wait(hv.matchmaking_time),
                                     averaging_timeout=hv.averaging_timeout, target_group_size=hv.galaxy_size)
         rounds = group_rounds(hv, env, gather, broadcast, side_broadcast, dht, matchmaker, model_shapes, sharding,
                               port, fragments, key, model.fingerprint if model else "")  # fmt: skip
@@ -108,6 +110,8 @@ def start_peer(
     return SwarmPeer(
         records, matchmaker, progress_key(run), REQUEST_TIMEOUT_S, status_key=status_key(run_id),
         tokens_key=tokens_key(run_id), rounds=rounds, owner=owner, members_key=f"{prefix}-members",
+        round_steps=None if hv.target_tokens is not None else hv.local_steps // hv.fragments,
+        wait_cap=wait_cap(hv.matchmaking_time),
     )  # fmt: skip
 
 

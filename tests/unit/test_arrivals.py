@@ -1,0 +1,74 @@
+"""How long a group at a boundary waits for the others (``diloco.swarm.records.arrivals``), from status records."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.swarm.records.arrivals import (
+    FLOOR_S,
+    SLACK_S,
+    STALE_S,
+    arrival,
+    plan_wait,
+    stale_after,
+    tokens_per_step,
+)
+from tests.support.records import NOW, record
+
+BATCH = "4x128"  # 512 tokens per inner step
+
+
+def coming(world_rank: int, step: int, steps_per_s: float, heard_ago: float = 1.0, **changes: object):
+    """The status record of a group at inner step `step`, `steps_per_s` fast, heard `heard_ago` s before NOW."""
+    fields = {"peer": f"g{world_rank}", "step": step, "batch": BATCH, "tokens_per_s": steps_per_s * 512,
+              "heard_at": NOW - heard_ago}  # fmt: skip
+    return record(world_rank, **fields | changes)
+
+
+def wait(records: list, boundary: int | None = 100, bound: float = 60.0, cap: float = 600.0) -> float:
+    return plan_wait(records, me="g0", boundary=boundary, now=NOW, bound=bound, cap=cap)
+
+
+@pytest.mark.parametrize(("batch", "tokens"), [("4x128", 512), ("16x1024", 16384), ("", None), ("4x", None),
+                                               ("0x128", None), ("x128", None), ("4x128x2", None), ("-4x128", None)])
+def test_tokens_per_step_from_a_records_batch(batch: str, tokens: int | None) -> None:
+    assert tokens_per_step(batch) == tokens
+
+
+def test_arrival_extrapolates_from_the_last_heartbeat() -> None:
+    # at step 80, 2 steps/s, heard 4 s ago: it reaches step 100 in 10 - 4 = 6 s
+    assert arrival(coming(1, 80, 2.0, heard_ago=4), 100, NOW) == pytest.approx(6.0)
+    assert arrival(coming(1, 100, 2.0), 100, NOW) == 0.0  # there already (in matchmaking)
+    assert arrival(coming(1, 99, 2.0, heard_ago=30), 100, NOW) == 0.0  # overdue: expected now
+    assert arrival(coming(1, 80, 2.0, tokens_per_s=None), 100, NOW) is None  # no metrics row yet
+    assert arrival(coming(1, 80, 2.0, batch=""), 100, NOW) is None  # an earlier trainer's record
+
+
+def test_a_round_waits_for_a_group_due_within_one_of_its_own_rounds() -> None:
+    # group 1 reaches step 100 in 30 s; this group's own round took 60 s: wait for it, with some slack
+    assert wait([coming(1, 50, 1.0, heard_ago=10)]) == pytest.approx(40 + max(SLACK_S, 4.0))
+    # two groups coming: the wait covers the later one
+    assert wait([coming(1, 90, 1.0), coming(2, 60, 1.0, heard_ago=0)]) == pytest.approx(44.0)
+
+
+def test_a_round_does_not_wait_for_a_group_beyond_the_bound_nor_a_stale_or_gone_one() -> None:
+    assert wait([coming(1, 0, 1.0)]) == FLOOR_S  # 99 s away, more than one own round (60 s)
+    assert wait([coming(1, 80, 1.0, heard_ago=STALE_S + 3)]) == FLOOR_S  # no heartbeat lately: dead or blocked
+    # a group of 10 s inner steps sends a heartbeat every 10 s: its record is stale later
+    slow = coming(1, 96, 0.1, heard_ago=STALE_S + 3)
+    assert stale_after(slow) == STALE_S + 20 and wait([slow]) == pytest.approx(22 + 2.2)
+    assert wait([coming(1, 60, 1.0, state="finished")]) == FLOOR_S
+    assert wait([coming(0, 60, 1.0)]) == FLOOR_S  # its own record
+    assert wait([]) == FLOOR_S
+
+
+def test_the_wait_stays_between_the_floor_and_the_cap() -> None:
+    assert wait([coming(1, 99, 1.0, heard_ago=0.5)]) == FLOOR_S  # arriving in half a second
+    assert wait([coming(1, 50, 1.0, heard_ago=10)], cap=10.0) == 10.0  # --hv.matchmaking-time 10: a cap
+    assert wait([], cap=3.0) == 3.0  # a cap below the floor wins
+
+
+def test_unknown_pace_waits_up_to_the_bound_and_a_token_budget_expects_everyone_now() -> None:
+    assert wait([coming(1, 80, 1.0, tokens_per_s=None)], bound=20.0) == pytest.approx(20 + SLACK_S)
+    # under a token budget every group's round is due at one moment: a live group is expected now
+    assert wait([coming(1, 0, 1.0)], boundary=None) == FLOOR_S
