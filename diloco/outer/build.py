@@ -86,7 +86,7 @@ def _join(config: Config, env: DistEnv, model: torch.nn.Module, device: torch.de
     peer = start_peer(
         hv, env, gather=group.gather, broadcast=group.broadcast, side_broadcast=_side_broadcast,
         model=model_fingerprint, model_shapes=[tuple(p.shape) for p in plain.parameters()],
-        sharding=config.sharding_strategy, fragments=fragments, owner_key=run_dir / KEY_FILE,
+        sharding=config.sharding_strategy, fragments=fragments, owner_key=run_dir / KEY_FILE, final_step=max_steps,
     )  # fmt: skip
     try:
         shards = parallel.local_shards(model)

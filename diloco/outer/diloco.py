@@ -322,16 +322,38 @@ class DiLoCo:
             if self.outer_step > outer_before:  # it was behind: go on where the swarm is
                 self.step = step = loaded
                 if not self.pace.in_round(step, self.outer_step):
-                    return OuterReport(step, self._row(step, source=source), before)
+                    ahead = self._next_round_now(step)
+                    if ahead is None:
+                        return OuterReport(step, self._row(step, source=source), before)
+                    step = ahead
         if self.outer_step == outer_before:
             tokens = self._fragment_tokens(step, self._fragment(index))
             weight = self.pace.weight(tokens)
             rows = self._round(step, index, pseudo_gradient, weight, source, tokens)
         else:
-            # a group that was behind brings nothing current: it takes the others' average and adds nothing
-            # (zeros, not its stale pseudo-gradient, which reducers could rightly reject as an outlier)
+            # a group that was behind joins the round under way: with the inner steps it kept, or with nothing
+            # (zeros, as its pseudo-gradient is gone)
             rows = self._join_round(step, source)
         return OuterReport(step, rows[-1] if rows else None, before + tuple(rows[:-1]))
+
+    def _next_round_now(self, step: int) -> int | None:
+        """Collective, under fixed H, in a group that kept its inner steps through loading the state of a round that
+        formed without it: move on to the swarm's next boundary and take that round now, so that the steps land in
+        it (the next round would otherwise find this group as late as this one, and the steps would never land).
+        Its inner step count moves on by the steps it skips, as a group behind takes the swarm's step count. Returns
+        the inner step it continues from; None when it kept nothing, or rounds have no fixed boundary (a token
+        budget: its next round is due with everyone's)."""
+        boundary = self.pace.next_boundary(self._paced)
+        if not self.keep_late or boundary is None or boundary <= step or self._trained() == 0:
+            return None
+        shift = boundary - step
+        self.round_start += shift
+        self.fragment_start = [start + shift for start in self.fragment_start]
+        self.step = self.pace_start = boundary
+        if self.group.is_main:
+            log.info("taking this group's kept inner steps to the swarm's next round now (inner step %d -> %d)",
+                     step, boundary)  # fmt: skip
+        return boundary
 
     def _fragment(self, index: int) -> int | None:
         """The fragment round `index` averages (None: the whole model)."""

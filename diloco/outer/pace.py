@@ -72,6 +72,11 @@ class Pace(Protocol):
         (it joins it, adding no weight)."""
         ...
 
+    def next_boundary(self, outer_step: int) -> int | None:
+        """The inner step of the round after outer step `outer_step`, the same in every group; None when rounds
+        have no fixed inner step."""
+        ...
+
     def position(self, step: int, outer_step: int) -> int:
         """Where the LR schedule and the end of the run stand after inner step `step`: the run ends once this
         reaches `max_steps`."""
@@ -115,6 +120,10 @@ class FixedSteps:
 
     def in_round(self, step: int, outer_step: int) -> bool:
         return self.due(step, outer_step, 0) and self.round_index(step, outer_step) > outer_step
+
+    def next_boundary(self, outer_step: int) -> int | None:
+        boundary = (outer_step + 1) * self.local_steps
+        return boundary if self.final_step is None else min(boundary, self.final_step)
 
     def position(self, step: int, outer_step: int) -> int:
         return step
@@ -229,6 +238,9 @@ class TokenBudget:
 
     def in_round(self, step: int, outer_step: int) -> bool:
         return False  # the round after a loaded state is the swarm's next one, not the one under way
+
+    def next_boundary(self, outer_step: int) -> int | None:
+        return None
 
     def weight(self, tokens: int) -> float:
         return float(tokens)

@@ -19,7 +19,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from diloco.swarm.records import budget, progress, status
-from diloco.swarm.records.arrivals import plan_wait
+from diloco.swarm.records.arrivals import FLOOR_S, plan_wait
 from diloco.swarm.records.budget import RoundTokens
 from diloco.swarm.records.dht import rendezvous
 from diloco.swarm.records.ownership import Owner
@@ -62,6 +62,9 @@ class SwarmPeer:
         it (``arrivals``). None: every group's round is due at one moment (a token budget).
     :param wait_cap: the longest a round waits for the groups coming (``--hv.matchmaking-time``, or
         ``arrivals.AUTO_CAP_S`` for auto); None: always the matchmaker's ``matchmaking_time``, as a fixed wait.
+    :param final_step: the run's last inner step: under fixed H the last round (``round_steps``) is due there, and
+        it waits for every live group on its way up to `wait_cap` (a group that finished training loses nothing by
+        waiting, and a group that missed the last round would have no later one for its inner steps).
     """
 
     def __init__(
@@ -77,10 +80,11 @@ class SwarmPeer:
         members_key: str = "",
         round_steps: int | None = None,
         wait_cap: float | None = None,
+        final_step: int | None = None,
     ):
         self.dht, self.matchmaker, self.rounds, self._owner = dht, matchmaker, rounds, owner
         self.members_key = members_key
-        self.round_steps, self.wait_cap = round_steps, wait_cap
+        self.round_steps, self.wait_cap, self.final_step = round_steps, wait_cap, final_step
         self._round_ended = time.monotonic()  # this group's own round takes from here to its next boundary
         self._longest_wait = 0.0  # the longest a round of this group waited for others (``round_wait``)
         self.owner = "" if owner is None else owner.id
@@ -142,10 +146,15 @@ class SwarmPeer:
         cap given, or no records to go by)."""
         if self.wait_cap is None or records is None:
             return None
-        own_round = time.monotonic() - self._round_ended
-        boundary = None if self.round_steps is None else round_index * self.round_steps
-        wait = plan_wait(records, me=self.peer_id, boundary=boundary, now=time.time(), bound=own_round,
-                         cap=self.wait_cap)  # fmt: skip
+        # one round of this group's own time, and the floor's jitter: a group half as fast is waited for
+        bound = unknown = time.monotonic() - self._round_ended + FLOOR_S
+        boundary = None
+        if self.round_steps is not None:
+            boundary = round_index * self.round_steps
+            if self.final_step is not None and boundary >= self.final_step:  # the last round: any live group
+                boundary, bound = self.final_step, self.wait_cap
+        wait = plan_wait(records, me=self.peer_id, boundary=boundary, now=time.time(), bound=bound,
+                         cap=self.wait_cap, unknown=unknown)  # fmt: skip
         self._longest_wait = max(self._longest_wait, wait)
         if wait > self.matchmaker.matchmaking_time:
             log.info("round %d: waiting up to %.0f s for the worker groups on their way", round_index, wait)

@@ -45,6 +45,7 @@ def start_peer(
     sharding: str,
     fragments: list[list[int]] | None = None,
     owner_key: Path | None = None,
+    final_step: int | None = None,
 ) -> SwarmPeer:
     """Collective: this rank's DHT peer, listener and rounds (rank 0: also the matchmaker for the group and the key
     that signs the group's records).
@@ -64,6 +65,7 @@ def start_peer(
     :param owner_key: rank 0: the file of the key that signs the group's DHT records (``ownership.Owner``: read
         when there; ``SwarmPeer.save_owner`` writes it once the group holds its world rank); None: a new key for
         this run, kept nowhere.
+    :param final_step: the run's last inner step (its round is the last; the others wait longer for it).
     :raises FieldError: bad input (an unreachable initial peer, a port in use), naming the ``HvConfig`` field; nothing
         is left running.
     """
@@ -111,7 +113,7 @@ def start_peer(
         records, matchmaker, progress_key(run), REQUEST_TIMEOUT_S, status_key=status_key(run_id),
         tokens_key=tokens_key(run_id), rounds=rounds, owner=owner, members_key=f"{prefix}-members",
         round_steps=None if hv.target_tokens is not None else hv.local_steps // hv.fragments,
-        wait_cap=wait_cap(hv.matchmaking_time),
+        wait_cap=wait_cap(hv.matchmaking_time), final_step=final_step,
     )  # fmt: skip
 
 

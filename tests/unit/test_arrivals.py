@@ -70,5 +70,8 @@ def test_the_wait_stays_between_the_floor_and_the_cap() -> None:
 
 def test_unknown_pace_waits_up_to_the_bound_and_a_token_budget_expects_everyone_now() -> None:
     assert wait([coming(1, 80, 1.0, tokens_per_s=None)], bound=20.0) == pytest.approx(20 + SLACK_S)
+    unknown_pace = plan_wait([coming(1, 80, 1.0, tokens_per_s=None)], me="g0", boundary=100, now=NOW, bound=3600,
+                             cap=3600, unknown=10)  # fmt: skip
+    assert unknown_pace == pytest.approx(10 + SLACK_S)  # the last round's long bound is for groups of known pace
     # under a token budget every group's round is due at one moment: a live group is expected now
     assert wait([coming(1, 0, 1.0)], boundary=None) == FLOOR_S

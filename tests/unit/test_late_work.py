@@ -165,3 +165,36 @@ def test_a_group_that_averaged_alone_and_then_loads_another_state_counts_that_ro
 def test_a_fixed_h_round_weighs_the_rounds_of_tokens_it_brings(tokens: int, weight: float) -> None:
     assert FixedSteps(10, None, tokens_per_h=200).weight(tokens) == weight
     assert FixedSteps(10, None).weight(tokens) == 1.0  # tokens unknown: every round weighs 1
+
+
+class Lone(Member):
+    """A member that never meets anyone (it averages alone), and keeps what it sent."""
+
+    def __init__(self, hub: MemorySwarm, name: str) -> None:
+        super().__init__(hub, name)
+        self.sent: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
+                fragment: object = None, outer_step: int | None = None) -> Report:  # fmt: skip
+        self.sent[round_index] = (tensors[0].clone(), weight)
+        return Report(num_peers=1)
+
+
+def test_under_fixed_h_a_late_group_takes_its_kept_steps_to_the_swarms_next_round_at_once() -> None:
+    """Group 0 took rounds 1 and 2 while group 1 trained its first round: at its boundary (step 2) group 1 loads
+    outer step 2 and goes to round 3 now (inner step 6), with the two steps it kept; at its own pace it would reach
+    every round after the swarm had taken it, and its steps would never land."""
+    hub = MemorySwarm(2)
+    nets = {g: net() for g in (0, 1)}
+    members = {g: Lone(hub, f"g{g}") for g in (0, 1)}
+    outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.0, h=2, world_rank=g, tokens_per_step=TOKENS,
+                        final_step=10) for g in (0, 1)}  # fmt: skip
+    for g in (0, 1):
+        outers[g].join(0)
+    train({0: outers[0]}, {0: nets[0]}, range(0, 4))  # group 0: rounds 1 and 2 (alone)
+    assert outers[0].outer_step == 2
+    [row] = train({1: outers[1]}, {1: nets[1]}, range(0, 2))[1]
+    assert row["loaded_state_from"] == 0 and row["step"] == 6 and row["carried_steps"] == 2
+    assert sorted(members[1].sent) == [3] and members[1].sent[3][1] == 1.0  # one round of tokens, in round 3
+    assert row["tokens"] == 2 * TOKENS and row["discarded_steps"] == 0 and outers[1].step == 6
+    assert outers[1].outer_step == 3  # (alone here: this member meets nobody)

@@ -76,6 +76,7 @@ def plan_wait(
     bound: float,
     cap: float,
     floor: float = FLOOR_S,
+    unknown: float | None = None,
 ) -> float:
     """Seconds the round at inner step `boundary` waits for the other groups (between `floor` and `cap`).
 
@@ -84,6 +85,7 @@ def plan_wait(
     :param boundary: the round's inner step under fixed H; None when every group's round is due at one moment (a
         token budget): then each live group is expected now.
     :param bound: the longest arrival waited for: one round's worth of this group's own time.
+    :param unknown: how long a live group whose record gives no pace yet is waited for (default: `bound`).
     """
     floor = min(floor, cap)
     latest = None  # the latest arrival waited for
@@ -91,8 +93,8 @@ def plan_wait(
         if record.peer == me or record.state in LEFT or now - record.heard_at > stale_after(record):
             continue
         eta = 0.0 if boundary is None else arrival(record, boundary, now)
-        if eta is None:  # coming, at an unknown pace (its first metrics row is not out): up to the bound
-            eta = bound
+        if eta is None:  # coming, at an unknown pace (its first metrics row is not out)
+            eta = bound if unknown is None else min(unknown, bound)
         if eta <= bound:
             latest = eta if latest is None else max(latest, eta)
     if latest is None:

@@ -1,0 +1,88 @@
+"""Worker groups of unequal speed under the defaults (fixed H, no --hv.matchmaking-time): the slower one is a real
+process under a kernel CPU quota (``diloco.bench.throttle``), both train on loopback against `diloco dht`. A round
+waits for a group on its way, a group that arrives late still brings its inner steps, and no step is thrown away."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from diloco.bench.throttle import CpuLimit
+from tests.support.groups import outer_rows
+from tests.support.paths import ROOT
+from tests.support.procs import child_env, summary
+from tests.support.swarm import kill_group
+
+MODEL = ROOT / "tests" / "models" / "llama-1m-fresh"
+# about 0.2 s per inner step on a free core: compute, not matchmaking, sets a round's length
+FLAGS = ["--path-model", str(MODEL), "--seq-length", "128", "--per-device-train-batch-size", "8",
+         "--total-batch-size", "8", "--fake-data", "--no-torch-compile", "--precision", "32-true", "--lr", "3e-3",
+         "--hv.local-steps", "12", "--hv.galaxy-size", "2",
+         "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0"]  # fmt: skip
+
+
+def train_unequal(tmp_path: Path, peers: list[str], slow_cores: float, steps: int) -> list[Path]:
+    """Group 0 at full speed, group 1 held to `slow_cores` of a core once it starts training (its DHT and averager
+    processes stay outside the quota: a slower accelerator, not a slower host). Returns their run folders once both
+    ended with exit code 0."""
+    run_dirs = [tmp_path / f"w{rank}" for rank in (0, 1)]
+    with ExitStack() as stack:
+        limit = stack.enter_context(CpuLimit("unequal", slow_cores, engaged=False))
+        procs = []
+        for rank, run_dir in enumerate(run_dirs):
+            args = [*FLAGS, "--max-steps", str(steps), "--hv.world-rank", str(rank), "--hv.initial-peers", *peers,
+                    "--run-dir", str(run_dir)]  # fmt: skip
+            log = stack.enter_context((tmp_path / f"w{rank}.log").open("w"))
+            proc = subprocess.Popen([sys.executable, "-m", "diloco.train", *args], cwd=ROOT, env=child_env(),
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            stack.callback(kill_group, proc)
+            procs.append(proc)
+        limit.add(procs[1].pid)
+        deadline = time.monotonic() + 120
+        while not (run_dirs[1] / "metrics.jsonl").exists():  # started up at full speed: now the quota
+            assert procs[1].poll() is None and time.monotonic() < deadline, (tmp_path / "w1.log").read_text()[-3000:]
+            time.sleep(0.1)
+        limit.release(procs[1].pid)
+        limit.engage()
+        for rank, proc in enumerate(procs):
+            assert proc.wait(timeout=600) == 0, (tmp_path / f"w{rank}.log").read_text()[-3000:]
+    return run_dirs
+
+
+def assert_one_model_and_nothing_lost(run_dirs: list[Path]) -> list[dict]:
+    finals = [summary(d) for d in run_dirs]
+    assert all(s["status"] == "ok" for s in finals), finals
+    assert [s["discarded_steps"] for s in finals] == [0, 0], [outer_rows(d) for d in run_dirs]
+    assert len({s["params_sha256"] for s in finals}) == 1, finals
+    return finals
+
+
+@pytest.mark.slow
+def test_a_round_waits_for_a_group_half_as_fast(tmp_path: Path, dht_peer: list[str]) -> None:
+    """Group 1 at 0.45 of a core takes about twice as long per round: group 0 waits for it (its status record says
+    when it arrives), so the rounds have both groups, and neither throws an inner step away."""
+    run_dirs = train_unequal(tmp_path, dht_peer, 0.45, steps=60)
+    assert_one_model_and_nothing_lost(run_dirs)
+    fast, slow = (outer_rows(d) for d in run_dirs)
+    together = [r for r in fast if r.get("num_peers") == 2]
+    assert len(together) >= len(fast) - 1, fast  # the first round may miss a group still starting up
+    assert max(r["wait_s"] for r in together) > 5.0, fast  # it waited past the old fixed 5 s for the slow group
+    assert "waiting up to" in (tmp_path / "w0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_group_too_slow_to_wait_for_still_lands_its_inner_steps(tmp_path: Path, dht_peer: list[str]) -> None:
+    """Group 1 at 0.2 of a core is more than a round of group 0's time behind: group 0 does not wait, averages on,
+    and group 1 arrives after its round formed. It loads the swarm's state, keeps its inner steps and takes them to
+    the swarm's next round at once; every inner step of both groups lands, and they end with one model."""
+    run_dirs = train_unequal(tmp_path, dht_peer, 0.2, steps=48)
+    assert_one_model_and_nothing_lost(run_dirs)
+    fast, slow = (outer_rows(d) for d in run_dirs)
+    assert any(r.get("num_peers") == 1 for r in fast), fast  # it did not wait for a group that far behind
+    carried = [r for r in slow if r.get("carried_steps")]
+    assert carried and all(r["num_peers"] == 2 and r["weight"] >= 1.0 for r in carried), slow
