@@ -78,6 +78,7 @@ def start_peer(
     from diloco.swarm.records.progress import progress_key
     from diloco.swarm.records.status import status_key
     from diloco.swarm.records.swarm_key import SealedStore, SwarmKey
+    from diloco.swarm.rounds.deadline import fixed_timeout
     from diloco.swarm.rounds.matchmaker import Matchmaker
 
     key = SwarmKey.load(hv.swarm_key) if hv.swarm_key is not None else None
@@ -100,7 +101,8 @@ def start_peer(
     try:
         if env.rank == 0:
             matchmaker = Matchmaker(dht, prefix=prefix, matchmaking_time=default_wait(hv.matchmaking_time),
-                                    averaging_timeout=hv.averaging_timeout, target_group_size=hv.galaxy_size)
+                                    averaging_timeout=fixed_timeout(hv.averaging_timeout),
+                                    target_group_size=hv.galaxy_size)  # fmt: skip
         rounds = group_rounds(hv, env, gather, broadcast, side_broadcast, dht, matchmaker, model_shapes, sharding,
                               port, fragments, key, model.fingerprint if model else "")  # fmt: skip
     except BaseException:
@@ -124,12 +126,15 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
                  model: str = "") -> GroupRounds:  # fmt: skip
     """Collective: this rank's listener (a TCP socket, or libp2p streams through a ``tunnel.Tunnel``), its signing
     key (made here, once per process), every rank's endpoint and public key, and the replicas' process groups, for
-    rounds of whole groups (``group_round.GroupRounds``) of the model of fingerprint `model` ("": unknown)."""
+    rounds of whole groups (``group_round.GroupRounds``) of the model of fingerprint `model` ("": unknown). Rank 0
+    keeps the deadlines of the group's rounds (``rounds.deadline``: with ``--hv.averaging-timeout auto`` they follow
+    its recent rounds); a connection's hello and its wait for its round take the setting's fixed value."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from diloco.swarm.records.addresses import announced_hosts, listen_host
     from diloco.swarm.rounds import tcp
     from diloco.swarm.rounds.codecs import WIRE_FORMATS
+    from diloco.swarm.rounds.deadline import Deadlines, fixed_timeout
     from diloco.swarm.rounds.group_round import GroupRounds, Replicas
     from diloco.swarm.rounds.hello import public_bytes
     from diloco.swarm.rounds.layout import Shape
@@ -137,10 +142,11 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
     from diloco.swarm.rounds.tunnel import Tunnel
 
     shape = Shape(sharding or "FULL_SHARD", env.world_size, env.num_nodes)
-    timeout = hv.averaging_timeout / 4  # as the per-rank way drops a silent groupmate
+    fixed = fixed_timeout(hv.averaging_timeout)
+    timeout = fixed / tcp.ROUND_STEPS  # a step of a round under a fixed --hv.averaging-timeout, and a hello's wait
     over_tcp = hv.transport == "tcp"
     listening = listen(listen_host(hv.host_maddrs), port) if over_tcp else None
-    listener = Listener(listening, timeout, registration_timeout=hv.averaging_timeout, idle_wait=IDLE_WAIT_S).start()
+    listener = Listener(listening, timeout, registration_timeout=fixed, idle_wait=IDLE_WAIT_S).start()
     tunnel = None
     try:
         if over_tcp:
@@ -163,4 +169,5 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
         endpoints=endpoints, broadcast=broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
         timeout=timeout, replicas=replicas, transport=hv.transport, connect=connect, tunnel=tunnel,
         fragments=fragments, aggregation=hv.aggregation, key=key, signer=signer, public_keys=public_keys, model=model,
+        deadlines=Deadlines(hv.averaging_timeout) if env.rank == 0 else None,
     )  # fmt: skip

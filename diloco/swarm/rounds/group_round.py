@@ -1,12 +1,14 @@
 """One averaging round of worker groups of any shape, once matchmaking has told every rank who is in it.
 
 Matchmaking happens once per group (its rank 0); what it learns, ``RoundInfo``, reaches the group's other ranks over
-the group's own process group. Then every rank of every group runs its part of one round (``diloco.swarm.rounds.tcp``,
-over TCP or, with ``--hv.transport p2pd``, over libp2p streams: ``diloco.swarm.rounds.tunnel``)
-over the round's plan (``diloco.swarm.rounds.layout``): it sends the canonical runs it exchanges to their reducers,
-reduces its own spans, and receives the averages of what it sent. Replicas of a shard (NO_SHARD, DDP, ZERO1, the nodes
-of HYBRID_SHARD) exchanged a slice each; they pass each other those slices over the group's process group, so every
-rank ends with the average of everything it holds. No rank ever holds more than its shard plus the spans it reduces.
+the group's own process group, with the round's per-step timeout (``diloco.swarm.rounds.deadline``: rank 0's, from
+``--hv.averaging-timeout`` and, with auto, its recent rounds). Then every rank of every group runs its part of one
+round (``diloco.swarm.rounds.tcp``, over TCP or, with ``--hv.transport p2pd``, over libp2p streams:
+``diloco.swarm.rounds.tunnel``) over the round's plan (``diloco.swarm.rounds.layout``): it sends the canonical runs
+it exchanges to their reducers, reduces its own spans, and receives the averages of what it sent. Replicas of a shard
+(NO_SHARD, DDP, ZERO1, the nodes of HYBRID_SHARD) exchanged a slice each; they pass each other those slices over the
+group's process group, so every rank ends with the average of everything it holds. No rank ever holds more than its
+shard plus the spans it reduces.
 
 The result is bit-identical in every group: each span's average is computed once, by its reducer, and the same
 encoded bytes go to every group.
@@ -34,6 +36,7 @@ from diloco.config import ShardingStrategy
 from diloco.swarm.records.swarm_key import SwarmKey
 from diloco.swarm.rounds import tcp
 from diloco.swarm.rounds.aggregation import Aggregation
+from diloco.swarm.rounds.deadline import Deadlines, round_bytes
 from diloco.swarm.rounds.hello import KEY_SIZE, Roster, public_bytes
 from diloco.swarm.rounds.layout import (
     Shape,
@@ -197,7 +200,12 @@ class GroupRounds:
     :param endpoints: every rank's endpoint, in rank order (this rank's ``listener`` accepts on its own).
     :param broadcast: rank 0's object on every rank of the group.
     :param replicas: passes replicas' slices (None: the group has no replicas).
-    :param timeout: seconds any single step of a round may take (a silent groupmate is dropped after it).
+    :param timeout: seconds any single step of a round may take (a silent groupmate is dropped after it) when
+        `deadlines` is None.
+    :param deadlines: rank 0: the deadlines of its rounds (``diloco.swarm.rounds.deadline.Deadlines``, from
+        ``--hv.averaging-timeout``; with auto they follow the group's recent rounds); rank 0 records each round it
+        ran there, and each round's per-step timeout goes to the group's other ranks with the round (None: every
+        round's steps take `timeout`; the other ranks' own is never used).
     :param fragments: with ``--hv.fragments``: the indices of each fragment's parameters (``diloco.outer.fragments``);
         a round of fragment f is laid out over those parameters alone. None: rounds are of the whole model.
     :param transport: what carries the bytes, "tcp" or "p2pd" (every group of a run uses one); ``connect``
@@ -234,8 +242,9 @@ class GroupRounds:
         signer: Ed25519PrivateKey | None = None,
         public_keys: Sequence[bytes] | None = None,
         model: str = "",
+        deadlines: Deadlines | None = None,
     ):
-        self.aggregation, self.key, self.model = aggregation, key, model
+        self.aggregation, self.key, self.model, self.deadlines = aggregation, key, model, deadlines
         self.signer = Ed25519PrivateKey.generate() if signer is None else signer
         if public_keys is None and shape.world_size != 1:
             raise ValueError("a group of several ranks announces every rank's public key")
@@ -276,23 +285,29 @@ class GroupRounds:
         from diloco.swarm.rounds.report import RoundReport, round_id
 
         started = time.monotonic()
-        found = self._match(round_index, weight, stop, outer_step) if self.matcher is not None else None
-        info, num_peers, ok, behind = self.broadcast(found)
+        found = None
+        if self.matcher is not None:  # the round's per-step timeout goes with it: the group's ranks use rank 0's
+            timeout = self.timeout if self.deadlines is None else self.deadlines.step_timeout(round_bytes(shapes))
+            found = (*self._match(round_index, weight, stop, outer_step), timeout)
+        info, num_peers, ok, behind, timeout = self.broadcast(found)
         if info is None:
             return RoundReport(num_peers, time.monotonic() - started, 0, 0, ok, behind=behind)
         formed = time.monotonic()
         # in place: no second copy of the pseudo-gradient (the trainer's one tensor is viewed flat, not copied)
         vector = tcp.flatten(list(tensors))
         outcome = run_round(info, self.rank, shapes, vector, vector, listener=self.listener,
-                            codec=self.codec, timeout=self.timeout, signer=self.signer, connect=self.connect,
+                            codec=self.codec, timeout=timeout, signer=self.signer, connect=self.connect,
                             aggregation=self.aggregation)  # fmt: skip
         if self.replicas is not None:
             self.replicas.fill(vector)  # collective: also when this rank's part failed
         if outcome.ok and len(tensors) > 1:
             tcp.unflatten_into(vector, list(tensors))
+        ended = time.monotonic()
+        if self.matcher is not None and self.deadlines is not None:  # rank 0's part stands for its group's
+            self.deadlines.record(ended - formed, tcp.ROUND_STEPS * timeout, outcome.ok)
         return RoundReport(
-            len(info.members), time.monotonic() - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
-            rejected=outcome.rejected, transport=self.transport, allreduce_seconds=time.monotonic() - formed,
+            len(info.members), ended - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
+            rejected=outcome.rejected, transport=self.transport, allreduce_seconds=ended - formed,
             round_id=round_id(info.group_id), dropped=outcome.dropped,
         )  # fmt: skip
 

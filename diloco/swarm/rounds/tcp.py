@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROUND_STEPS = 4  # a round's deadline, in its `timeout`s: 4 x (--hv.averaging-timeout / 4), the flag's own meaning
+ROUND_STEPS = 4  # a round's deadline, in its `timeout`s (rounds of whole groups: ``deadline.round_deadline``)
 HELLO, MAC_SIZE, MAGIC = hellos.HELLO, hellos.MAC_SIZE, hellos.MAGIC  # what the listener reads a hello by
 DEADLINE_GRACE_S = 1.0  # past the deadline, what its last reads and writes get to end on their own before an abort
 WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of its slowest reply: bounds memory
@@ -190,9 +190,9 @@ class Round:
     :param timeout: seconds any single step may take: connecting, a groupmate's next part, a reply. A sender
         silent that long is dropped from the average (the others go on); a silent reducer fails the round.
     :param round_timeout: seconds from now by which every read and write of the round's connections ends, however
-        a peer paces its bytes (None: ``ROUND_STEPS`` x `timeout`, which is ``--hv.averaging-timeout`` for rounds of
-        whole groups). Past it the round is aborted here and fails: a peer sending a byte every few seconds, each
-        within `timeout`, cannot hold it longer.
+        a peer paces its bytes (None: ``ROUND_STEPS`` x `timeout`, for rounds of whole groups the deadline that
+        ``--hv.averaging-timeout`` sets). Past it the round is aborted here and fails: a peer sending a byte every
+        few seconds, each within `timeout`, cannot hold it longer.
     :param schedule: who reduces and sends which parts, as this peer sees it; None: every peer holds the whole
         vector (``flat_schedule``).
     :param aggregation: how this peer, as reducer, combines the screened contributions
