@@ -55,7 +55,19 @@ class HvConfig(_Strict):
     )
     galaxy_size: int = Field(1, ge=1, description="Number of worker groups expected in the swarm.")
     world_rank: int = Field(0, ge=0, description="Index of this worker group, 0 <= world rank < galaxy size.")
-    local_steps: int = Field(500, gt=0, description="H: inner steps between two outer steps.")
+    local_steps: int = Field(
+        500,
+        gt=0,
+        description="H: inner steps between two outer steps (under --hv.pace tokens: of the group that sets the "
+        "swarm's token budget).",
+    )
+    pace: Literal["fixed", "tokens"] = Field(
+        "fixed",
+        description="When the swarm takes an outer step: fixed (every group trains H inner steps per round; faster "
+        "groups wait for slower ones) or tokens (once the groups together trained a token budget, N = H x galaxy "
+        "size x the tokens of an inner step of the first group, announced to the others: each group trains at its "
+        "own speed and batch, weighted by its tokens). --hv.target-tokens sets N and implies tokens.",
+    )
     inner_moment: Literal["auto", "group", "galaxy"] = Field(
         "auto",
         description="The second moment the inner AdamW divides by: group (its own batch's, plain AdamW), galaxy "
@@ -63,11 +75,11 @@ class HvConfig(_Strict):
         "of its micro-batches: steps as long as DDP's over the galaxy; see diloco/galaxy_moment.py), or auto "
         "(galaxy for 3 groups or more at H <= 25, else group).",
     )
-    target_tokens: int | None = Field(
+    target_tokens: Annotated[int, Field(gt=0)] | Literal["auto"] | None = Field(
         None,
-        gt=0,
         description="Instead of H: the swarm takes an outer step once its groups together trained N tokens since "
-        "the last one; fast groups run more inner steps than slow ones, each weighted by its tokens.",
+        "the last one; fast groups run more inner steps than slow ones, each weighted by its tokens. auto: N = H x "
+        "galaxy size x the tokens of an inner step of the first group (as --hv.pace tokens).",
     )
     fragments: int = Field(
         1,
@@ -123,7 +135,14 @@ class HvConfig(_Strict):
         "every live group whose status record says it arrives within one of this group's own rounds (at least 5 s), "
         "and no longer; under --hv.target-tokens 5 s. Either way it closes once every live group is in.",
     )
-    averaging_timeout: float = Field(60.0, gt=0, description="Seconds before an averaging round is abandoned.")
+    averaging_timeout: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="Seconds before an averaging round is abandoned (a groupmate silent for a quarter of it is "
+        "dropped). auto: the first round gets 60 s plus the model's float32 bytes at 1 MiB/s, each later one 4 x the "
+        "slowest of the group's last 5 rounds (or twice the deadline of a failed one among them), from 20 s up to "
+        "4 x the first round's; waits that need one number (joining, settling) take 60 s. A number: that fixed "
+        "deadline for every round, and those waits.",
+    )
     late_work: Literal["keep", "drop"] = Field(
         "keep",
         description="What a group that arrives after the swarm's round formed does with its inner steps since its "
@@ -202,18 +221,29 @@ class HvConfig(_Strict):
         given = self.model_fields_set - {"galaxy_size", "world_rank"}
         return [name for name in type(self).model_fields if name in given]
 
+    def token_paced(self) -> bool:
+        """Whether rounds follow a swarm-wide token budget (--hv.pace tokens, or --hv.target-tokens)."""
+        return self.target_tokens is not None or self.pace == "tokens"
+
+    def budget_given(self) -> int | None:
+        """N as given (--hv.target-tokens N); None when it follows H (auto, or --hv.pace tokens)."""
+        return self.target_tokens if isinstance(self.target_tokens, int) else None
+
     @model_validator(mode="after")
     def _one_pace(self) -> HvConfig:
-        if self.target_tokens is not None and "local_steps" in self.model_fields_set:
+        if self.budget_given() is not None and "local_steps" in self.model_fields_set:
             raise ValueError("pass either --hv.local-steps (H inner steps per group) or --hv.target-tokens (the "
                              "swarm's tokens per outer step), not both")  # fmt: skip
+        if self.target_tokens is not None and self.pace == "fixed" and "pace" in self.model_fields_set:
+            raise ValueError("--hv.pace fixed trains H inner steps per group: drop --hv.target-tokens, or use "
+                             "--hv.pace tokens")  # fmt: skip
         return self
 
     @model_validator(mode="after")
     def _rounds_fit(self) -> HvConfig:
         # under --hv.target-tokens a fragment's round comes every N/F tokens of the swarm: the inner steps that
         # makes depend on the group's tokens per step, checked where they are known (`Config.check_overlap`)
-        if self.target_tokens is None:
+        if self.budget_given() is None:
             if self.local_steps % self.fragments:
                 raise ValueError(f"--hv.local-steps {self.local_steps} must be a multiple of --hv.fragments "
                                  f"{self.fragments} (a fragment's round every H/F inner steps)")  # fmt: skip

@@ -21,15 +21,17 @@ from diloco.swarm.records.fingerprint import ModelId
 from diloco.swarm.records.status import LEFT, Status
 
 
-def schedule(final_step: int | None, local_steps: int, target_tokens: int | None, tokens_per_step: int,
-             fragments: int = 1, overlap_steps: int = 0) -> str:
-    """What a group's status record says of its schedule, for the check below: its last inner step, when its
-    rounds are due (every H inner steps, or under a token budget every N tokens of the swarm, which counts this
-    group's steps by their tokens), its fragments and overlapped steps. Groups that differ in any of these would
-    not go to the same rounds, or not end with the same outer step, so they would not end on one model."""
-    parts = [f"{final_step} steps" if final_step is not None else "no last step"]
-    parts.append(f"{target_tokens} tokens per round of {tokens_per_step}-token steps" if target_tokens
-                 else f"H {local_steps}")  # fmt: skip
+def schedule(final_step: int | None, local_steps: int, budget: tuple[int, int] | None, fragments: int = 1,
+             overlap_steps: int = 0) -> str:
+    """What a group's status record says of its schedule, for the check below: when its rounds are due and when
+    the run ends (every H inner steps until its last inner step, or under a token budget every N tokens of the
+    swarm for R rounds: `budget` = (N, R), which groups of any batch and length share), its fragments and
+    overlapped steps. Groups that differ in any of these would not go to the same rounds, or not end with the same
+    outer step, so they would not end on one model."""
+    if budget is not None:
+        parts = [f"{budget[1]} rounds of {budget[0]} tokens"]
+    else:
+        parts = [f"{final_step} steps" if final_step is not None else "no last step", f"H {local_steps}"]
     if fragments > 1:
         parts.append(f"{fragments} fragments")
     if overlap_steps:
@@ -109,60 +111,76 @@ def mismatch_error(
 def _schedule_error(other: Status, schedule: str, batch: str = "") -> FieldError:
     """`other` runs another `schedule`: the line names the first field in which the two differ."""
     theirs, ours = _schedule_parts(other.schedule), _schedule_parts(schedule)
+    if ("local_steps" in theirs) != ("local_steps" in ours):
+        return FieldError(
+            f"{{pace}}: worker group {other.world_rank} (peer {other.peer}) runs {other.schedule}, this group "
+            f"{schedule}; the groups of a run must pace their rounds alike: give every group the same --hv.pace "
+            "(and --hv.target-tokens, if any)"
+        )
     fields = ("/max_steps", "local_steps", "target_tokens", "fragments", "overlap_steps")
     field = next((f for f in fields if theirs.get(f) != ours.get(f)), "local_steps")
-    their_budget, our_budget = _budget(theirs.get(field, "")), _budget(ours.get(field, ""))
-    if field == "target_tokens" and their_budget and our_budget and their_budget[0] == our_budget[0]:
-        return _batch_error(other, their_budget[1], our_budget[1], batch)
     return FieldError(
         f"{{{field}}}: worker group {other.world_rank} (peer {other.peer}) runs {other.schedule}, this group "
         f"{schedule}; the groups of a run must share one schedule to go to the same rounds and end on one model: "
-        "give every group the same --max-steps (or --epochs), --hv.local-steps or --hv.target-tokens (with a "
-        "token budget also --total-batch-size and --seq-length), --hv.fragments and --hv.overlap-steps"
+        "give every group the same --max-steps (or --epochs), --hv.local-steps or --hv.target-tokens, "
+        "--hv.fragments and --hv.overlap-steps"
     )
 
 
-def _batch_error(other: Status, theirs: int, ours: int, batch: str) -> FieldError:
-    """Under one token budget `other` trains `theirs` tokens per inner step, this group `ours`: the line names the
-    flag that makes the difference (``--total-batch-size`` or ``--seq-length``, from the records' ``batch``; both
-    where the other's record has none)."""
-    their_shape, our_shape = _batch_shape(other.batch), _batch_shape(batch)
-    if their_shape and our_shape and their_shape[0] == our_shape[0]:
-        field, flags = "/seq_length", "--seq-length"
-    elif their_shape and our_shape:
-        field, flags = "/total_batch_size", "--total-batch-size"
-    else:
-        field, flags = "/total_batch_size", "--total-batch-size and --seq-length"
-    shown = [f" ({shape[0]} sequences of {shape[1]})" if shape else "" for shape in (their_shape, our_shape)]
-    return FieldError(
-        f"{{{field}}}: worker group {other.world_rank} (peer {other.peer}) trains {theirs} tokens per inner step"
-        f"{shown[0]}, this group {ours}{shown[1]}; under --hv.target-tokens the groups of a run must train as many "
-        f"tokens per inner step: give every group the same {flags}"
-    )
+def budget_of(schedule: str) -> tuple[int, int] | None:
+    """A token budget's (tokens per round, rounds) from a status record's `schedule`; None under fixed H."""
+    found = re.match(r"(\d{1,18}) rounds of (\d{1,18}) tokens(, |$)", schedule)
+    return (int(found[2]), int(found[1])) if found else None
 
 
-def _budget(part: str) -> tuple[int, int] | None:
-    """A schedule's token-budget part as (tokens per round, tokens per inner step); None if it is not one."""
-    found = re.fullmatch(r"(\d+) tokens per round of (\d+)-token steps", part)
-    return (int(found[1]), int(found[2])) if found else None
+def with_budget(schedule: str, budget: tuple[int, int]) -> str:
+    """`schedule` (of a token budget) with the swarm's `budget` (tokens per round, rounds) instead of its own."""
+    return re.sub(r"^\d+ rounds of \d+ tokens", f"{budget[1]} rounds of {budget[0]} tokens", schedule)
 
 
-def _batch_shape(batch: str) -> tuple[int, int] | None:
-    """``Status.batch`` as (total batch size, sequence length); None when empty or not of that form."""
-    found = re.fullmatch(r"(\d+)x(\d+)", batch)
-    return (int(found[1]), int(found[2])) if found else None
+def announced_budget(mine: Status, records: Iterable[Status], alive: Callable[[str], bool]) -> tuple[int, int] | None:
+    """The token budget a joining group adopts: that of the live group of the same model, transport, outer setting,
+    fragments and overlap that set it first (past joining first, then the oldest record, then the lowest world
+    rank, as `rival_model` orders them); None when no such group has one, or this group is first."""
+    ours = _schedule_parts(mine.schedule)
+    rest = {k: v for k, v in ours.items() if k in ("fragments", "overlap_steps")}
+    candidates = []
+    for record in records:
+        theirs = _schedule_parts(record.schedule)
+        alike = record.model == mine.model and record.transport == mine.transport and record.outer == mine.outer
+        alike = alike and {k: v for k, v in theirs.items() if k in ("fragments", "overlap_steps")} == rest
+        budget = budget_of(record.schedule)
+        if record.world_rank == mine.world_rank or record.state in LEFT or not alike or budget is None:
+            continue
+        if not record.peer or alive(record.peer):
+            candidates.append(((record.state == "joining", record.heard_at, record.world_rank), budget))
+    me = (mine.state == "joining", mine.heard_at, mine.world_rank)
+    first = min(candidates, default=None)
+    return first[1] if first is not None and first[0] < me else None
+
+
+def budget_to_adopt(ours: tuple[int, int], follows_h: bool, mine: Status, records: Iterable[Status],
+                    alive: Callable[[str], bool]) -> tuple[int, int] | None:  # fmt: skip
+    """The swarm's token budget (tokens per round, rounds) a joining group with budget `ours` takes, from the group
+    that set it first (`announced_budget`): when its own N follows H (`follows_h`: N is then that group's, whatever
+    this group's batch) or is the same N (its length in rounds is then the swarm's, whatever this group's
+    --max-steps). None: nothing to take (it would leave over another given N: `rival_model`)."""
+    theirs = announced_budget(mine, records, alive)
+    if theirs is None or theirs == ours or not (follows_h or theirs[0] == ours[0]):
+        return None
+    return theirs
 
 
 def _schedule_parts(text: str) -> dict[str, str]:
     """A `schedule` line's parts by the field that sets each."""
     parts = {}
     for i, part in enumerate(text.split(", ")):
-        if i == 0:
+        if found := re.fullmatch(r"(\d+) rounds of (\d+) tokens", part):
+            parts["/max_steps"], parts["target_tokens"] = f"{found[1]} rounds", f"{found[2]} tokens"
+        elif i == 0:
             parts["/max_steps"] = part
         elif part.startswith("H "):
             parts["local_steps"] = part
-        elif "per round" in part:
-            parts["target_tokens"] = part
         else:
             parts["fragments" if part.endswith("fragments") else "overlap_steps"] = part
     return parts

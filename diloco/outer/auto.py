@@ -61,10 +61,11 @@ def auto_inner_moment(h: float, galaxy_size: int) -> InnerMoment:
 
 
 def steps_per_round(hv: HvConfig, tokens_per_step: int) -> float:
-    """H: --hv.local-steps, or under --hv.target-tokens that of equal groups (target tokens ÷ (galaxy size ×
-    tokens per inner step))."""
-    if hv.target_tokens is not None:
-        return hv.target_tokens / (hv.galaxy_size * max(tokens_per_step, 1))
+    """H: --hv.local-steps (under --hv.pace tokens too: the budget follows it), or under --hv.target-tokens N that
+    of equal groups (N ÷ (galaxy size × tokens per inner step))."""
+    given = hv.budget_given()
+    if given is not None:
+        return given / (hv.galaxy_size * max(tokens_per_step, 1))
     return hv.local_steps
 
 

@@ -54,11 +54,18 @@ class Beacon:
     def send(self, state: str, step: int, outer_step: int, digest: str) -> Status | None:
         """Rank 0: send the record of a group in `state` at (its schedule's) inner step `step`; returns it (None on
         the other ranks)."""
+        record = self.record(state, step, outer_step, digest)
+        if record is not None:
+            self.sent_at = time.monotonic()
+            self.swarm.publish_status(record)
+        return record
+
+    def record(self, state: str, step: int, outer_step: int, digest: str) -> Status | None:
+        """Rank 0: the record `send` sends (None on the other ranks)."""
         if not self.is_main:
             return None
-        self.sent_at = time.monotonic()
         round_peers, round_at = self.last_round or (None, None)
-        record = Status(
+        return Status(
             world_rank=self.world_rank,
             ranks=self.ranks,
             sharding=self.sharding,
@@ -80,8 +87,6 @@ class Beacon:
             batch=self.batch,
             discarded_steps=self.discarded_steps,
         )
-        self.swarm.publish_status(record)
-        return record
 
 
 def outer_setting(lr: float, momentum: float, warmup: int, aggregation: str) -> str:

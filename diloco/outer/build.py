@@ -29,6 +29,7 @@ from diloco.outer.loop import NoOuter, OuterLoop
 from diloco.outer.pace import FixedSteps, Pace, TokenBudget, check_overlap
 from diloco.swarm.records.arrivals import default_wait
 from diloco.swarm.records.fingerprint import ModelId, model_id
+from diloco.swarm.rounds.deadline import fixed_timeout
 from diloco.swarm.rounds.digest import Digest
 
 log = logging.getLogger("diloco")
@@ -95,7 +96,7 @@ def _join(config: Config, env: DistEnv, model: torch.nn.Module, device: torch.de
                         outer_setting(config, tokens_per_step, max_steps), fragments, digest)  # fmt: skip
         outer.claim_world_rank(keyed=hv.swarm_key is not None)
         if group.is_main:  # rank 0 meets the other groups for its whole group
-            seen = peer.rendezvous(hv.world_rank, hv.galaxy_size, hv.averaging_timeout, stop)
+            seen = peer.rendezvous(hv.world_rank, hv.galaxy_size, fixed_timeout(hv.averaging_timeout), stop)
             log.info("found %d of %d worker groups in the swarm", seen, hv.galaxy_size)
             peer.save_owner(run_dir / KEY_FILE)
         group.broadcast(None)
@@ -111,10 +112,13 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
     """The group's outer loop over `swarm`, with its pace and the settings every group of the run must share."""
     hv = config.hv
     pace: Pace
-    if hv.target_tokens and max_steps:  # a run of 0 steps has no round to pace
+    if hv.token_paced() and max_steps:  # a run of 0 steps has no round to pace
+        given = hv.budget_given()  # else N follows H: H inner steps of this group per round of equal groups
+        target = given if given is not None else hv.local_steps * hv.galaxy_size * tokens_per_step
         pace = TokenBudget(
-            swarm, group, world_rank=hv.world_rank, target_tokens=hv.target_tokens / hv.fragments,
+            swarm, group, world_rank=hv.world_rank, target_tokens=target / hv.fragments,
             galaxy_size=hv.galaxy_size, tokens_per_step=tokens_per_step, max_steps=max_steps,
+            follows_h=given is None,
         )  # fmt: skip  (a fragment's round every N/F tokens)
     else:
         # a fragment's round every H/F steps; its pseudo-gradient holds the H steps since its last round
@@ -129,9 +133,9 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
         outer_momentum=outer.momentum,
         outer_warmup=outer.warmup,
         stop=stop,
-        join_timeout=hv.averaging_timeout,
+        join_timeout=fixed_timeout(hv.averaging_timeout),
         final_step=max_steps,
-        settle_timeout=default_wait(hv.matchmaking_time) + hv.averaging_timeout + 5,  # one still in the last round
+        settle_timeout=default_wait(hv.matchmaking_time) + fixed_timeout(hv.averaging_timeout) + 5,  # the last round
         sharding=config.sharding_strategy,
         transport=hv.transport,
         pace=pace,
@@ -142,8 +146,7 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
         overlap_steps=hv.overlap_steps,
         overlap_mix=hv.overlap_mix,
         aggregation=hv.aggregation,
-        schedule=schedule(max_steps, hv.local_steps, hv.target_tokens if isinstance(pace, TokenBudget) else None,
-                          tokens_per_step, hv.fragments, hv.overlap_steps),  # fmt: skip
+        schedule=schedule(max_steps, hv.local_steps, pace.budget(), hv.fragments, hv.overlap_steps),
         batch=f"{config.total_batch_size}x{config.seq_length}",
         late_work=hv.late_work,
     )

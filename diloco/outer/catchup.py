@@ -24,6 +24,7 @@ served metadata change under one lock there.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,6 +37,10 @@ from diloco.swarm.records.progress import Progress
 from diloco.swarm.rounds.digest import Digest
 
 log = logging.getLogger("diloco")
+
+class JoinError(RuntimeError):
+    """This group could not take its place in the swarm (e.g. no live group ahead of it sent its state)."""
+
 
 REFUSALS_BEFORE_SKIP = 3  # refused answers for one state of one group before a running group stops asking for it
 
@@ -89,6 +94,74 @@ class CatchUp:
                     why = "its values do not add up to its digest"
                 self._refused(record, whole, self.refusals_here > before, why)
         return None
+
+    def on_join(self, plan: Callable[[], list[list[Progress]]], load: Callable[[list[list[Progress]]], int | None],
+                timeout: float, stop: Callable[[], bool]) -> int | None:  # fmt: skip
+        """Collective, on joining: load (`load`, the caller's) the state of a group `plan` (rank 0's) finds ahead,
+        trying for `timeout` seconds. Returns the inner step to continue from, or None when this group is the first
+        or the furthest (its own state is the swarm's), or was stopped; raises `JoinError` when groups ahead are
+        live but none sent its state."""
+        deadline = time.monotonic() + timeout
+        seen: list[list[Progress]] = []  # the last non-empty plan of this join
+        while True:
+            found, expired, stopped = self.group.broadcast(
+                (plan(), time.monotonic() > deadline, stop()) if self.group.is_main else None
+            )
+            if stopped:
+                return None  # the run stops after its first step and checkpoints this group's own state
+            # groups seen ahead that vanish (a DHT read that came back empty, pings lost under load) are not
+            # proof that this group is the first: keep trying them until the deadline, unless their answers were
+            # refused too often (a stranger's forged record would otherwise keep the swarm's first group out)
+            refused_before = bool(seen)
+            seen = found or self.refused.prune(seen)  # (`plan` pruned `found` already)
+            if not seen:
+                if self.group.is_main and refused_before:
+                    log.warning("the groups ahead sent only states this group refused: starting from its own state")
+                elif self.group.is_main:
+                    log.info("no worker group is ahead of this one: starting from this group's own state")
+                return None
+            loaded = load(seen)
+            if loaded is not None:
+                return loaded
+            if expired:
+                raise JoinError(
+                    f"could not download the swarm's state from {sum(map(len, seen))} live worker group(s) within "
+                    f"{timeout:.0f} s; not starting from this group's own state, which would overwrite a trained "
+                    "swarm"
+                )
+            time.sleep(1.0)
+
+    def settle(self, plan: Callable[[], list[list[Progress]]], load: Callable[[list[list[Progress]]], int | None],
+               mine: Callable[[], Progress], timeout: float, stop: Callable[[], bool],
+               on_load: Callable[[], None]) -> bool:  # fmt: skip
+        """Collective, after the last inner step: until every live group that is not done or holds another state
+        than this one (`mine`) has caught up (at most `timeout` seconds, or until `stop`), load (`load`, then
+        `on_load`) the best state whenever `plan` finds one (a torn last round: the groups whose round failed
+        download the others' result). Returns whether a state was loaded."""
+        deadline, loaded = time.monotonic() + timeout, False
+        while True:
+            expired = time.monotonic() > deadline or stop()
+            found, waiting, expired = self.group.broadcast(
+                (plan(), self.unsettled(mine()), expired) if self.group.is_main else None
+            )
+            if found and load(found) is not None:
+                loaded = True
+                on_load()
+            if not waiting or expired:
+                break
+            time.sleep(0.5)
+        if waiting and self.group.is_main:
+            log.warning("worker group(s) %s did not reach this final state within %.0f s", waiting, timeout)
+        return loaded
+
+    def unsettled(self, mine: Progress) -> list[int]:
+        """Rank 0: world ranks of the live groups that are not done or hold another state than `mine`'s."""
+        pending = [
+            r for r in self.swarm.records()
+            if r.world_rank != mine.world_rank and r.settled and not (r.done and r.state == mine.state)
+            and not self.refused.skipped(r)  # a group whose answers this one keeps refusing is not waited for
+        ]  # fmt: skip
+        return sorted(r.world_rank for r in pending if self.swarm.alive(r.peers[0]))
 
     @property
     def refusals_here(self) -> int:

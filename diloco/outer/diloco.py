@@ -25,12 +25,18 @@ from typing import Any
 import torch
 
 from diloco.errors import FieldError
-from diloco.outer.agreement import mismatch_error, rival_model
+from diloco.outer.agreement import (
+    budget_to_adopt,
+    mismatch_error,
+    rival_model,
+    with_budget,
+)
 from diloco.outer.beacon import Beacon, outer_setting
-from diloco.outer.catchup import CatchUp
+from diloco.outer.catchup import CatchUp, JoinError
 from diloco.outer.claims import Claims
 from diloco.outer.fragments import Runs, fragment_of
 from diloco.outer.inflight import InFlight
+from diloco.outer.ledger import Ledger
 from diloco.outer.links import Group, RoundResult, State, Swarm
 from diloco.outer.loop import OuterReport
 from diloco.outer.optimizer import OuterOptimizer
@@ -45,9 +51,7 @@ from diloco.swarm.rounds.transfer import SharedCopies
 
 log = logging.getLogger("diloco")
 
-
-class JoinError(RuntimeError):
-    """This group could not take its place in the swarm (e.g. no live group ahead of it sent its state)."""
+__all__ = ["DiLoCo", "JoinError"]
 
 
 class DiLoCo:
@@ -130,15 +134,8 @@ class DiLoCo:
         self.in_flight: InFlight | None = None
         self.pace = pace or FixedSteps(local_steps // self.fragments, final_step, local_steps * tokens_per_step)
         self.tokens_per_step = tokens_per_step
-        self.round_start = 0  # the inner step at which this group's current round began
-        self.pace_start = 0  # ... as its pace counts: a group that kept its late work counts from the load on
+        self.ledger = Ledger(self.fragments, tokens_per_step)  # the inner steps against the outer state
         self.keep_late = late_work == "keep"
-        self.discarded_steps = self.discarded_tokens = 0  # inner steps (tokens) thrown away in this run
-        self.unlogged: dict[str, int] = {}  # what the next outer row reports (`_row`): discarded, carried steps
-        self.alone_steps = 0  # inner steps of the last round this group applied alone (lost if it loads a state)
-        # per fragment, the inner step its values were last reset to the outer ones (the weight's tokens count
-        # from there: a fragment's pseudo-gradient holds every inner step since, over F rounds)
-        self.fragment_start = [0] * self.fragments
         self.swarm, self.group, self.world_rank = swarm, group, world_rank
         self.stop, self.join_timeout = stop, join_timeout
         self.final_step, self.settle_timeout = final_step, settle_timeout
@@ -190,12 +187,17 @@ class DiLoCo:
         if self.group.is_main:
             verdict = self.claims.rival()
             if verdict is None:
+                self._adopt_budget(self._status("joining"))
                 self._publish()
                 joining = self._publish_status("joining")
                 time.sleep(self.claim_settle_s)  # a group starting at the same moment: the later record wins
                 verdict = self.claims.rival()
+                if self._adopt_budget(joining):  # (only a later group adopts: its record only gets later)
+                    joining = self._publish_status("joining")
                 other_model = rival_model(joining, self.swarm.status_records(), self.claims.answers)
-        verdict, other_model = self.group.broadcast((verdict, other_model))
+        verdict, other_model, budget = self.group.broadcast((verdict, other_model, self.pace.budget()))
+        if budget != self.pace.budget():  # rank 0 adopted the swarm's token budget: every rank paces by it
+            self.pace.adopt(budget)
         if other_model is not None:
             b = self.beacon
             error = mismatch_error(other_model, self.model, b.transport, b.outer, b.schedule, b.batch)
@@ -212,6 +214,19 @@ class DiLoCo:
         if self.group.is_main:
             model = f" (model: {self.model})" if self.model else ""
             log.info("worker group %d joined the swarm as peer %s%s", self.world_rank, self.peers[0], model)
+
+    def _adopt_budget(self, mine: Status | None) -> bool:
+        """Rank 0, under a token budget: take the swarm's N and length in rounds (``agreement.budget_to_adopt``).
+        Returns whether anything changed."""
+        ours = self.pace.budget()
+        if ours is None or mine is None:
+            return False
+        theirs = budget_to_adopt(ours, self.pace.follows_h, mine, self.swarm.status_records(), self.claims.answers)
+        if theirs is not None:
+            self.pace.adopt(theirs)
+            self.beacon.schedule = with_budget(self.beacon.schedule, theirs)
+            log.info("taking the swarm's token budget: %d tokens per round, %d rounds", *theirs)
+        return theirs is not None
 
     def join(self, step: int, load_from_peers: bool = True) -> OuterReport:
         """Collective, before the first inner step: load the swarm's state when another group is ahead, then serve
@@ -235,39 +250,14 @@ class DiLoCo:
         return OuterReport(step, rows[-1] if rows else None, tuple(rows[:-1]))
 
     def _load_on_join(self) -> int | None:
-        """Load the state of a group that is ahead, if any. Returns the inner step to continue from, or None
-        when this group is the first or the furthest (its own state is the swarm's)."""
-        deadline = time.monotonic() + self.join_timeout
-        seen: list[list[Progress]] = []  # the last non-empty plan of this join
-        while True:
-            plan, expired, stopped = self.group.broadcast(
-                (self._plan(), time.monotonic() > deadline, self.stop()) if self.group.is_main else None
-            )
-            if stopped:
-                return None  # the run stops after its first step and checkpoints this group's own state
-            # groups seen ahead that vanish (a DHT read that came back empty, pings lost under load) are not
-            # proof that this group is the first: keep trying them until the deadline, unless their answers were
-            # refused too often (a stranger's forged record would otherwise keep the swarm's first group out)
-            refused_before = bool(seen)
-            seen = plan or self.catchup.refused.prune(seen)  # (`_plan` pruned `plan` already)
-            if not seen:
-                if self.group.is_main and refused_before:
-                    log.warning("the groups ahead sent only states this group refused: starting from its own state")
-                elif self.group.is_main:
-                    log.info("no worker group is ahead of this one: starting from this group's own state")
-                return None
-            loaded = self._load_from(seen)
-            if loaded is not None:
-                return loaded
-            if expired:
-                raise JoinError(
-                    f"could not download the swarm's state from {sum(map(len, seen))} live worker group(s) within "
-                    f"{self.join_timeout:.0f} s; not starting from this group's own state, which would overwrite "
-                    "a trained swarm"
-                )
-            time.sleep(1.0)
+        """Collective: load the state of a group that is ahead, if any (``CatchUp.on_join``). Returns the inner step
+        to continue from, or None when this group is the first or the furthest (its own state is the swarm's)."""
+        return self.catchup.on_join(self._plan, self._load_from, self.join_timeout, self.stop)
 
     # ------------------------------------------------------------------ rounds
+
+    def budget(self) -> tuple[int, int] | None:
+        return self.pace.budget()
 
     def position(self, step: int) -> int:
         """Where the LR schedule and the end of the run stand after inner step `step` (see `diloco.outer.pace`)."""
@@ -278,30 +268,17 @@ class DiLoCo:
         """The outer steps the pace counts: the applied ones, and the round on the wire (see `diloco.outer.pace`)."""
         return self.outer_step + (self.in_flight is not None)
 
-    def _tokens(self, step: int) -> int:
-        """Tokens this group trained since its last round started, as its pace counts them."""
-        return (step - self.pace_start) * self.tokens_per_step
-
-    def _fragment_tokens(self, step: int, fragment: int | None) -> int:
-        """Tokens this group trained since `fragment` (None: the whole model) was last reset to the outer values."""
-        return (step - self.fragment_start[fragment or 0]) * self.tokens_per_step
-
     def _new_round(self, step: int, fragment: int | None = None) -> None:
         """The outer parameters changed (an outer step, a loaded state): the model (or the one fragment a round
         averaged) was reset to them."""
-        self.round_start = self.pace_start = step
+        self.ledger.new_round(step, fragment)
         self.pace.new_round(self._paced)
-        self._reset_fragments(step, fragment)
-
-    def _reset_fragments(self, step: int, fragment: int | None) -> None:
-        for f in range(self.fragments) if fragment is None else (fragment,):
-            self.fragment_start[f] = step
 
     def after_inner_step(self, step: int) -> OuterReport | None:
         """Collective: land the round in flight when its time came; at a boundary, catch up with the swarm if this
         group is behind, then average (and apply, unless the round is overlapped)."""
         self.step = step
-        tokens = self._tokens(step)
+        tokens = self.ledger.pace_tokens(step)
         due = self.pace.due(step, self._paced, tokens)
         landed = None
         if self.in_flight is not None and (due or step >= self.in_flight.land_at):
@@ -327,7 +304,7 @@ class DiLoCo:
                         return OuterReport(step, self._row(step, source=source), before)
                     step = ahead
         if self.outer_step == outer_before:
-            tokens = self._fragment_tokens(step, self._fragment(index))
+            tokens = self.ledger.fragment_tokens(step, self._fragment(index))
             weight = self.pace.weight(tokens)
             rows = self._round(step, index, pseudo_gradient, weight, source, tokens)
         else:
@@ -344,12 +321,10 @@ class DiLoCo:
         the inner step it continues from; None when it kept nothing, or rounds have no fixed boundary (a token
         budget: its next round is due with everyone's)."""
         boundary = self.pace.next_boundary(self._paced)
-        if not self.keep_late or boundary is None or boundary <= step or self._trained() == 0:
+        if not self.keep_late or boundary is None or boundary <= step or self.ledger.trained(step) == 0:
             return None
-        shift = boundary - step
-        self.round_start += shift
-        self.fragment_start = [start + shift for start in self.fragment_start]
-        self.step = self.pace_start = boundary
+        self.ledger.kept(0, boundary - step, boundary)
+        self.step = boundary
         if self.group.is_main:
             log.info("taking this group's kept inner steps to the swarm's next round now (inner step %d -> %d)",
                      step, boundary)  # fmt: skip
@@ -364,7 +339,7 @@ class DiLoCo:
         it kept (``late_work`` keep), weighted by their tokens; else with no weight."""
         index = self.pace.round_index(step, self._paced)
         fragment = self._fragment(index)
-        tokens = self._fragment_tokens(step, fragment)
+        tokens = self.ledger.fragment_tokens(step, fragment)
         if self.keep_late and tokens > 0:
             pseudo_gradient = self.params.pseudo_gradient(fragment)
             return self._round(step, index, pseudo_gradient, self.pace.weight(tokens), source, tokens, overlap=False)
@@ -393,7 +368,7 @@ class DiLoCo:
                 step, step + self.overlap, index, fragment, pseudo_gradient, weight, tokens, source,
                 self.outer_step, self.pace.summary(tokens),
             ).start(self.swarm, self.stop)
-            self.round_start = self.pace_start = step  # the next round starts now: its tokens count from here
+            self.ledger.round_start = self.ledger.pace_start = step  # the next round's tokens count from here
             self.pace.new_round(self._paced)
             return []
         report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment, self.outer_step)
@@ -402,7 +377,7 @@ class DiLoCo:
         for more in range(1, self.fragments if last and row is not None else 1):  # the other fragments, each
             fragment = self._fragment(index + more)  # with the inner steps since its own round
             pseudo_gradient = self.params.pseudo_gradient(fragment)
-            tokens = self._fragment_tokens(step, fragment)
+            tokens = self.ledger.fragment_tokens(step, fragment)
             weight = self.pace.weight(tokens) if weight else 0.0  # (a group that joined the round adds nothing)
             report = self.swarm.average([pseudo_gradient], index + more, weight, self.stop, fragment,
                                         self.outer_step)
@@ -446,14 +421,14 @@ class DiLoCo:
         with self.params.lock:  # a state served meanwhile has the digest of its parameters
             if all_ok and num_peers > 1:
                 self.params.step(pseudo_gradient, fragment, mix)
-                self.tainted, self.alone_steps = False, 0
+                self.tainted, self.ledger.alone_steps = False, 0
             elif all_ok and weight:  # as the paper does: a group that found nobody applies its own pseudo-gradient
                 log.warning(
                     "outer step %d: no peer was ready, applying this group's own pseudo-gradient", self.outer_step + 1
                 )
                 self.params.step(pseudo_gradient, fragment, mix)
                 self.tainted = True
-                self.alone_steps = tokens // self.tokens_per_step if self.tokens_per_step else 0
+                self.ledger.alone_steps = tokens // self.tokens_per_step if self.tokens_per_step else 0
             else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
                 log.warning(
                     "outer step %d: %s; nothing applied, the inner steps carry over to the next round",
@@ -462,7 +437,7 @@ class DiLoCo:
                 )  # fmt: skip
             self._update_digest()
         if self.outer_step > outer_before and landed is not None:  # its successor began at its send (`_round`)
-            self._reset_fragments(step, fragment)
+            self.ledger.reset_fragments(step, fragment)
         elif self.outer_step > outer_before:
             self._new_round(step, fragment)
         self._publish()
@@ -480,22 +455,14 @@ class DiLoCo:
         """Collective: the metrics row of this group's outer state at `step` (``rows.round_row``), with the inner
         steps (tokens) thrown away since the last row, and those kept through a load (``carried_steps``)."""
         row = round_row(self.group, step, self.outer_step, self.digest, source=source, **round_fields)
-        lost = {"discarded_steps": 0, "discarded_tokens": 0} | self.unlogged
-        self.unlogged = {}
-        return row | lost
+        return row | self.ledger.row_fields()
 
     def _discard(self, steps: int) -> None:
         """`steps` inner steps of this group were thrown away (its model reset without them)."""
-        if steps <= 0:
-            return
-        tokens = steps * self.tokens_per_step
-        self.discarded_steps += steps
-        self.discarded_tokens += tokens
-        self.beacon.discarded_steps = self.discarded_steps
-        for name, value in (("discarded_steps", steps), ("discarded_tokens", tokens)):
-            self.unlogged[name] = self.unlogged.get(name, 0) + value
-        if self.group.is_main:
-            log.warning("discarded %d inner step(s) of this group (%d in this run)", steps, self.discarded_steps)
+        if self.ledger.discard(steps):
+            self.beacon.discarded_steps = total = self.ledger.discarded_steps
+            if self.group.is_main:
+                log.warning("discarded %d inner step(s) of this group (%d in this run)", steps, total)
 
     # ------------------------------------------------------------------ progress and state transfer
 
@@ -549,11 +516,11 @@ class DiLoCo:
         if found is None:
             return None
         record, meta, tensors = found
-        trained = self._trained()
+        trained = self.ledger.trained(self.step)
         keep = self.keep_late and trained > 0  # (nothing trained: the model is reset to the state exactly)
         if self.tainted:  # the round it applied alone is not in the state it loads
-            self._discard(self.alone_steps)
-        self.alone_steps = 0
+            self._discard(self.ledger.alone_steps)
+        self.ledger.alone_steps = 0
         self._load(meta, tensors, keep)
         self.loaded_from = record.world_rank
         if self.group.is_main:
@@ -567,21 +534,12 @@ class DiLoCo:
         ahead = meta["outer_step"] > outer_before and self.pace.adopts_step
         step = max(meta["step"], self.step) if ahead else self.step
         if keep:  # the model moved with the outer parameters: its inner steps since each reset stay in it
-            shift = step - self.step  # (an adopted step count moves every start along, so the tokens stay)
-            self.round_start += shift
-            self.fragment_start = [start + shift for start in self.fragment_start]
-            self.pace_start = step  # the pace counts the swarm's new round from here
+            self.ledger.kept(trained, step - self.step, step)  # (an adopted step count moves the starts along)
             self.pace.new_round(self._paced)
-            self.unlogged["carried_steps"] = trained
         else:
             self._discard(trained)
             self._new_round(step)  # the model holds the loaded outer parameters: the inner steps since are gone
         return step
-
-    def _trained(self) -> int:
-        """Inner steps this group's model holds beyond its outer parameters (since its fragments were last reset;
-        their mean with fragments, where each was reset at its own round)."""
-        return max(0, round(sum(self.step - start for start in self.fragment_start) / self.fragments))
 
     def _load(self, meta: dict[str, Any], tensors: list[torch.Tensor], keep: bool = False) -> None:
         with self.params.lock:
@@ -604,17 +562,18 @@ class DiLoCo:
         at = self.position(self.step if step is None else step)
         return self.beacon.send(state, at, self.outer_step, self.digest)
 
+    def _status(self, state: str) -> Status | None:
+        """Rank 0: the status record `_publish_status` would send now, not sent."""
+        return self.beacon.record(state, self.position(self.step), self.outer_step, self.digest)
+
     # ------------------------------------------------------------------ checkpoints and the end
 
     def state_dict(self) -> dict[str, Any]:
-        return self.params.state_dict() | {"round_start": self.round_start, "fragment_start": self.fragment_start}
+        return self.params.state_dict() | self.ledger.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.params.load_state_dict(state)
-        self.round_start = state.get("round_start", 0)  # 0: a checkpoint from before token budgets
-        starts = state.get("fragment_start")  # None: from before fragments had their own (or of another F)
-        fits = starts is not None and len(starts) == self.fragments
-        self.fragment_start = list(starts) if fits else [self.round_start] * self.fragments
+        self.ledger.load_state_dict(state)
         self._update_digest()
 
     def finish(self) -> dict[str, Any] | None:
@@ -625,39 +584,18 @@ class DiLoCo:
         self.done = True
         self._publish()
         self._publish_status("done")
-        deadline, source = time.monotonic() + self.settle_timeout, None
-        while True:
-            expired = time.monotonic() > deadline or self.stop()
-            plan, waiting, expired = self.group.broadcast(
-                (self._plan(), self._unsettled(), expired) if self.group.is_main else None
-            )
-            if plan and self._load_from(plan) is not None:
-                source = self.loaded_from
-                self._publish()
-            if not waiting or expired:
-                break
-            time.sleep(0.5)
-        if waiting and self.group.is_main:
-            log.warning("worker group(s) %s did not reach this final state within %.0f s", waiting, self.settle_timeout)
+        loaded = self.catchup.settle(self._plan, self._load_from, self._record, self.settle_timeout, self.stop,
+                                     on_load=self._publish)  # fmt: skip
+        source = self.loaded_from if loaded else None
         stale = self.group.sum(0.0 if self.params.model_is_outer() else 1.0)
         if stale:  # the last round applied nothing here: export the swarm's model, not this group's drift
             if self.group.is_main:
                 log.warning("the last round applied nothing: the final model is the swarm's outer parameters")
-            self._discard(self._trained())
+            self._discard(self.ledger.trained(self.step))
             self.params.reset_shards()
         if source is None and not stale:
             return None
         return self._row(self.step, source=source)
-
-    def _unsettled(self) -> list[int]:
-        """Rank 0: world ranks of the live groups that are not done or hold another state than this one."""
-        mine = self._record()
-        pending = [
-            r for r in self.swarm.records()
-            if r.world_rank != self.world_rank and r.settled and not (r.done and r.state == mine.state)
-            and not self.catchup.refused.skipped(r)  # a group whose answers this one keeps refusing is not waited for
-        ]  # fmt: skip
-        return sorted(r.world_rank for r in pending if self.swarm.alive(r.peers[0]))
 
     def summary(self) -> dict[str, Any]:
         """Collective (sums over the group's ranks): the outer steps, whether the swarm's state was loaded, and
@@ -665,7 +603,7 @@ class DiLoCo:
         downloads, connections at their hello."""
         refused, claims = self.catchup.refusals_here, self.claims.rejected
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers,
-                "discarded_steps": self.discarded_steps, "discarded_tokens": self.discarded_tokens,
+                "discarded_steps": self.ledger.discarded_steps, "discarded_tokens": self.ledger.discarded_tokens,
                 "rejected_records": self.swarm.rejected_records, "rejected_claims": int(self.group.sum(float(claims))),
                 "rejected_states": int(self.group.sum(float(refused))),
                 "refused_connections": int(self.group.sum(float(self.swarm.refused_connections)))}  # fmt: skip

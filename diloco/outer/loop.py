@@ -46,6 +46,10 @@ class OuterLoop(Protocol):
         swarm-wide token budget the swarm's progress in inner steps of an average group (``diloco.outer.pace``)."""
         ...
 
+    def budget(self) -> tuple[int, int] | None:
+        """Under a token budget the swarm's (tokens per round, rounds in the run); None under fixed H or alone."""
+        ...
+
     def progress(self, row: dict[str, Any]) -> None:
         """After each metrics row of the inner loop (``step``, ``tokens_per_s``, ...): what the outer loop may
         tell others about this group's training; must return at once (no network waits)."""
@@ -76,6 +80,9 @@ class NoOuter:
 
     def position(self, step: int) -> int:
         return step
+
+    def budget(self) -> tuple[int, int] | None:
+        return None
 
     def progress(self, row: dict[str, Any]) -> None:
         pass

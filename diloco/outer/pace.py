@@ -41,6 +41,7 @@ from diloco.config import HvConfig
 from diloco.errors import FieldError
 from diloco.swarm.records import budget
 from diloco.swarm.records.budget import RoundTokens
+from diloco.swarm.records.budget import earliest as budget_earliest
 
 if TYPE_CHECKING:
     from diloco.outer.links import Group, Swarm
@@ -53,6 +54,7 @@ CORROBORATE_PINGS = 3  # progress records ahead whose peers one such read asks w
 
 class Pace(Protocol):
     adopts_step: bool  # a group that loads the swarm's state takes over the source's inner step count
+    follows_h: bool  # a token budget whose N follows H: a group of another batch takes the swarm's N
 
     def due(self, step: int, outer_step: int, tokens: int) -> bool:
         """Collective, after each inner step: whether an outer step follows inner step `step` (`tokens`: this
@@ -94,6 +96,15 @@ class Pace(Protocol):
         """Fields for the outer row of a round: what the swarm did in it."""
         ...
 
+    def budget(self) -> tuple[int, int] | None:
+        """Under a token budget: (tokens per round, rounds in the run), which every group of the swarm shares;
+        None under fixed H."""
+        ...
+
+    def adopt(self, budget: tuple[int, int]) -> None:
+        """Take the swarm's (tokens per round, rounds) announced by the group that set them."""
+        ...
+
 
 class FixedSteps:
     """H inner steps per round in every group; the run's last inner step also ends with an outer step.
@@ -104,6 +115,7 @@ class FixedSteps:
     """
 
     adopts_step = True
+    follows_h = False
 
     def __init__(self, local_steps: int, final_step: int | None, tokens_per_h: int = 0) -> None:
         self.local_steps, self.final_step, self.tokens_per_h = local_steps, final_step, tokens_per_h
@@ -137,6 +149,12 @@ class FixedSteps:
     def summary(self, tokens: int) -> dict[str, Any]:
         return {}
 
+    def budget(self) -> tuple[int, int] | None:
+        return None
+
+    def adopt(self, budget: tuple[int, int]) -> None:
+        raise ValueError("fixed H has no token budget to adopt")
+
 
 class TokenBudget:
     """An outer step every `target_tokens` tokens of the whole swarm (see the module's docstring).
@@ -149,6 +167,8 @@ class TokenBudget:
     :param tokens_per_step: tokens of one inner step of this group (all its ranks).
     :param max_steps: the run's length in inner steps of an average group.
     :param clock: wall-clock time (tests replace it).
+    :param follows_h: N was not given but follows H (``--hv.pace tokens``): a group of another batch adopts the
+        N of the group that set it (``adopt``), and so does a group whose N was given when the announced N is it.
 
     `refused` says whether this group refused the state of a progress record too often to ask for it again
     (``diloco.outer.catchup.Refused.skipped``; the builder sets the one of the group's catch-up): such a record
@@ -168,6 +188,7 @@ class TokenBudget:
         tokens_per_step: int,
         max_steps: int,
         clock: Callable[[], float] = time.time,
+        follows_h: bool = False,
     ) -> None:
         self.swarm, self.group, self.world_rank, self.clock = swarm, group, world_rank, clock
         self.target_tokens, self.max_steps = target_tokens, max_steps
@@ -181,6 +202,7 @@ class TokenBudget:
         self.galaxy_size = galaxy_size
         self.earliest = budget.earliest(target_tokens, galaxy_size)  # own tokens before which no round is due
         self.refused: Callable[[Progress], bool] = lambda record: False
+        self.follows_h = follows_h
         self.corroborated: tuple[int, float, bool] = (-1, -math.inf, False)  # (outer step, checked at, verdict)
 
     # ---------------------------------------------------------------- every inner step
@@ -259,14 +281,26 @@ class TokenBudget:
     def summary(self, tokens: int) -> dict[str, Any]:
         return {"swarm_tokens": int(self.estimate)}
 
+    def budget(self) -> tuple[int, int]:
+        return round(self.target_tokens), self.final_outer_step
+
+    def adopt(self, budget: tuple[int, int]) -> None:
+        """The swarm's N and run length in rounds, from the group that set them (of another batch, or length in
+        inner steps): this group's LR schedule and its end follow the swarm's rounds, `max_steps` of its own
+        steps over them."""
+        self.target_tokens, self.final_outer_step = float(budget[0]), max(1, budget[1])
+        self.steps_per_round = self.max_steps / self.final_outer_step
+        self.earliest = budget_earliest(self.target_tokens, self.galaxy_size)
+
 
 def check_overlap(hv: HvConfig, tokens_per_step: int) -> None:
-    """Under --hv.target-tokens, refuse an overlap that would not land before the next round of an average
+    """Under --hv.target-tokens N, refuse an overlap that would not land before the next round of an average
     group: that is N ÷ (F × galaxy size × tokens per inner step) inner steps after it (a faster group makes
-    more, a slower one fewer; a round that comes due first lands the one in flight at once)."""
-    if hv.target_tokens is None or not hv.overlap_steps:
+    more, a slower one fewer; a round that comes due first lands the one in flight at once). Under --hv.pace
+    tokens, N follows H: the config checked it against H ÷ F."""
+    if hv.budget_given() is None or not hv.overlap_steps:
         return
-    steps = hv.target_tokens / (hv.fragments * hv.galaxy_size * max(tokens_per_step, 1))
+    steps = hv.budget_given() / (hv.fragments * hv.galaxy_size * max(tokens_per_step, 1))
     if hv.overlap_steps >= steps:
         raise FieldError(
             f"{{overlap_steps}} {hv.overlap_steps} must be smaller than the inner steps between two rounds: "

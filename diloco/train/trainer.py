@@ -166,7 +166,7 @@ def train_loop(run: Run) -> str:
             }
             if run.steps_per_epoch:
                 row["epoch"] = round(run.step / run.steps_per_epoch, 4)  # passes over this group's share so far
-            if cfg.hv.target_tokens:
+            if cfg.hv.token_paced():
                 row["swarm_step"] = run.outer.position(run.step)  # the swarm's, in steps of an average group
             run.metrics.log(row)
             run.outer.progress(row)  # the swarm's status heartbeat; never waits for the network
@@ -215,7 +215,7 @@ def log_eval(run: Run) -> None:
     run.last_eval_loss = evaluate(run)
     if run.last_eval_loss is not None:
         row = {"step": run.step, "eval_loss": run.last_eval_loss, "eval_perplexity": math.exp(run.last_eval_loss)}
-        if run.config.hv.target_tokens:
+        if run.config.hv.token_paced():
             row["swarm_step"] = run.outer.position(run.step)
         run.metrics.log(row)
 
@@ -391,9 +391,10 @@ def describe(run: Run) -> dict[str, str]:
     if hv.galaxy_size == 1:
         swarm = "none (galaxy size 1: plain torch.distributed, no DHT)"
     else:
+        budget = run.outer.budget()
         pace = (
-            f"an outer step per {console.count(hv.target_tokens)} swarm tokens"
-            if hv.target_tokens
+            f"an outer step per {console.count(budget[0])} swarm tokens, {budget[1]} rounds"
+            if budget is not None
             else f"H = {hv.local_steps} inner steps"
         )
         outer = outer_setting(cfg, tokens_per_step, run.max_steps)

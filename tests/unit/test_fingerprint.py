@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from diloco.errors import FieldError
-from diloco.outer.agreement import mismatch_error, rival_model, schedule
+from diloco.outer.agreement import (
+    budget_of,
+    mismatch_error,
+    rival_model,
+    schedule,
+    with_budget,
+)
 from diloco.outer.diloco import DiLoCo
 from diloco.outer.links import solo_group
 from diloco.outer.memory import MemorySwarm
@@ -168,21 +174,24 @@ def test_a_group_of_another_aggregation_leaves_naming_the_flag() -> None:
 
 
 def test_the_schedule_names_what_sets_the_rounds_and_the_end() -> None:
-    assert schedule(200, 25, None, 1024) == "200 steps, H 25"
-    assert schedule(200, 25, 819200, 1024, fragments=2, overlap_steps=1) == (
-        "200 steps, 819200 tokens per round of 1024-token steps, 2 fragments, 1 overlapped steps")
-    assert schedule(None, 25, None, 1024) == "no last step, H 25"
+    assert schedule(200, 25, None) == "200 steps, H 25"
+    assert schedule(200, 25, (819200, 8), fragments=2, overlap_steps=1) == (
+        "8 rounds of 819200 tokens, 2 fragments, 1 overlapped steps")
+    assert schedule(None, 25, None) == "no last step, H 25"
+    assert budget_of(schedule(200, 25, (819200, 8), 2)) == (819200, 8) and budget_of("200 steps, H 25") is None
+    assert with_budget(schedule(200, 25, (100, 3), 2), (400, 9)) == "9 rounds of 400 tokens, 2 fragments"
 
 
 @pytest.mark.parametrize(
     ("theirs", "ours", "flag"),
     [
-        (schedule(30, 5, None, 64), schedule(60, 5, None, 64), "max_steps"),
-        (schedule(30, 5, None, 64), schedule(30, 10, None, 64), "hv.local_steps"),
-        (schedule(30, 5, None, 64), schedule(30, 5, 640, 64), "hv.local_steps"),
-        (schedule(30, 5, 640, 64), schedule(30, 5, 1280, 64), "hv.target_tokens"),  # (another batch: test_spellings)
-        (schedule(30, 5, None, 64, fragments=2), schedule(30, 5, None, 64), "hv.fragments"),
-        (schedule(30, 5, None, 64, 2, 1), schedule(30, 5, None, 64, 2), "hv.overlap_steps"),
+        (schedule(30, 5, None), schedule(60, 5, None), "max_steps"),
+        (schedule(30, 5, None), schedule(30, 10, None), "hv.local_steps"),
+        (schedule(30, 5, None), schedule(30, 5, (640, 6)), "hv.pace"),
+        (schedule(30, 5, (640, 6)), schedule(30, 5, (1280, 6)), "hv.target_tokens"),
+        (schedule(30, 5, (640, 6)), schedule(30, 5, (640, 3)), "max_steps"),
+        (schedule(30, 5, None, fragments=2), schedule(30, 5, None), "hv.fragments"),
+        (schedule(30, 5, None, 2, 1), schedule(30, 5, None, 2), "hv.overlap_steps"),
     ],
 )
 def test_a_group_of_another_schedule_leaves_naming_the_flag_that_differs(theirs: str, ours: str, flag: str) -> None:
@@ -200,12 +209,11 @@ def test_a_group_of_another_schedule_leaves_naming_the_flag_that_differs(theirs:
         group(hub, 2, net(seed=4), schedule=ours).claim_world_rank()
     error = refused.value.within("hv")
     assert error.fields[0] == flag
-    assert str(error) == (
-        f"{flag}: worker group 0 (peer peer-0) runs {theirs}, this group {ours}; the groups of a run must share one "
-        "schedule to go to the same rounds and end on one model: give every group the same --max-steps (or "
-        "--epochs), --hv.local-steps or --hv.target-tokens (with a token budget also --total-batch-size and "
-        "--seq-length), --hv.fragments and --hv.overlap-steps"
-    )
+    rule = ("must pace their rounds alike: give every group the same --hv.pace (and --hv.target-tokens, if any)"
+            if flag == "hv.pace" else "must share one schedule to go to the same rounds and end on one model: give "
+            "every group the same --max-steps (or --epochs), --hv.local-steps or --hv.target-tokens, --hv.fragments "
+            "and --hv.overlap-steps")  # fmt: skip
+    assert str(error) == f"{flag}: worker group 0 (peer peer-0) runs {theirs}, this group {ours}; the groups of a run {rule}"
     mine = status(1, "aaa", state="joining", schedule=ours)
     assert rival_model(mine, [status(0, "aaa", schedule="")], lambda peer: True) is None
 

@@ -204,10 +204,10 @@ def test_each_fragments_start_survives_a_checkpoint() -> None:
     starts goes into the checkpoint; one from before fragments had their own starts from the round's start."""
     net = Layered()
     outer = outer_loop(net, Recording(), 4, outer_lr=1.0, outer_momentum=0.0, fragments=runs_of(net, 2))
-    outer.round_start, outer.fragment_start = 6, [6, 4]
+    outer.ledger.round_start, outer.ledger.fragment_start = 6, [6, 4]
     saved = outer.state_dict()
     resumed = outer_loop(Layered(), Recording(), 4, outer_lr=1.0, outer_momentum=0.0, fragments=runs_of(net, 2))
     resumed.load_state_dict(saved)
-    assert (resumed.round_start, resumed.fragment_start) == (6, [6, 4])
+    assert (resumed.ledger.round_start, resumed.ledger.fragment_start) == (6, [6, 4])
     resumed.load_state_dict({k: v for k, v in saved.items() if k != "fragment_start"})
-    assert resumed.fragment_start == [6, 6]
+    assert resumed.ledger.fragment_start == [6, 6]

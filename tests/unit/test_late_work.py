@@ -158,7 +158,7 @@ def test_a_group_that_averaged_alone_and_then_loads_another_state_counts_that_ro
     assert outers[0].tainted and outers[1].tainted and not torch.equal(outers[0].outer, outers[1].outer)
     loader = next(g for g in (0, 1) if outers[g]._plan())  # the catch-up picks one state of the two
     assert outers[loader]._load_from(outers[loader]._plan()) is not None
-    assert outers[loader].discarded_steps == 2 and outers[1 - loader].discarded_steps == 0
+    assert outers[loader].ledger.discarded_steps == 2 and outers[1 - loader].ledger.discarded_steps == 0
 
 
 @pytest.mark.parametrize(("tokens", "weight"), [(0, 1.0), (100, 1.0), (200, 1.0), (500, 2.5)])

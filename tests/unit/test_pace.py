@@ -15,12 +15,15 @@ import pytest
 import torch
 
 from diloco.config import HvConfig
+from diloco.errors import FieldError
+from diloco.outer.agreement import schedule
 from diloco.outer.diloco import DiLoCo
 from diloco.outer.links import solo_group
 from diloco.outer.memory import MemorySwarm
 from diloco.outer.pace import FixedSteps, TokenBudget
 from diloco.swarm.records import budget
 from diloco.swarm.records.budget import HORIZON_S, RoundTokens
+from diloco.swarm.records.fingerprint import ModelId
 from diloco.swarm.records.progress import Progress
 from tests.support.outer import Layered, flat, runs_of
 from tests.support.parse import usage_error
@@ -335,4 +338,50 @@ def test_fragments_under_a_token_budget_keep_one_outer_state_and_weigh_each_frag
     assert all(0.75 * 400 <= t <= 2 * 400 for t in passes), passes  # two rounds of tokens, not one (200)
     assert steps[0] > 2 * steps[1], steps
     assert torch.equal(flat(nets[0]), flat(nets[1])) and torch.equal(flat(nets[0]), outers[0].outer)
+    assert outers[0].position(steps[0]) == outers[1].position(steps[1]) == 60
+
+
+def test_groups_of_another_batch_take_the_first_groups_budget_and_end_together() -> None:
+    """--hv.pace tokens: N follows H of the group that sets it. Group 1 trains 4 times as many tokens per inner step
+    (another batch), so its own N would be 4 times group 0's; joining after group 0 it takes group 0's N and run
+    length in rounds (announced in its status record's schedule), says so in its own, and the two end bit-identical
+    at the same outer step, each round weighted by the groups' tokens. A group whose N was given and differs
+    leaves, naming --hv.target-tokens."""
+    torch.manual_seed(0)
+    hub, delays = MemorySwarm(2), {0: 0.002, 1: 0.008}
+    per_step = {0: 10, 1: 40}
+    nets = {g: torch.nn.Linear(4, 4) for g in (0, 1)}
+    nets[1].load_state_dict(nets[0].state_dict())
+
+    def build(g: int, follows_h: bool = True, target: int | None = None) -> DiLoCo:
+        pace = TokenBudget(hub.member(f"g{g}"), solo_group(), world_rank=g, galaxy_size=2, max_steps=60,
+                           target_tokens=target or 20 * 2 * per_step[g], tokens_per_step=per_step[g],
+                           follows_h=follows_h)  # fmt: skip
+        return DiLoCo([p.data for p in nets[g].parameters()], hub.member(f"g{g}"), solo_group(), world_rank=g,
+                      local_steps=1, outer_lr=0.7, outer_momentum=0.9, tokens_per_step=per_step[g], pace=pace,
+                      schedule=schedule(60, 20, pace.budget()), claim_settle_s=0.0,
+                      model=ModelId("fp", 20))  # fmt: skip
+
+    outers = {0: build(0)}
+    outers[0].claim_world_rank()
+    hub.providers["g0"] = outers[0]._current_state  # live (it serves its state once it joined)
+    assert hub.statuses[0].schedule == "3 rounds of 400 tokens"
+    with pytest.raises(FieldError, match="target_tokens"):
+        build(1, follows_h=False, target=1600).claim_world_rank()  # N given, and another
+    outers[1] = build(1)
+    assert outers[1].budget() == (1600, 3)
+    outers[1].claim_world_rank()
+    assert outers[1].budget() == (400, 3) and hub.statuses[1].schedule == "3 rounds of 400 tokens"
+
+    @torch.no_grad()
+    def inner_step(g: int, step: int) -> None:
+        for p in nets[g].parameters():
+            p.add_(torch.randn_like(p), alpha=1e-3)
+
+    steps, rows = drive(outers, delays, inner_step)
+    assert [[r["outer_step"] for r in rows[g]] for g in (0, 1)] == [[1, 2, 3]] * 2, rows
+    for a, b in zip(rows[0], rows[1], strict=True):
+        assert a["num_peers"] == b["num_peers"] == 2 and a["outer_digest"] == b["outer_digest"]
+        assert a["weight"] == a["tokens"] and b["weight"] == b["tokens"]
+    assert all(torch.equal(p, q) for p, q in zip(nets[0].parameters(), nets[1].parameters()))
     assert outers[0].position(steps[0]) == outers[1].position(steps[1]) == 60
