@@ -153,8 +153,11 @@ class SwarmPeer:
             boundary = round_index * self.round_steps
             if self.final_step is not None and boundary >= self.final_step:  # the last round: any live group
                 boundary, bound = self.final_step, self.wait_cap
+                # whose peer answers (a record alone, which anyone may write, must not hold the last round long)
+                records = [r for r in records if r.peer != self.peer_id and r.peer and self.alive(r.peer)]
         wait = plan_wait(records, me=self.peer_id, boundary=boundary, now=time.time(), bound=bound,
-                         cap=self.wait_cap, unknown=unknown)  # fmt: skip
+                         cap=self.wait_cap, unknown=unknown,
+                         galaxy_size=self.matchmaker.target_group_size)  # fmt: skip
         self._longest_wait = max(self._longest_wait, wait)
         if wait > self.matchmaker.matchmaking_time:
             log.info("round %d: waiting up to %.0f s for the worker groups on their way", round_index, wait)

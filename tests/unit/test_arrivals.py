@@ -6,6 +6,7 @@ import pytest
 
 from diloco.swarm.records.arrivals import (
     FLOOR_S,
+    SKEW_S,
     SLACK_S,
     STALE_S,
     arrival,
@@ -75,3 +76,12 @@ def test_unknown_pace_waits_up_to_the_bound_and_a_token_budget_expects_everyone_
     assert unknown_pace == pytest.approx(10 + SLACK_S)  # the last round's long bound is for groups of known pace
     # under a token budget every group's round is due at one moment: a live group is expected now
     assert wait([coming(1, 0, 1.0)], boundary=None) == FLOOR_S
+
+
+def test_records_a_stranger_may_write_are_not_waited_for() -> None:
+    """A record dated ahead of this clock (it would never go stale) or of a world rank outside the galaxy."""
+    ahead = coming(1, 90, 1.0, heard_ago=-(SKEW_S + 5))
+    assert wait([ahead]) == FLOOR_S
+    outside = coming(7, 90, 1.0)
+    assert plan_wait([outside], me="g0", boundary=100, now=NOW, bound=60, cap=600, galaxy_size=4) == FLOOR_S
+    assert plan_wait([outside], me="g0", boundary=100, now=NOW, bound=60, cap=600) > FLOOR_S  # (no galaxy given)

@@ -24,6 +24,7 @@ SLACK = 0.1  # the wait goes this share past the latest expected arrival (rates 
 SLACK_S = 2.0  # ... this many seconds
 STALE_S = 3 * HEARTBEAT_S  # a record older than this (and two inner steps) is a group not to wait for: dead, or
 # blocked in a round of its own
+SKEW_S = 30.0  # a record written further ahead of this clock is not a group's (a forged time never goes stale)
 AUTO_CAP_S = 3600.0  # --hv.matchmaking-time auto: the bound limits the wait, this only guards against a bad clock
 
 
@@ -77,6 +78,7 @@ def plan_wait(
     cap: float,
     floor: float = FLOOR_S,
     unknown: float | None = None,
+    galaxy_size: int | None = None,
 ) -> float:
     """Seconds the round at inner step `boundary` waits for the other groups (between `floor` and `cap`).
 
@@ -86,11 +88,17 @@ def plan_wait(
         token budget): then each live group is expected now.
     :param bound: the longest arrival waited for: one round's worth of this group's own time.
     :param unknown: how long a live group whose record gives no pace yet is waited for (default: `bound`).
+    :param galaxy_size: world ranks at or above it are no group of the run (None: any).
+
+    A stranger in an open swarm can write status records too: one written ahead of this clock by more than
+    ``SKEW_S``, or of a world rank outside the galaxy, is not waited for; any other costs at most the bound.
     """
     floor = min(floor, cap)
     latest = None  # the latest arrival waited for
     for record in records:
         if record.peer == me or record.state in LEFT or now - record.heard_at > stale_after(record):
+            continue
+        if record.heard_at > now + SKEW_S or (galaxy_size is not None and record.world_rank >= galaxy_size):
             continue
         eta = 0.0 if boundary is None else arrival(record, boundary, now)
         if eta is None:  # coming, at an unknown pace (its first metrics row is not out)
