@@ -195,9 +195,8 @@ class DiLoCo:
                 if self._adopt_budget(joining):  # (only a later group adopts: its record only gets later)
                     joining = self._publish_status("joining")
                 other_model = rival_model(joining, self.swarm.status_records(), self.claims.answers)
-        verdict, other_model, budget = self.group.broadcast((verdict, other_model, self.pace.budget()))
-        if budget != self.pace.budget():  # rank 0 adopted the swarm's token budget: every rank paces by it
-            self.pace.adopt(budget)
+        verdict, other_model = self.group.broadcast((verdict, other_model))
+        self._share_budget()
         if other_model is not None:
             b = self.beacon
             error = mismatch_error(other_model, self.model, b.transport, b.outer, b.schedule, b.batch)
@@ -214,6 +213,12 @@ class DiLoCo:
         if self.group.is_main:
             model = f" (model: {self.model})" if self.model else ""
             log.info("worker group %d joined the swarm as peer %s%s", self.world_rank, self.peers[0], model)
+
+    def _share_budget(self) -> None:
+        """Collective: every rank paces by the token budget rank 0 holds (it may have taken the swarm's)."""
+        budget = self.group.broadcast(self.pace.budget())
+        if budget != self.pace.budget():
+            self.pace.adopt(budget)
 
     def _adopt_budget(self, mine: Status | None) -> bool:
         """Rank 0, under a token budget: take the swarm's N and length in rounds (``agreement.budget_to_adopt``).
@@ -234,6 +239,9 @@ class DiLoCo:
         self.step, rows = step, []
         if not self.beacon.sent:  # `claim_world_rank` sent it: its time must stay the claim's (see
             self._publish_status("joining")  # `rival_model`: the older joining record of two stays)
+        if self.group.is_main:  # records of a group that claimed at the same moment are out by now
+            self._adopt_budget(self._status("joining"))
+        self._share_budget()
         if load_from_peers:
             loaded = self._load_on_join()
             if loaded is not None:

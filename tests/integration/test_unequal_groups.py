@@ -4,6 +4,7 @@ waits for a group on its way, a group that arrives late still brings its inner s
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -20,10 +21,9 @@ from tests.support.swarm import kill_group
 
 MODEL = ROOT / "tests" / "models" / "llama-1m-fresh"
 # about 0.2 s per inner step on a free core: compute, not matchmaking, sets a round's length
-FLAGS = ["--path-model", str(MODEL), "--seq-length", "128", "--per-device-train-batch-size", "8",
-         "--total-batch-size", "8", "--fake-data", "--no-torch-compile", "--precision", "32-true", "--lr", "3e-3",
-         "--hv.local-steps", "12", "--hv.galaxy-size", "2",
-         "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0"]  # fmt: skip
+BASE = ["--path-model", str(MODEL), "--seq-length", "128", "--fake-data", "--no-torch-compile", "--precision",
+        "32-true", "--lr", "3e-3", "--hv.galaxy-size", "2", "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0"]  # fmt: skip
+FLAGS = [*BASE, "--per-device-train-batch-size", "8", "--total-batch-size", "8", "--hv.local-steps", "12"]
 
 
 def train_unequal(tmp_path: Path, peers: list[str], slow_cores: float, steps: int) -> list[Path]:
@@ -86,3 +86,38 @@ def test_a_group_too_slow_to_wait_for_still_lands_its_inner_steps(tmp_path: Path
     assert any(r.get("num_peers") == 1 for r in fast), fast  # it did not wait for a group that far behind
     carried = [r for r in slow if r.get("carried_steps")]
     assert carried and all(r["num_peers"] == 2 and r["weight"] >= 1.0 for r in carried), slow
+
+
+def test_groups_of_another_batch_and_length_share_one_token_budget(tmp_path: Path, dht_peer: list[str]) -> None:
+    """--hv.pace tokens: group 0 trains 8 sequences per inner step for 32 steps, group 1 4 sequences for 48 steps,
+    started together. N follows H of the group that set it first, with the run's length in rounds: the other takes
+    both, so the two take the same rounds, each weighted by its tokens, and end at one outer step with one model."""
+    shapes = {0: ("8", "32"), 1: ("4", "48")}
+    procs, run_dirs = [], [tmp_path / f"w{rank}" for rank in (0, 1)]
+    with ExitStack() as stack:
+        for rank, run_dir in enumerate(run_dirs):
+            batch, steps = shapes[rank]
+            args = [*BASE, "--per-device-train-batch-size", batch, "--total-batch-size", batch, "--max-steps", steps,
+                    "--hv.pace", "tokens", "--hv.local-steps", "8", "--hv.world-rank", str(rank),
+                    "--hv.initial-peers", *dht_peer, "--run-dir", str(run_dir)]  # fmt: skip
+            log = stack.enter_context((tmp_path / f"w{rank}.log").open("w"))
+            proc = subprocess.Popen([sys.executable, "-m", "diloco.train", *args], cwd=ROOT, env=child_env(),
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            stack.callback(kill_group, proc)
+            procs.append(proc)
+        for rank, proc in enumerate(procs):
+            assert proc.wait(timeout=600) == 0, (tmp_path / f"w{rank}.log").read_text()[-3000:]
+    logs = [(tmp_path / f"w{rank}.log").read_text() for rank in (0, 1)]
+    taken = [re.search(r"taking the swarm's token budget: (\d+) tokens per round, (\d+) rounds", t) for t in logs]
+    assert sum(found is not None for found in taken) == 1, logs  # exactly one group took the other's
+    setter = next(rank for rank in (0, 1) if taken[rank] is None)
+    batch, steps = (int(value) for value in shapes[setter])
+    # N = H x galaxy size x the setter's tokens per inner step, for the setter's --max-steps / H rounds
+    assert [int(x) for x in taken[1 - setter].groups()] == [8 * 2 * batch * 128, steps // 8]
+    finals = assert_one_model_and_nothing_lost(run_dirs)
+    assert finals[0]["outer_steps"] == finals[1]["outer_steps"] == steps // 8
+    rows = [outer_rows(d) for d in run_dirs]
+    shared = [(a, b) for a in rows[0] for b in rows[1] if a.get("round") and a.get("round") == b.get("round")]
+    assert shared, rows
+    for a, b in shared:  # one round, one outer state, each group weighted by its own tokens
+        assert a["outer_digest"] == b["outer_digest"] and a["weight"] == a["tokens"] and b["weight"] == b["tokens"]
