@@ -8,12 +8,16 @@ trains (``DiLoCo.progress``), and when it leaves. Sending never waits for the ne
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from diloco.outer.links import Swarm
 from diloco.swarm.records.fingerprint import ModelId
 from diloco.swarm.records.status import DIGEST_CHARS, HEARTBEAT_S, Status
+
+RATE_ROWS = 5  # metrics rows whose median throughput a record carries
 
 
 @dataclass
@@ -39,10 +43,17 @@ class Beacon:
     model: ModelId | None
     peer: str
     batch: str = ""
-    tokens_per_s: float | None = None  # of the group, from the training loop's last metrics row
+    tokens_per_s: float | None = None  # of the group: the median of the training loop's last metrics rows
+    rates: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_ROWS))
     last_round: tuple[int, float] | None = None  # (num_peers, wall-clock end) of the last round
     discarded_steps: int = 0  # inner steps this group threw away so far (``DiLoCo._discard``)
     sent_at: float = -math.inf  # monotonic time of the last record
+
+    def measured(self, tokens_per_s: float) -> None:
+        """A metrics row's throughput. The record carries the median of the last ``RATE_ROWS``: the row after a
+        round, an evaluation or a checkpoint counts their time too, and the others' arrival estimates use it."""
+        self.rates.append(tokens_per_s)
+        self.tokens_per_s = statistics.median(self.rates)
 
     @property
     def sent(self) -> bool:

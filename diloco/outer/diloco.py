@@ -561,7 +561,8 @@ class DiLoCo:
 
     def progress(self, row: dict[str, Any]) -> None:
         """After each metrics row of the training loop: keep its throughput, and send a heartbeat (``Beacon``)."""
-        self.beacon.tokens_per_s = row.get("tokens_per_s", self.beacon.tokens_per_s)
+        if isinstance(row.get("tokens_per_s"), (int, float)):
+            self.beacon.measured(row["tokens_per_s"])
         if self.beacon.heartbeat_due():
             self._publish_status("training", step=row.get("step", self.step))
 

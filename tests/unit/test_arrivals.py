@@ -85,3 +85,17 @@ def test_records_a_stranger_may_write_are_not_waited_for() -> None:
     outside = coming(7, 90, 1.0)
     assert plan_wait([outside], me="g0", boundary=100, now=NOW, bound=60, cap=600, galaxy_size=4) == FLOOR_S
     assert plan_wait([outside], me="g0", boundary=100, now=NOW, bound=60, cap=600) > FLOOR_S  # (no galaxy given)
+
+
+def test_a_groups_record_carries_the_median_of_its_last_rows_throughput() -> None:
+    """The row after a round (or an evaluation) counts its time too: one slow row must not make the others expect
+    the group far later than it comes."""
+    from diloco.outer.beacon import RATE_ROWS, Beacon
+
+    beacon = Beacon(None, True, 0, 1, "FULL_SHARD", "tcp", "", "", None, None, "g0")  # type: ignore[arg-type]
+    for rate in (1000.0, 1010.0, 990.0, 20.0):  # the last row held a round
+        beacon.measured(rate)
+    assert beacon.tokens_per_s == 995.0
+    for _ in range(RATE_ROWS):
+        beacon.measured(20.0)  # slower for good: it follows within a few rows
+    assert beacon.tokens_per_s == 20.0
