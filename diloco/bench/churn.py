@@ -87,7 +87,7 @@ class Swarm:
             "--no-torch-compile", "--metric-logger-type", "dummy",
             "--hv.galaxy-size", str(len(s.ranks)), "--hv.world-rank", str(slot.group),
             "--hv.local-steps", str(s.local_steps), "--hv.run-id", f"churn-{self.phase}",
-            "--hv.matchmaking-time", f"{s.matchmaking_s:g}", "--hv.averaging-timeout", f"{s.averaging_timeout_s:g}",
+            *s.timing_flags(),
             "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--hv.initial-peers", *self.peers,
             "--ckpt.interval", str(s.local_steps), "--ckpt.path", str(slot.checkpoints),
             *(["--ckpt.resume", "latest"] if resume else []), "--run-dir", str(run_dir),

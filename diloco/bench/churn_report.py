@@ -219,7 +219,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"to {', '.join(f'{c:g}' for c in s['cores'])} of a core (everything it runs); byte llama (1.1M "
         "parameters) on tinyshakespeare, "
         f"{s['seq_length']}×{s['batch']} tokens per inner step, H = {s['local_steps']}, matchmaking "
-        f"{s['matchmaking_s']:g} s, averaging timeout {s['averaging_timeout_s']:g} s, a checkpoint every round",
+        f"{_seconds(s.get('matchmaking_s'))}, averaging timeout {_seconds(s.get('averaging_timeout_s'))}, a "
+        "checkpoint every round",
         f"- baseline: {s['baseline_rounds']} rounds, no churn ({result['baseline_round_s']:.1f} s a round); soak: "
         f"{result['soak_rounds']} rounds, {result['soak_s'] / 60:.1f} min; groups 0–{s['long_lived'] - 1} "
         f"live throughout, the others churned every {s['gap_s'][0]:g}–{s['gap_s'][1]:g} s (seeded)",
@@ -296,3 +297,8 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _seconds(value: float | None) -> str:
+    """A timing flag of the soak: seconds, or auto (the default: the flag was not passed)."""
+    return "auto (the default)" if value is None else f"{value:g} s"

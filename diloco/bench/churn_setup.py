@@ -30,8 +30,8 @@ class ChurnSetup:
     min_events: int
     gap_s: tuple[float, float]  # seconds between two events, uniform
     tail_s: float  # the swarm trains about this long after the last event
-    matchmaking_s: float
-    averaging_timeout_s: float
+    matchmaking_s: float | None  # --hv.matchmaking-time; None: the default (auto)
+    averaging_timeout_s: float | None  # --hv.averaging-timeout; None: the default (auto)
     cores: tuple[float, ...]  # each group's share of the machine (a 2-rank group: more, to keep pace)
     start_timeout_s: float  # a start-up longer than this is a hang
     rss_reference_s: float  # the RSS a long-lived group's end is compared with: its sample nearest this time
@@ -42,8 +42,22 @@ class ChurnSetup:
 
     @property
     def hang_s(self) -> float:
-        """No metrics row for this long from a trainer that has joined: a hang (two rounds' worst case)."""
-        return 2 * (self.matchmaking_s + self.averaging_timeout_s)
+        """No metrics row for this long from a trainer that has joined: a hang (two rounds' worst case; under auto a
+        round waits at most one of its own rounds + 5 s and its deadline starts at 60 s plus the model's bytes)."""
+        matchmaking = AUTO_WAIT_S if self.matchmaking_s is None else self.matchmaking_s
+        timeout = AUTO_DEADLINE_S if self.averaging_timeout_s is None else self.averaging_timeout_s
+        return 2 * (matchmaking + timeout)
+
+    def timing_flags(self) -> list[str]:
+        """The flags of what is not left to the defaults."""
+        flags = [] if self.matchmaking_s is None else ["--hv.matchmaking-time", f"{self.matchmaking_s:g}"]
+        return flags + ([] if self.averaging_timeout_s is None else
+                        ["--hv.averaging-timeout", f"{self.averaging_timeout_s:g}"])  # fmt: skip
+
+
+# a round's worst case under the defaults, for the hang threshold: the longest wait for groups on their way (one
+# round of a slow group here, and 5 s) and a first deadline (60 s, and the small model's bytes at 1 MiB/s)
+AUTO_WAIT_S, AUTO_DEADLINE_S = 60.0, 120.0
 
 
 def churn_setup(quick: bool) -> ChurnSetup:
@@ -53,8 +67,8 @@ def churn_setup(quick: bool) -> ChurnSetup:
                           averaging_timeout_s=15.0, cores=(0.5, 0.5, 0.5), start_timeout_s=150.0,
                           rss_reference_s=30.0)  # fmt: skip
     return ChurnSetup(ranks=(1, 1, 1, 2), long_lived=2, seq_length=64, batch=4, local_steps=20, baseline_rounds=10,
-                      soak_s=1800.0, min_events=90, gap_s=(10.0, 30.0), tail_s=150.0, matchmaking_s=5.0,
-                      averaging_timeout_s=20.0, cores=(0.35, 0.35, 0.35, 0.5), start_timeout_s=240.0,
+                      soak_s=1800.0, min_events=90, gap_s=(10.0, 30.0), tail_s=150.0, matchmaking_s=None,
+                      averaging_timeout_s=None, cores=(0.35, 0.35, 0.35, 0.5), start_timeout_s=240.0,
                       rss_reference_s=300.0)  # fmt: skip
 
 
