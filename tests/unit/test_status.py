@@ -182,11 +182,12 @@ def test_heartbeats_carry_the_throughput_at_most_every_few_seconds_and_never_the
     assert swarm.sent == sent
     outer.beacon.sent_at -= status.HEARTBEAT_S  # as if the last record were that old
     outer.progress({"step": 2, "tokens_per_s": 120.5, "loss": 3.0})
-    assert swarm.sent == sent + 1 and (hub.statuses[0].step, hub.statuses[0].tokens_per_s) == (2, 120.5)
+    # the median of the rows so far (99, 120.5): one slow row, after a round, does not make the group look slow
+    assert swarm.sent == sent + 1 and (hub.statuses[0].step, hub.statuses[0].tokens_per_s) == (2, 109.75)
     outer.progress({"step": 3, "tokens_per_s": 130.0})
     assert swarm.sent == sent + 1  # throttled
     outer.after_inner_step(5)  # a round publishes at once, with the last throughput
-    assert swarm.sent == sent + 2 and hub.statuses[0].tokens_per_s == 130.0
+    assert swarm.sent == sent + 2 and hub.statuses[0].tokens_per_s == 120.5
 
 
 def test_a_group_says_how_it_left() -> None:
