@@ -20,6 +20,8 @@ from diloco.errors import FieldError
 from diloco.swarm.records.fingerprint import ModelId
 from diloco.swarm.records.status import LEFT, Status
 
+BUDGET_RATIO = 16  # a budget taken from another group is within this factor of the group's own, in N and in rounds
+
 
 def schedule(final_step: int | None, local_steps: int, budget: tuple[int, int] | None, fragments: int = 1,
              overlap_steps: int = 0) -> str:
@@ -118,6 +120,8 @@ def _schedule_error(other: Status, schedule: str, batch: str = "") -> FieldError
             "(and --hv.target-tokens, if any)"
         )
     fields = ("/max_steps", "local_steps", "target_tokens", "fragments", "overlap_steps")
+    if "target_tokens" in ours:  # a budget's length in rounds follows its N: the N is the flag that differs
+        fields = ("target_tokens", "/max_steps", "fragments", "overlap_steps")
     field = next((f for f in fields if theirs.get(f) != ours.get(f)), "local_steps")
     return FieldError(
         f"{{{field}}}: worker group {other.world_rank} (peer {other.peer}) runs {other.schedule}, this group "
@@ -152,7 +156,7 @@ def announced_budget(mine: Status, records: Iterable[Status], alive: Callable[[s
         budget = budget_of(record.schedule)
         if record.world_rank == mine.world_rank or record.state in LEFT or not alike or budget is None:
             continue
-        if not record.peer or alive(record.peer):
+        if record.peer and alive(record.peer):  # (a record alone, which anyone may write, sets no budget)
             candidates.append(((record.state == "joining", record.heard_at, record.world_rank), budget))
     me = (mine.state == "joining", mine.heard_at, mine.world_rank)
     first = min(candidates, default=None)
@@ -168,6 +172,8 @@ def budget_to_adopt(ours: tuple[int, int], follows_h: bool, mine: Status, record
     theirs = announced_budget(mine, records, alive)
     if theirs is None or theirs == ours or not (follows_h or theirs[0] == ours[0]):
         return None
+    if not all(1 / BUDGET_RATIO <= t / o <= BUDGET_RATIO for t, o in zip(theirs, ours)):
+        return None  # not one run's budget: this group keeps its own, and leaves (or warns) over the difference
     return theirs
 
 

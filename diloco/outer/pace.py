@@ -1,15 +1,15 @@
 """When a worker group takes its outer step, and where its LR schedule stands: the pace of the swarm.
 
-- `FixedSteps` (``--hv.local-steps H``, OpenDiLoCo's mode): every group takes H inner steps per round, so fast
-  groups wait for the slowest at every outer step. The LR schedule follows the group's own inner steps.
-- `TokenBudget` (``--hv.target-tokens N``): the swarm takes an outer step once its groups together trained N
-  tokens since the last one; each keeps training until then, so nobody waits for the slowest, and each group's
-  pseudo-gradient is weighted by its tokens. A group's own step count no longer says where the run is, so the LR
-  schedule and the end of the run follow the swarm's progress: the run is `max_steps` inner steps of an average
-  group (the swarm trains galaxy size × max_steps × tokens per inner step), an outer step is worth
-  H' = N ÷ (galaxy size × tokens per inner step) of them, and the run ends after ⌈max_steps ÷ H'⌉ outer steps,
-  the same in every group. Groups of a swarm need the same --max-steps, --total-batch-size and --seq-length
-  (they already needed the same schedule).
+- `FixedSteps` (``--hv.pace fixed``, OpenDiLoCo's mode): every group takes H inner steps per round; a fast group
+  waits for the groups on their way (``diloco.swarm.records.arrivals``). The LR schedule follows its own steps.
+- `TokenBudget` (``--hv.pace tokens``, or ``--hv.target-tokens N``): the swarm takes an outer step once its groups
+  together trained N tokens since the last one; each keeps training until then, so nobody waits for the slowest,
+  and each group's pseudo-gradient is weighted by its tokens. Under ``--hv.pace tokens`` N = H × galaxy size ×
+  the tokens of an inner step of the group that sets it. The run lasts R rounds: the setter's ⌈max_steps ÷ H'⌉,
+  H' = N ÷ (galaxy size × its tokens per inner step). N and R are announced in the setter's status record and
+  every group that joins takes them (``adopt``; ``diloco.outer.agreement.budget_to_adopt``), whatever its batch
+  and --max-steps. A group's own step count no longer says where the run is, so its LR schedule and its end follow
+  the swarm's progress: its own `max_steps` inner steps spread over the R rounds.
 
 With ``--hv.fragments F`` a round averages one fragment, so both paces count fragment rounds: H/F inner steps, or
 N/F tokens of the swarm, each. The outer loop passes the round a group trains for as `outer_step`: its applied

@@ -114,7 +114,7 @@ def start_peer(
     return SwarmPeer(
         records, matchmaker, progress_key(run), REQUEST_TIMEOUT_S, status_key=status_key(run_id),
         tokens_key=tokens_key(run_id), rounds=rounds, owner=owner, members_key=f"{prefix}-members",
-        round_steps=None if hv.target_tokens is not None else hv.local_steps // hv.fragments,
+        round_steps=None if hv.token_paced() else hv.local_steps // hv.fragments,
         wait_cap=wait_cap(hv.matchmaking_time), final_step=final_step,
     )  # fmt: skip
 

@@ -14,6 +14,7 @@ import torch
 from diloco.errors import FieldError
 from diloco.outer.agreement import (
     budget_of,
+    budget_to_adopt,
     mismatch_error,
     rival_model,
     schedule,
@@ -237,3 +238,23 @@ def test_the_claims_joining_record_is_not_republished_at_join() -> None:
     first.claim_world_rank()
     first.join(0)
     assert [r.state for r in published] == ["joining", "training"]
+
+
+def test_a_joining_group_takes_the_budget_of_the_first_live_group_within_bounds() -> None:
+    """Under --hv.pace tokens a group takes the N and rounds of the group that set them first, if its peer answers
+    and the budget is within 16x of its own; a record without a peer, or a dead one, sets nothing (anyone may write
+    one), nor does a budget far off this group's (not one run's: it leaves or warns over it instead)."""
+    ours = (1600, 3)
+    mine = status(1, "aaa", state="joining", heard_at=200.0, schedule=schedule(60, 20, ours))
+    live = lambda peer: peer != "peer-9"  # noqa: E731
+    first = status(0, "aaa", schedule=schedule(60, 20, (400, 6)))
+    assert budget_to_adopt(ours, True, mine, [first], live) == (400, 6)
+    assert budget_to_adopt(ours, False, mine, [first], live) is None  # its N was given, and differs
+    assert budget_to_adopt((400, 3), False, mine, [first], live) == (400, 6)  # the same N: the swarm's length
+    later = status(2, "aaa", state="joining", heard_at=300.0, schedule=schedule(60, 20, (800, 6)))
+    assert budget_to_adopt(ours, True, mine, [later], live) is None  # this group came first
+    assert budget_to_adopt(ours, True, mine, [status(0, "aaa", peer="", schedule=first.schedule)], live) is None
+    assert budget_to_adopt(ours, True, mine, [status(9, "aaa", schedule=first.schedule)], live) is None  # dead
+    far = status(0, "aaa", schedule=schedule(60, 20, (1600, 1000)))
+    assert budget_to_adopt(ours, True, mine, [far], live) is None  # 1000 rounds against 3: not one run's
+    assert budget_to_adopt(ours, True, mine, [status(0, "bbb", schedule=first.schedule)], live) is None  # a model
