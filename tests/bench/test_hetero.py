@@ -1,5 +1,6 @@
-"""`diloco bench hetero`: three throttled worker groups alone and in two swarm arms; every figure in the JSON, the
-report, the plot, and no cgroup or process left, also when a phase fails. Needs root (cgroup v1 `cpu`)."""
+"""`diloco bench hetero`: three throttled worker groups alone and in swarm arms on an unequal and an equal trio; every
+figure in the JSON (discarded steps, full rounds, where the CPU went), the report, the plot, and no cgroup or
+process left, also when a phase fails. Needs root (cgroup v1 `cpu`)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from typing import Any
 import psutil
 import pytest
 
-from diloco.bench import BenchError, hetero, throttle
+from diloco.bench import BenchError, hetero, hetero_report, throttle
 from diloco.bench.hetero import Launch
+from diloco.bench.hetero_report import Counters
 from diloco.bench.models import write_model
 from tests.support.paths import DILOCO
 from tests.support.procs import assert_ok, run_cmd
@@ -36,9 +38,50 @@ def marked(mark: str) -> list[psutil.Process]:
 
 
 def cgroup_folders(data: dict[str, Any]) -> list[Path]:
-    """Every cgroup the bench made (cpu and the cpuacct twin)."""
-    folders = [Path(c["cgroup"]) for phase in data["cgroups"].values() for c in phase]
+    """Every cgroup the bench made (quotas, helpers, the bootstrap DHT's; cpu and the cpuacct twin)."""
+    folders = [Path(c[key]) for phase in data["cgroups"].values() for c in phase for key in ("cgroup", "helpers_cgroup")
+               if key in c]  # fmt: skip
     return folders + [throttle.ACCT_ROOT / f.name for f in folders]
+
+
+def check_quick_arm(arm: dict[str, Any], data: dict[str, Any]) -> None:
+    """Every figure of one swarm arm of the quick run exists and is sane."""
+    setup, cores = data["setup"], arm["cores"]
+    assert cores == data["trios"][arm["trio"]] and arm["name"] in hetero.ARMS
+    assert arm["wall_s"] > 0 and arm["swarm_tokens_per_s"] > 0 and arm["ratio_to_solo_sum"] > 0, arm
+    assert 0 < arm["final_eval_loss"] < math.log(260) and isinstance(arm["same_model"], bool)
+    assert arm["swarm_tokens"] == sum(g["tokens"] for g in arm["groups"])
+    assert 0 < arm["swarm_rounds"] and 0 <= arm["full_rounds"] <= arm["swarm_rounds"]
+    assert 0 <= arm["full_round_share"] <= 1 and arm["full_round_share"] == arm["full_rounds"] / arm["swarm_rounds"]
+    assert isinstance(arm["discarded_steps"], int) and arm["discarded_steps"] >= 0
+    assert arm["discarded_steps"] == sum(g["discarded_steps"] for g in arm["groups"])
+    window = arm["machine"]["window_s"]
+    for i, g in enumerate(arm["groups"]):
+        assert g["tokens"] == g["inner_steps"] * setup["tokens_per_step"]
+        assert sum(g["steps_per_round"]) == g["inner_steps"] and len(g["num_peers"]) == len(g["steps_per_round"])
+        assert g["tokens_per_s"] > 0 and g["averaging_s"] >= 0 and len(g["evals"]) == 1  # at the end only
+        assert len(g["losses"]) == g["inner_steps"]
+        assert g["step_tokens_per_s"] > g["tokens_per_s"]  # it also sat in rounds
+        for key in ("discarded_steps", "discarded_tokens", "carried_steps"):
+            assert isinstance(g[key], int) and g[key] >= 0, (key, g[key])
+        assert g["discarded_tokens"] == g["discarded_steps"] * setup["tokens_per_step"]
+        assert g["rounds"] > 0 and 0 <= g["full_round_share"] <= 1
+        t = g["time"]
+        assert t["window_s"] == window and t["steps_s"] > 0 and t["rounds_s"] >= 0 and t["after_s"] >= 0
+        assert t["steps_s"] + t["rounds_s"] + t["eval_s"] + t["after_s"] <= window + 0.5
+        # the quota held the training process over the window; its DHT, p2pd and averager ran beside it, counted
+        assert 0 < t["train_cpu_s"] <= cores[i] * window * 1.1 + 0.2, (t, cores[i])
+        assert t["helpers_cpu_s"] > 0 and 0 < t["main_share"] <= 1.1
+        assert 0 <= t["throttled_share_in_steps"] <= 1 + 1e-9 and t["throttled_s_in_steps"] >= 0
+        # speed ÷ solo = cores ÷ solo's over CPU per step ÷ solo's (the same steps' spans)
+        assert t["step_speed_vs_solo"] == pytest.approx(t["cores_vs_solo"] / t["cpu_per_step_vs_solo"], rel=1e-6)
+    m = arm["machine"]
+    assert m["cores"] == data["machine"]["usable_cores"] and m["quota_cores"] == pytest.approx(sum(cores))
+    assert m["spare_core_s"] == pytest.approx((m["cores"] - sum(cores)) * window)
+    assert m["helpers_core_s"] == pytest.approx(sum(g["time"]["helpers_cpu_s"] for g in arm["groups"]))
+    assert m["trainers_core_s"] > 0 and m["dht_core_s"] >= 0 and m["bench_core_s"] > 0
+    assert m["trainers_core_s"] + m["helpers_core_s"] <= m["busy_core_s"] * 1.05 + 0.5  # /proc/stat saw them
+    assert 0 <= m["idle_core_s"] <= m["capacity_core_s"]
 
 
 @pytest.mark.slow
@@ -53,47 +96,47 @@ def test_hetero_quick(tmp_path: Path) -> None:
     assert all(s["steps_measured"] >= 1 for s in data["solo"]) and min(solo) > 0
     assert solo[0] > solo[2], solo  # four times the CPU trains faster
     assert data["cgroups"]["solo"][2]["throttled_periods"] > 0  # the kernel held the slowest group back
+    for s, cores in zip(data["solo"], hetero.CORES):
+        assert s["cpu_per_step_s"] > 0 and 0 < s["cores_in_steps"] <= cores * 1.25 + 0.05, s
     assert data["solo_sum_tokens_per_s"] == pytest.approx(sum(solo))
     assert data["fixed_h_expected_ratio"] == pytest.approx(3 * min(solo) / sum(solo))
-    expected = list(hetero.ARMS) if hetero.token_arm_available() else ["fixed-H"]
-    assert [arm["name"] for arm in data["arms"]] == expected
+    assert [(arm["trio"], arm["name"]) for arm in data["arms"]] == hetero.arm_list(quick=True)
     for arm in data["arms"]:
-        assert arm["wall_s"] > 0 and arm["swarm_tokens_per_s"] > 0 and arm["ratio_to_solo_sum"] > 0, arm
-        assert 0 < arm["final_eval_loss"] < math.log(260) and isinstance(arm["same_model"], bool)
-        assert arm["swarm_tokens"] == sum(g["tokens"] for g in arm["groups"])
-        for g in arm["groups"]:
-            assert g["tokens"] == g["inner_steps"] * setup["tokens_per_step"]
-            assert sum(g["steps_per_round"]) == g["inner_steps"] and len(g["num_peers"]) == len(g["steps_per_round"])
-            assert g["tokens_per_s"] > 0 and g["averaging_s"] >= 0 and len(g["evals"]) == 1  # at the end only
-            assert len(g["losses"]) == g["inner_steps"]
-            assert g["step_tokens_per_s"] > g["tokens_per_s"]  # it also sat in rounds
-        assert len({g["outer_steps"] for g in arm["groups"]}) == 1  # every group ends at the same outer step
-    fixed = data["arms"][0]
-    for g in fixed["groups"]:
-        assert g["inner_steps"] == setup["steps"] and g["steps_per_round"] == [setup["local_steps"]] * 2
-    if "target-tokens" in expected:  # under a token budget the faster groups train more steps, weighted by tokens
-        token = data["arms"][1]
-        fast, slow = token["groups"][0], token["groups"][2]
-        assert fast["inner_steps"] > slow["inner_steps"], token
-        # every round that formed had all three groups (under the suite's load one can fail: num_peers 0, nothing
-        # applied, its tokens carried into the group's next round)
-        assert token["same_model"] and all(set(g["num_peers"]) - {0} == {3} for g in token["groups"]), token
-        for g in token["groups"]:
-            applied = sum(w for w, n in zip(g["weights"], g["num_peers"]) if n)
-            assert applied == g["tokens_counted_by_trainer"] == g["tokens"]  # weight = tokens, each round
-        # nobody waits for the others longer than the slowest group's inner step, beyond forming the group (unless a
-        # round failed: the groups then meet again at the next one, and whoever was in time waits for it)
-        slow_step_s = setup["tokens_per_step"] / data["solo"][2]["tokens_per_s"]
-        if all(0 not in g["num_peers"] for g in token["groups"]):
-            assert all(g["wait_s"] / g["outer_steps"] <= slow_step_s + MATCHMAKING_S for g in token["groups"]), token
+        check_quick_arm(arm, data)
+    by_name = {hetero_report.arm_key(arm): arm for arm in data["arms"]}
+    for g in by_name["unequal-fixed"]["groups"]:  # H per round at most (a late group carries its steps on)
+        assert g["inner_steps"] <= setup["steps"] and max(g["steps_per_round"]) <= setup["local_steps"], g
+    token = by_name["unequal-tokens"]
+    # every round that formed had all three groups (under the suite's load one can fail: num_peers 0, nothing
+    # applied, its tokens carried into the group's next round)
+    assert token["same_model"] and all(set(g["num_peers"]) - {0} == {3} for g in token["groups"]), token
+    for g in token["groups"]:  # under a token budget each group is weighted by its tokens
+        applied = sum(w for w, n in zip(g["weights"], g["num_peers"]) if n)
+        assert applied == g["tokens_counted_by_trainer"] == g["tokens"]  # weight = tokens, each round
+        assert g["moment"] == "galaxy"  # --hv.inner-moment auto at 3 groups and H = 4
+    fast, slow = token["groups"][0], token["groups"][2]
+    assert fast["inner_steps"] > slow["inner_steps"], token
+    # nobody waits for the others longer than the slowest group's inner step, beyond forming the group (unless a
+    # round failed: the groups then meet again at the next one, and whoever was in time waits for it)
+    slow_step_s = setup["tokens_per_step"] / data["solo"][2]["tokens_per_s"]
+    if all(0 not in g["num_peers"] for g in token["groups"]):
+        assert all(g["wait_s"] / g["outer_steps"] <= slow_step_s + MATCHMAKING_S for g in token["groups"]), token
     targets = data["targets"]
-    if "target-tokens" in expected:
-        assert targets["ratio"] == data["arms"][1]["ratio_to_solo_sum"] and isinstance(targets["ratio_met"], bool)
-        assert isinstance(targets["eval_gap_met"], bool) and targets["tokens_ratio"] > 0
+    assert set(targets["arms"]) == set(by_name)
+    for name, t in targets["arms"].items():
+        assert t["ratio"] == by_name[name]["ratio_to_solo_sum"] and isinstance(t["ratio_met"], bool)
+        assert isinstance(t["full_rounds_met"], bool) and isinstance(t["discarded_met"], bool)
+    assert targets["eval_gaps"]["unequal"]["fixed"] is not None and targets["tokens_default"] is None  # quick
+    assert targets["eval_gaps"]["unequal"]["fixed"] == pytest.approx(
+        token["final_eval_loss"] / by_name["unequal-fixed"]["final_eval_loss"] - 1
+    )
     assert "## hetero (quick): " in (text := doc.read_text())
     assert "- command: `diloco bench hetero --quick --out " in text and "mixed-shape" in text
-    assert "| arm | group | cores | solo tokens/s | swarm tokens/s |" in text
-    assert f"| fixed-H | 2 | {hetero.CORES[2]:g} | " in text
+    assert "| trio | arm | group | cores | solo tokens/s | swarm tokens/s |" in text
+    assert f"| unequal | fixed | 2 | {hetero.CORES[2]:g} | " in text and "| equal |" not in text
+    assert "- unequal tokens (inner AdamW moment galaxy): inner steps at " in text
+    assert "helpers (DHT, p2pd, averager) used " in text and "Tokens on unequal groups: final eval loss " in text
+    assert "Decision: not measured" in text
     assert data["plot"] == "hetero-quick.png" and (tmp_path / "hetero-quick.png").stat().st_size > 0
     assert not [f for f in cgroup_folders(data) if f.exists()]
     assert not marked(mark), [p.cmdline() for p in marked(mark)]
@@ -102,7 +145,8 @@ def test_hetero_quick(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_failed_phase_leaves_no_cgroup_and_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A swarm trainer (DHT, averager and p2pd running) beside a group that fails once the trainer is ready: one
-    BenchError line, and the cgroups, the trainer with its children, and the DHT are all gone."""
+    BenchError line, and the cgroups (quotas and helpers'), the trainer with its children, and the DHT are all
+    gone."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK, mark)  # the bench's children copy this process's environment
     setup = hetero.hetero_setup(quick=True)
@@ -110,51 +154,82 @@ def test_a_failed_phase_leaves_no_cgroup_and_no_process(tmp_path: Path, monkeypa
     ready = tmp_path / "group-0" / "metrics.jsonl"
     wait_then_fail = f"import os, sys, time\nwhile not os.path.exists({str(ready)!r}): time.sleep(0.1)\nsys.exit(3)"
     with ExitStack() as stack:
-        peers = hetero.start_dht(stack, tmp_path)
+        peers, dht = hetero.start_dht(stack, tmp_path)
         # a short rendezvous: alone, it gives up waiting for its groupmates after 5 s and creates metrics.jsonl
-        flags = [*hetero.arm_flags(setup, "fixed-H", 0, peers), "--hv.averaging-timeout", "5"]
+        flags = [*hetero.arm_flags(setup, "unequal", "fixed", 0, peers), "--hv.averaging-timeout", "5"]
         launches = [
             Launch("test-fail-0", 1.0, hetero.train_command(setup, model, ready.parent, 100, flags), ready.parent),
             Launch("test-fail-1", 0.25, [sys.executable, "-c", wait_then_fail], tmp_path / "group-1"),
         ]
         with pytest.raises(BenchError, match="test-fail-1 exited with code 3") as failed:
-            hetero.run_phase(launches, tmp_path, timeout_s=180)
+            hetero.run_phase(launches, tmp_path, timeout_s=180, dht=dht)
         assert "\n" not in str(failed.value)
+    assert not dht.folder.exists()
     assert not list(throttle.CPU_ROOT.glob(f"diloco-test-fail-*-{psutil.Process().pid}-*"))
     assert not list(throttle.ACCT_ROOT.glob(f"diloco-test-fail-*-{psutil.Process().pid}-*"))
     assert not marked(mark), [p.cmdline() for p in marked(mark)]
 
 
-# ---------------------------------------------------------------- the report, from a synthetic result
+# ---------------------------------------------------------------- figures and report, from synthetic runs
 
 
-def group(steps: int, rounds: list[int], start: float, end: float, sha: str = "ab", loss: float = 3.0) -> dict:
-    """What `group_figures` returns for a group with one step per second from `start`, 100 tokens a step."""
+def group(steps: int, rounds: list[int], start: float, end: float, sha: str = "ab", loss: float = 3.0,
+          peers: int = 3, discarded: int = 0) -> dict:  # fmt: skip
+    """What `group_figures` returns for a group with one step per second from `start`, 100 tokens a step, and a
+    round of 0.5 s after each of `rounds` (with `peers` groups)."""
+    ends = [start + sum(rounds[: k + 1]) for k in range(len(rounds))]
     return {
         "steps": [(start + i, 1.0) for i in range(steps)], "eval_spans": [(start + 1.5, start + 1.75)], "end": end,
-        "inner_steps": steps, "tokens": 100 * steps,
+        "round_spans": [(e - 0.5, e) for e in ends], "inner_steps": steps, "tokens": 100 * steps,
         "tokens_counted_by_trainer": 100 * steps, "outer_steps": len(rounds), "steps_per_round": rounds,
-        "num_peers": [3] * len(rounds), "weights": None, "wait_s": 1.5, "averaging_s": 2.0,
-        "outer_digests": ["d"] * len(rounds), "evals": [(start, 5.5), (end, loss)], "final_eval_loss": loss,
+        "num_peers": [peers] * len(rounds), "outer_step_of_rows": list(range(1, len(rounds) + 1)),
+        "rounds": len(rounds), "weights": None, "wait_s": 1.5, "averaging_s": 2.0, "discarded_steps": discarded,
+        "discarded_tokens": 100 * discarded, "carried_steps": 0, "loads": 0, "outer_digests": ["d"] * len(rounds),
+        "evals": [(start, 5.5), (end, loss)], "final_eval_loss": loss,
         "losses": [(start + i + 1, 5.0 - i / steps) for i in range(steps)],
         "params_sha256": sha, "summary_steps": steps, "trainer_wall_s": end - start,
     }  # fmt: skip
 
 
 def cgroups(engaged_at: float) -> list[dict]:
-    return [{"cgroup": f"/x/{i}", "engaged_at": engaged_at, "cpu_s": 1.0, "periods": 10, "throttled_periods": 5,
-             "throttled_s": 0.5} for i in range(3)]  # fmt: skip
+    return [{"cgroup": f"/x/{i}", "helpers_cgroup": f"/x/{i}-h", "engaged_at": engaged_at, "cpu_s": 1.0,
+             "periods": 10, "throttled_periods": 5, "throttled_s": 0.5, "helpers_cpu_s": 0.1}
+            for i in range(3)]  # fmt: skip
 
 
-def synthetic(token_steps: int | None, token_loss: float = 3.0) -> dict:
-    """A result with a fixed-H arm (10 steps per group in 20 s) and, unless token_steps is None, a token arm whose
-    groups trained 18/9/3 × token_steps ÷ 30 steps in 10 s. Solo: 3 / 1.5 / 0.75 steps per second."""
-    solo = [{"cores": c, "steps": 10, "steps_measured": 8, "tokens_per_s": 300 * c} for c in (1.0, 0.5, 0.25)]
-    arms = [hetero.arm_figures("fixed-H", [group(10, [5, 5], 0.0, 20.0) for _ in range(3)], cgroups(0.0), solo)]
-    if token_steps is not None:
-        shares = [token_steps * k // 30 for k in (18, 9, 3)]
-        groups = [group(n, [n // 2, n - n // 2], 0.0, 10.0, loss=token_loss) for n in shares]
-        arms.append(hetero.arm_figures("target-tokens", groups, cgroups(0.0), solo))
+def counters(cores: list[float], until: float = 40.0, helpers: float = 0.05, busy: float = 1.9) -> Counters:
+    """Sampler series every 0.1 s from 0 to `until`: group i's trainer at `cores[i]` (its main thread at 90% of it),
+    its helpers at `helpers` core, the bootstrap DHT at 0.01, the bench at 0.02, the machine at `busy` cores."""
+    times = [k / 10 for k in range(int(until * 10) + 1)]
+    series: dict[str, Any] = {"t": times, "busy": [busy * t for t in times], "steal": [0.0 for _ in times],
+                              "bench": [0.02 * t for t in times], "dht": [0.01 * t for t in times]}  # fmt: skip
+    series |= {
+        "train": [[c * t for t in times] for c in cores], "main": [[0.9 * c * t for t in times] for c in cores],
+        "helpers": [[helpers * t for t in times] for _ in cores],
+        "throttled_s": [[0.1 * t for t in times] for _ in cores], "throttled": [[5 * t for t in times] for _ in cores],
+        "periods": [[10 * t for t in times] for _ in cores],
+    }  # fmt: skip
+    return Counters(series)
+
+
+SOLO = [{"cores": c, "steps": 10, "steps_measured": 8, "tokens_per_s": 300 * c, "cpu_per_step_s": c / 3,
+         "cores_in_steps": c, "main_share": 0.95} for c in (1.0, 0.5, 0.25)]  # fmt: skip
+
+
+def synthetic(token_steps: int | None, token_loss: float = 3.0, equal_token_loss: float = 3.0) -> dict:
+    """A result with every arm on both trios: the fixed arms (10 steps per group in 20 s) and, unless token_steps is
+    None, the tokens arms, whose groups trained 18/9/3 × token_steps ÷ 30 steps in 10 s. Solo: 3 / 1.5 / 0.75 steps
+    per second."""
+    arms = []
+    for trio, alone in (("unequal", SOLO), ("equal", [SOLO[1]] * 3)):
+        for name in ("old-fixed", "fixed"):
+            groups = [group(10, [5, 5], 0.0, 20.0) for _ in range(3)]
+            arms.append(hetero_report.arm_figures(name, groups, cgroups(0.0), alone, counters([0.5] * 3), trio))
+        if token_steps is not None:
+            shares = [token_steps * k // 30 for k in (18, 9, 3)]
+            loss = token_loss if trio == "unequal" else equal_token_loss
+            groups = [group(n, [n // 2, n - n // 2], 0.0, 10.0, loss=loss) for n in shares]
+            arms.append(hetero_report.arm_figures("tokens", groups, cgroups(0.0), alone, counters([0.5] * 3), trio))
     setup = hetero.hetero_setup(quick=True)
     return {
         "bench": "hetero", "quick": True, "date": "2026-11-23 12:00 UTC", "command": "diloco bench hetero --quick",
@@ -162,25 +237,78 @@ def synthetic(token_steps: int | None, token_loss: float = 3.0) -> dict:
                     "gpus": [], "load_avg_1m": 1.0},
         "load_avg_1m_end": 1.0, "model": hetero.MODEL, "data": "tinyshakespeare.txt",
         "setup": {**vars(setup), "tokens_per_step": setup.tokens_per_step, "target_tokens": setup.target_tokens},
-        "cores": list(hetero.CORES), "solo": solo, "solo_sum_tokens_per_s": 525.0,
-        "fixed_h_expected_ratio": 3 * 75 / 525, "arms": arms, "targets": hetero.targets(arms),
-        "cgroups": {arm["name"]: cgroups(0.0) for arm in arms} | {"solo": cgroups(0.0)},
-        "missing_arms": [] if token_steps is not None else ["target-tokens"],
+        "cores": [1.0, 0.5, 0.25], "trios": {"unequal": [1.0, 0.5, 0.25], "equal": [0.5] * 3},
+        "arm_flags": hetero.ARM_FLAGS, "solo": SOLO, "solo_sum_tokens_per_s": 525.0,
+        "fixed_h_expected_ratio": 3 * 75 / 525, "arms": arms, "targets": hetero_report.targets(arms),
+        "cgroups": {hetero_report.arm_key(arm): cgroups(0.0) for arm in arms} | {"solo": cgroups(0.0)},
     }  # fmt: skip
 
 
 def test_arm_figures_count_only_steps_under_every_quota() -> None:
     """The last quota was set 2.5 s after the first step: steps 0-2 of each group are left out, and so is that
-    time; same models in every group or not."""
-    solo = [{"tokens_per_s": 100.0}] * 3
+    time; same models in every group or not; rounds with every group, and discarded steps, counted."""
+    solo = [{"tokens_per_s": 100.0, "cores": 0.5}] * 3
     groups = [group(10, [5, 5], 0.0, 12.5) for _ in range(2)] + [group(10, [5, 5], 0.0, 12.5, sha="cd")]
-    arm = hetero.arm_figures("fixed-H", groups, cgroups(0.0)[:2] + cgroups(2.5)[2:], solo)
+    groups[2]["num_peers"], groups[2]["discarded_steps"] = [2, None], 3  # a round without it, then a load
+    groups[0]["num_peers"] = groups[1]["num_peers"] = [2, 3]
+    arm = hetero_report.arm_figures("fixed", groups, cgroups(0.0)[:2] + cgroups(2.5)[2:], solo)
     assert arm["wall_s"] == 12.5 and arm["unthrottled_start_s"] == 2.5
     assert [g["measured_tokens"] for g in arm["groups"]] == [700] * 3
     assert arm["swarm_tokens"] == 3000 and arm["swarm_tokens_per_s"] == pytest.approx(2100 / 10)
     assert arm["ratio_to_solo_sum"] == pytest.approx(2100 / 10 / 300) and arm["same_model"] is False
     assert arm["groups"][0]["evals"] == [(0.0, 5.5), (12.5, 3.0)]
     assert arm["groups"][0]["step_tokens_per_s"] == 100 and arm["groups"][0]["eval_s"] == 0.25
+    # outer step 1: at most 2 groups; outer step 2: all 3 in group 1's row
+    assert (arm["full_rounds"], arm["swarm_rounds"], arm["full_round_share"]) == (1, 2, 0.5)
+    assert [g["full_round_share"] for g in arm["groups"]] == [0.5, 0.5, 0.0] and arm["discarded_steps"] == 3
+    assert arm["machine"] is None and arm["groups"][0]["time"]["train_cpu_s"] is None
+
+
+def test_where_the_time_went_from_the_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU integrated over the steps and the window: a trainer that took 1 CPU-second per step alone at 1 core
+    runs at 0.5 core in the swarm, 2 s a step: half its solo speed, all of it from fewer cores per second, none
+    from more CPU per step; the machine's CPU beside the quotas counted."""
+    monkeypatch.setattr(hetero_report, "usable_cores", lambda: 2)
+    solo = [{"tokens_per_s": 100.0, "cores": 1.0, "cpu_per_step_s": 1.0, "cores_in_steps": 1.0}] * 3
+    groups = [group(10, [5, 5], 0.0, 20.0) for _ in range(3)]
+    for g in groups:  # two seconds a step: 50 tokens/s
+        g["steps"] = [(2.0 * i, 2.0) for i in range(10)]
+        g["round_spans"] = [(19.0, 20.0)]
+    arm = hetero_report.arm_figures("tokens", groups, cgroups(0.0), solo, counters([0.5] * 3, helpers=0.1))
+    t = arm["groups"][0]["time"]
+    assert t["window_s"] == 20.0 and t["steps_s"] == 20.0 and t["rounds_s"] == 1.0 and t["after_s"] == 0.0
+    assert t["cpu_per_step_s"] == pytest.approx(1.0) and t["cores_in_steps"] == pytest.approx(0.5)
+    assert t["main_share"] == pytest.approx(0.9) and t["throttled_share_in_steps"] == pytest.approx(0.5)
+    assert t["train_cpu_s"] == pytest.approx(10.0) and t["helpers_cpu_s"] == pytest.approx(2.0)
+    assert t["step_speed_vs_solo"] == 0.5 and t["cpu_per_step_vs_solo"] == pytest.approx(1.0)
+    assert t["cores_vs_solo"] == pytest.approx(0.5) == t["step_speed_vs_solo"] / t["cpu_per_step_vs_solo"]
+    m = arm["machine"]
+    assert m["spare_core_s"] == pytest.approx((2 - 3.0) * 20) and m["busy_core_s"] == pytest.approx(38.0)
+    assert m["trainers_core_s"] == pytest.approx(30.0) and m["helpers_core_s"] == pytest.approx(6.0)
+    assert m["dht_core_s"] == pytest.approx(0.2) and m["bench_core_s"] == pytest.approx(0.4)
+    assert m["others_core_s"] == pytest.approx(38.0 - 30.0 - 6.0 - 0.2 - 0.4) and m["idle_core_s"] == pytest.approx(2)
+    line = hetero_report.explain_arm(arm, solo)
+    assert "inner steps at 0.50 / 0.50 / 0.50 of solo speed" in line and "1.00 / 1.00 / 1.00× its solo CPU" in line
+    assert "0% of the gap is more CPU per step, 100% fewer cores per second" in line
+    assert "helpers (DHT, p2pd, averager) used 6.0 core-s" in line and "spare capacity of -20.0" in line
+
+
+def test_the_inner_moment_cost_is_the_cpu_per_step_of_tokens_against_tokens_group() -> None:
+    """Same steps, the training process at 0.5 core in tokens and at 0.25 in tokens-group: twice the CPU a step."""
+    solo = [{"tokens_per_s": 100.0, "cores": 1.0, "cpu_per_step_s": 1.0, "cores_in_steps": 1.0}] * 3
+    arms = []
+    for name, cores, moment in (("tokens", 0.5, "galaxy"), ("tokens-group", 0.25, "group")):
+        groups = [group(10, [5, 5], 0.0, 20.0) | {"moment": moment} for _ in range(3)]
+        arms.append(hetero_report.arm_figures(name, groups, cgroups(0.0), solo, counters([cores] * 3)))
+    result = {"arms": arms, "solo": solo}
+    lines = hetero_report.explain(result)
+    assert len(lines) == 3 and lines[0].startswith("unequal tokens (inner AdamW moment galaxy): inner steps at")
+    assert lines[1].startswith("unequal tokens-group (inner AdamW moment group): ")
+    assert "of the gap" not in lines[0] + lines[1]  # steps at solo speed: cores and CPU per step both halved
+    assert lines[2] == ("unequal: an inner step of tokens (inner AdamW moment galaxy / group in tokens / "
+                        "tokens-group) took 2.00 / 2.00 / 2.00× the CPU of the same step in tokens-group "
+                        "(`--hv.inner-moment group`, the solo runs' plain AdamW): the galaxy moment's cost per step, "
+                        "measured.")  # fmt: skip
 
 
 def test_rounds_are_counted_from_the_rows_in_order() -> None:
@@ -189,19 +317,52 @@ def test_rounds_are_counted_from_the_rows_in_order() -> None:
     assert hetero.rounds_of(rows) == [3, 1]
 
 
+def test_arms_and_their_flags() -> None:
+    """old-fixed is the former defaults, fixed and tokens only the pace; every arm pins H and the outer SGD."""
+    setup = hetero.hetero_setup(quick=False)
+    assert hetero.arm_list(quick=False) == [("unequal", "old-fixed"), ("unequal", "fixed"), ("unequal", "tokens"),
+                                            ("unequal", "tokens-group"), ("equal", "old-fixed"), ("equal", "fixed"),
+                                            ("equal", "tokens")]  # fmt: skip
+    flags = {arm: hetero.arm_flags(setup, "equal", arm, 1, ["/p"]) for arm in hetero.ARMS}
+    assert "--hv.late-work drop" in " ".join(flags["old-fixed"]) and "--hv.matchmaking-time 5" in " ".join(
+        flags["old-fixed"]
+    )
+    for arm, f in flags.items():
+        line = " ".join(f)
+        assert f"--hv.local-steps {setup.local_steps}" in line and "--hv.outer-lr 1.0 --hv.outer-momentum 0" in line
+        assert "--hv.target-tokens" not in line and "--hv.averaging-timeout" not in line
+        assert ("--hv.matchmaking-time" in line) == (arm == "old-fixed") and f"hetero-equal-{arm}" in line
+    assert "--hv.pace tokens" in " ".join(flags["tokens"]) and "--hv.pace fixed" in " ".join(flags["fixed"])
+    assert " ".join(flags["tokens-group"]).count("--hv.inner-moment group") == 1
+    assert not any("--hv.inner-moment" in " ".join(flags[arm]) for arm in ("old-fixed", "fixed", "tokens"))
+    assert hetero.TRIOS["equal"] == (hetero.CORES[1],) * 3 and sum(hetero.CORES) < 2
+
+
 def test_markdown_reports_targets_met_and_missed() -> None:
-    met = hetero.markdown(synthetic(token_steps=60))  # 60 steps in 10 s: 600 tokens/s, 1.14 × the solo sum
-    assert "Token budget: 1.14 (target ≥ 0.9: **met**)" in met
-    assert "final eval loss +0.00% against fixed H (target ≤ +1%: **met**)" in met
-    assert "after 2.00× the fixed arm's tokens" in met
-    assert "| fixed-H | 0 | 1 | 300 | 50 | 0.17 | 100 | 10 | 5, 5 | 1.5 | 2.0 | 0.2 | 1.0 | 5/10 |" in met
-    assert "(expected about 3 × slowest ÷ sum = 0.43)" in met and "mixed-shape" in met
-    missed = hetero.markdown(synthetic(token_steps=30, token_loss=3.1))
-    assert "Token budget: 0.57 (target ≥ 0.9: **missed**)" in missed and "+3.33% against fixed H" in missed
-    assert "(target ≤ +1%: **missed**)" in missed
+    met = hetero_report.markdown(synthetic(token_steps=60))  # 60 steps in 10 s: 600 tokens/s, 1.14 × solo's sum
+    assert "unequal tokens: swarm ÷ Σ solo 1.14 (≥ 0.95: **met**), full rounds 100% (≥ 95%: **met**), " \
+           "discarded steps 0 (= 0: **met**), final eval loss 3.0000." in met  # fmt: skip
+    assert "unequal fixed: swarm ÷ Σ solo 0.29 (≥ 0.95: **missed**)" in met
+    assert "Tokens on equal groups: final eval loss +0.00% against fixed (≤ +1%: **met**), +0.00% " \
+           "against old-fixed." in met  # fmt: skip
+    assert "Tokens on unequal groups: final eval loss +0.00% against fixed (< 0: **missed**)" in met
+    assert "Decision: `--hv.pace tokens` as the default: **no**" in met
+    # discarded, carried, full rounds, idle, rounds, evals, CPU under quota, helpers' CPU, throttled periods
+    assert "| unequal | fixed | 0 | 1 | 300 | 50 | 0.17 | 100 | 10 | 5, 5 | 0 | 0 | 100% | 1.5 | 2.0 | 0.2 | 1.0 | " \
+           "1.0 | 5/10 |" in met  # fmt: skip
+    assert "3 × slowest ÷ sum = 0.43 of it" in met and "mixed-shape" in met
+    assert "- unequal tokens (inner AdamW moment unknown): inner steps at " in met  # no log
+    assert "- equal tokens (inner AdamW moment unknown): inner steps at " in met
+    better = hetero_report.markdown(synthetic(token_steps=30, token_loss=2.9, equal_token_loss=3.02))
+    assert "Tokens on unequal groups: final eval loss -3.33% against fixed (< 0: **met**)" in better
+    assert "Tokens on equal groups: final eval loss +0.67% against fixed (≤ +1%: **met**)" in better
+    assert "Decision: `--hv.pace tokens` as the default: **yes**" in better
+    worse = hetero_report.markdown(synthetic(token_steps=30, token_loss=2.9, equal_token_loss=3.1))
+    assert "(≤ +1%: **missed**)" in worse and "as the default: **no**" in worse
 
 
-def test_markdown_without_the_token_arm_says_so() -> None:
-    text = hetero.markdown(synthetic(token_steps=None))
-    assert "- not run: target-tokens (this trainer has no `--hv.target-tokens`)" in text
-    assert "The token-budget targets were not measured" in text and "| target-tokens |" not in text
+def test_markdown_without_the_tokens_arms_says_so() -> None:
+    result = synthetic(token_steps=None)
+    text = hetero_report.markdown(result)
+    assert result["targets"]["tokens_default"] is None and "Decision: not measured" in text
+    assert "| tokens |" not in text and "Tokens on" not in text
