@@ -61,12 +61,12 @@ class HvConfig(_Strict):
         description="H: inner steps between two outer steps (under --hv.pace tokens: of the group that sets the "
         "swarm's token budget).",
     )
-    pace: Literal["fixed", "tokens"] = Field(
-        "fixed",
-        description="When the swarm takes an outer step: fixed (every group trains H inner steps per round; faster "
-        "groups wait for slower ones) or tokens (once the groups together trained a token budget, N = H x galaxy "
-        "size x the tokens of an inner step of the first group, announced to the others: each group trains at its "
-        "own speed and batch, weighted by its tokens). --hv.target-tokens sets N and implies tokens.",
+    pace: Literal["tokens", "fixed"] = Field(
+        "tokens",
+        description="When the swarm takes an outer step: tokens (once the groups together trained a token budget, "
+        "N = H x galaxy size x the tokens of an inner step of the first group, announced to the others: each group "
+        "trains at its own speed and batch, weighted by its tokens) or fixed (every group trains H inner steps per "
+        "round; faster groups wait for slower ones). --hv.target-tokens sets N.",
     )
     inner_moment: Literal["auto", "group", "galaxy"] = Field(
         "auto",

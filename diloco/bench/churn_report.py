@@ -218,7 +218,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"- swarm: {len(s['ranks'])} worker groups ({shapes}) on loopback, one `diloco dht`, each held by a cgroup "
         f"to {', '.join(f'{c:g}' for c in s['cores'])} of a core (everything it runs); byte llama (1.1M "
         "parameters) on tinyshakespeare, "
-        f"{s['seq_length']}×{s['batch']} tokens per inner step, H = {s['local_steps']}, matchmaking "
+        f"{s['seq_length']}×{s['batch']} tokens per inner step, H = {s['local_steps']}, pace "
+        f"{s.get('pace') or 'tokens (the default)'}, matchmaking "
         f"{_seconds(s.get('matchmaking_s'))}, averaging timeout {_seconds(s.get('averaging_timeout_s'))}, a "
         "checkpoint every round",
         f"- baseline: {s['baseline_rounds']} rounds, no churn ({result['baseline_round_s']:.1f} s a round); soak: "

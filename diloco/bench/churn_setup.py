@@ -30,6 +30,7 @@ class ChurnSetup:
     min_events: int
     gap_s: tuple[float, float]  # seconds between two events, uniform
     tail_s: float  # the swarm trains about this long after the last event
+    pace: str | None  # --hv.pace; None: the default
     matchmaking_s: float | None  # --hv.matchmaking-time; None: the default (auto)
     averaging_timeout_s: float | None  # --hv.averaging-timeout; None: the default (auto)
     cores: tuple[float, ...]  # each group's share of the machine (a 2-rank group: more, to keep pace)
@@ -50,7 +51,8 @@ class ChurnSetup:
 
     def timing_flags(self) -> list[str]:
         """The flags of what is not left to the defaults."""
-        flags = [] if self.matchmaking_s is None else ["--hv.matchmaking-time", f"{self.matchmaking_s:g}"]
+        flags = [] if self.pace is None else ["--hv.pace", self.pace]
+        flags += [] if self.matchmaking_s is None else ["--hv.matchmaking-time", f"{self.matchmaking_s:g}"]
         return flags + ([] if self.averaging_timeout_s is None else
                         ["--hv.averaging-timeout", f"{self.averaging_timeout_s:g}"])  # fmt: skip
 
@@ -63,11 +65,11 @@ AUTO_WAIT_S, AUTO_DEADLINE_S = 60.0, 120.0
 def churn_setup(quick: bool) -> ChurnSetup:
     if quick:
         return ChurnSetup(ranks=(1, 1, 1), long_lived=2, seq_length=64, batch=4, local_steps=5, baseline_rounds=3,
-                          soak_s=40.0, min_events=4, gap_s=(8.0, 14.0), tail_s=30.0, matchmaking_s=3.0,
+                          soak_s=40.0, min_events=4, gap_s=(8.0, 14.0), tail_s=30.0, pace="fixed", matchmaking_s=3.0,
                           averaging_timeout_s=15.0, cores=(0.5, 0.5, 0.5), start_timeout_s=150.0,
                           rss_reference_s=30.0)  # fmt: skip
     return ChurnSetup(ranks=(1, 1, 1, 2), long_lived=2, seq_length=64, batch=4, local_steps=20, baseline_rounds=10,
-                      soak_s=1800.0, min_events=90, gap_s=(10.0, 30.0), tail_s=150.0, matchmaking_s=None,
+                      soak_s=1800.0, min_events=90, gap_s=(10.0, 30.0), tail_s=150.0, pace=None, matchmaking_s=None,
                       averaging_timeout_s=None, cores=(0.35, 0.35, 0.35, 0.5), start_timeout_s=240.0,
                       rss_reference_s=300.0)  # fmt: skip
 

@@ -27,8 +27,8 @@ def overhead_arms(workload: Workload, run_id: str) -> list[Arm]:
     """Galaxy size 1 (no DHT) against a lone DiLoCo worker of a galaxy of 2: its DHT and averager run, it waits
     1 s at the rendezvous (before the first step), and H is past the last step, so no outer step is timed."""
     diloco = (
-        "--hv.galaxy-size", "2", "--hv.local-steps", str(workload.steps + 1), "--hv.averaging-timeout", "1",
-        "--hv.matchmaking-time", "1", "--hv.run-id", run_id, "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        "--hv.galaxy-size", "2", "--hv.pace", "fixed", "--hv.local-steps", str(workload.steps + 1),
+        "--hv.averaging-timeout", "1", "--hv.matchmaking-time", "1", "--hv.run-id", run_id, "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0",
     )  # fmt: skip
     return [
         Arm("galaxy-1", (), 1, "plain training, no hivemind"),

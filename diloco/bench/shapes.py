@@ -70,7 +70,7 @@ def group_command(setup: ShapesSetup, model: Path, arm: str, world_rank: int, ra
         "--seq-length", str(setup.seq_length), "--per-device-train-batch-size", str(setup.batch // ranks),
         "--total-batch-size", str(setup.batch), "--max-steps", str(setup.steps), "--lr", "1e-3",
         "--warmup-steps", "1", "--precision", "32-true", "--no-torch-compile", "--metric-logger-type", "dummy",
-        "--sharding-strategy", "FULL_SHARD", "--hv.local-steps", str(setup.local_steps),
+        "--sharding-strategy", "FULL_SHARD", "--hv.pace", "fixed", "--hv.local-steps", str(setup.local_steps),
         "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank),
         "--hv.run-id", f"shapes-{arm.replace('+', '-')}",  # (a run id is letters, digits, - and _)
         "--hv.matchmaking-time", str(setup.matchmaking_s), "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0",

@@ -148,7 +148,7 @@ def commands(setup: WanSetup, arm: Arm, hosts: list[netns.Host], peers: list[str
         return [[*hosts[i].prefix(), *pin[i], *launch, "--node-rank", str(i), *train] for i in range(WORKERS)]
     out = []
     for i in range(WORKERS):
-        hv = ["--hv.galaxy-size", str(WORKERS), "--hv.world-rank", str(i), "--hv.local-steps",
+        hv = ["--hv.galaxy-size", str(WORKERS), "--hv.world-rank", str(i), "--hv.pace", "fixed", "--hv.local-steps",
               str(setup.local_steps), "--hv.run-id", f"wan-{arm.name}", "--hv.matchmaking-time", "10",
               "--hv.averaging-timeout", "60", "--hv.host-maddrs", f"/ip4/{hosts[i].ip}/tcp/0", "--hv.initial-peers",
               *peers, *arm.flags]  # fmt: skip

@@ -186,7 +186,7 @@ def worker_row(index: int, os_bytes: tuple[int, int], payload: tuple[int, int]) 
 def diloco_command(setup: WireSetup, host: netns.Host, rank: int, compression: str, peers: list[str],
                    run_dir: Path) -> list[str]:  # fmt: skip
     """Worker group `rank` (one rank) of a galaxy of WORKERS, inside `host`'s namespace."""
-    hv = ["--hv.galaxy-size", str(WORKERS), "--hv.world-rank", str(rank), "--hv.local-steps", str(setup.local_steps),
+    hv = ["--hv.galaxy-size", str(WORKERS), "--hv.world-rank", str(rank), "--hv.pace", "fixed", "--hv.local-steps", str(setup.local_steps),
           "--hv.compression", compression, "--hv.run-id", f"wire-{compression}",
           "--hv.matchmaking-time", f"{setup.matchmaking_s:g}",
           "--hv.averaging-timeout", "60", "--hv.host-maddrs", f"/ip4/{host.ip}/tcp/0",

@@ -126,7 +126,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]
         run_dirs, logs = [tmp / f"w{i}" for i in range(2)], [tmp / f"w{i}.log" for i in range(2)]
         for world_rank, run_dir in enumerate(run_dirs):
             args = [*FAST, "--fake-data", "--total-batch-size", "2", "--max-steps", "100000", "--hv.local-steps",
-                    "20", "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank), "--hv.matchmaking-time", "5",
+                    "20", "--hv.galaxy-size", "2", "--hv.world-rank", str(world_rank), "--hv.matchmaking-time", "5", "--hv.pace", "fixed",
                     "--hv.initial-peers", *peers, "--run-dir", str(run_dir)]  # fmt: skip
             started.append(spawn([sys.executable, "-m", "diloco.train", *args], nice=10, log=logs[world_rank]))
         wait_for_full_rounds(run_dirs, started[1:], logs, timeout=90)

@@ -13,7 +13,7 @@ from tests.support.paths import ROOT, TORCHRUN
 from tests.support.procs import FAST, child_env
 from tests.support.swarm import kill_group
 
-SWARM = [*FAST, "--fake-data", "--total-batch-size", "2", "--log-interval", "10", "--hv.local-steps", "5",
+SWARM = [*FAST, "--fake-data", "--total-batch-size", "2", "--log-interval", "10", "--hv.local-steps", "5", "--hv.pace", "fixed",
          "--hv.matchmaking-time", "3", "--hv.averaging-timeout", "15"]  # fmt: skip
 
 
