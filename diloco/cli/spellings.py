@@ -23,8 +23,8 @@ REFUSED = {
     "--num-workers": "data is tokenized once and read in the training process, without loader workers: drop it",
     "--log-activations-steps": "activations are not logged here: drop it (metrics.jsonl has the loss, the lr, "
     "tokens/s and each round's pseudo-gradient norm)",
-    "--hv.all-reduce-strategy": "a round closes once every live group is in, or after --hv.matchmaking-time with the "
-    "groups that came: drop it",
+    "--hv.all-reduce-strategy": "a round closes once every live group is in, or when the wait for the groups on "
+    "their way ends (see --hv.matchmaking-time): drop it",
     "--hv.fail-rank-drop": "a group whose round fails applies nothing and catches up with the swarm at its next "
     "outer step: drop it",
 }
