@@ -206,6 +206,9 @@ def run(name: str, quick: bool, out: Path, doc: Path, command: str, options: dic
 
 def _run(name: str, quick: bool, out: Path, doc: Path, command: str, options: dict[str, Any] | None) -> Path:
     module = importlib.import_module(f"diloco.bench.{name}")
+    study = getattr(module, "STUDY_MODULES", {}).get((options or {}).get("study"))
+    if study is not None:  # a study with a module of its own (which may build on the bench's)
+        module = importlib.import_module(study)
     info = machine()
     tmp = tempfile.mkdtemp(prefix=f"diloco-bench-{name}-")
     try:

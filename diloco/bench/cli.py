@@ -47,7 +47,9 @@ _TRAIN_CORES = Parameter(help="Hold each worker's training process to this share
 _STUDY = Parameter(help="defaults: k = 2, 4, 8 groups at H = 25, no outer flags against DDP and the trials of "
                    "the 4-group gap (the ~1M model, 3 seeds); map: the gap to DDP of each outer setting over H = "
                    "10-500 and k = 2, 4, 8 (a 0.14M model, 2000 inner steps); streaming: blocking rounds against "
-                   "--hv.fragments 2, strided and contiguous, blocking and overlapped (k = 2, H = 20).")  # fmt: skip
+                   "--hv.fragments 2, strided and contiguous, blocking and overlapped (k = 2, H = 20); late: groups "
+                   "that come late to rounds keep (--hv.late-work keep) or drop their inner steps, against no "
+                   "lateness (k = 2 and 4, H = 25).")  # fmt: skip
 _MODEL = Parameter(help="The model every arm trains: a bench model's name (e.g. llama-14m-fresh; an unknown name "
                    "lists them) or a local model folder. Default: llama-2m-fresh with --quick, else "
                    "llama-14m-fresh.")  # fmt: skip
@@ -65,8 +67,9 @@ BENCH_HELP = {
     "allreduce": "One averaging round (diloco tcp vs hivemind p2pd transport) for 10M-150M parameters, 2 and 4 "
     "peers, against a socket, a p2pd stream and gloo, on loopback and a shaped 1 Gbit/s link (that part needs root "
     "and ip/tc; without them, loopback only).",
-    "hetero": "Three worker groups throttled to 1, 0.5 and 0.25 core (cgroup quota; needs root): fixed H vs "
-    "--hv.target-tokens, tokens/s alone and together, idle time, eval loss.",
+    "hetero": "Three worker groups throttled to 0.8, 0.4 and 0.2 core, and to 0.4 each (cgroup quota; needs root): "
+    "the token pace against fixed H (today's and the old defaults): tokens/s alone and together, full rounds, "
+    "discarded steps, eval loss, and where the CPU went.",
     "shapes": "A 1-rank and a 2-rank FULL_SHARD group in one swarm against two 1-rank groups: identical after "
     "every round, and the round time.",
     "compression": "Held-out loss at equal tokens and bytes per value of each --hv.compression (none, fp16, int8, "
@@ -122,7 +125,7 @@ def _bench_command(name: str) -> Callable[..., int]:
     def with_study(
         *,
         data: Annotated[Path | None, _DATA] = None,
-        study: Annotated[Literal["defaults", "map", "streaming"], _STUDY] = "defaults",
+        study: Annotated[Literal["defaults", "map", "streaming", "late"], _STUDY] = "defaults",
         quick: Annotated[bool, _QUICK] = False,
         out: Annotated[Path, _OUT] = BENCH_OUT,
         doc: Annotated[Path, _DOC] = BENCH_DOC,

@@ -15,11 +15,13 @@ galaxy size k sees the same number of training tokens:
 - at k = 4 (`defaults` only), trials of what else might close the gap to DDP: the inner lr, the inner warm-up,
   a smaller batch for more steps (against a DDP of that batch too).
 
-Three studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, three
+Four studies (`--study`): `defaults` (the ~1M-parameter model, seq 128, S = 200, H = 25, k = 2, 4 and 8, three
 seeds for the arms that decide the defaults), `map` (a 0.14M-parameter model, seq 64, S = 2000, so that H = 500
 still makes 4 outer steps; H 10, 25, 50, 100, 250 and 500 at k = 2, 4 and 8; seeds 0 and 1, k = 8 on seed 0
 only) and `streaming` (the defaults' workload at k = 2, H = 20: blocking rounds against two fragments, strided and
-contiguous, blocking and overlapped; the quality side of `bench wan`, whose rounds cross a real network).
+contiguous, blocking and overlapped; the quality side of `bench wan`, whose rounds cross a real network) and
+`late` (the defaults' workload at k = 2 and 4: groups that come late to rounds keep their inner steps or drop them,
+against no lateness; its arms, loop and figures are `diloco.bench.late`'s).
 
 The groups of an arm run in threads of one process and average through the in-memory swarm
 (`diloco.outer.memory`): an exact mean, which is what the swarm computes with `--hv.compression none`
@@ -71,6 +73,9 @@ from diloco.outer.links import solo_group
 from diloco.outer.memory import MemorySwarm
 
 __all__ = ["ArmSpec", "Workload", "load_corpus", "markdown", "measure", "plot", "run_arm", "stem"]
+
+# studies with a module of their own, which builds on this one (``diloco.bench.run`` picks it)
+STUDY_MODULES = {"late": "diloco.bench.late"}
 
 # the trainer's inner-optimizer defaults (its flags), so the bench's arms train as `diloco train` does
 ADAMW_BETAS = Config.model_fields["adam_betas"].default

@@ -125,7 +125,7 @@ class DiLoCo:
         schedule: str = "",
         batch: str = "",
         claim_settle_s: float = 1.0,
-        late_work: str = "keep",
+        late_work: str = "drop",
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup, fragments)
         self.claim_settle_s = claim_settle_s  # how long a claim waits for a group that started at the same moment

@@ -183,7 +183,7 @@ def test_fragments_overlapped_under_a_token_budget_keep_one_outer_state(tmp_path
     a fragment's round every 2048 tokens of the swarm, landed an inner step after it was sent, between a 1-rank
     group and a 2-rank NO_SHARD group; weights are each fragment's tokens."""
     own = ["--hv.fragments", "2", "--hv.overlap-steps", "1"]
-    budget = ("--hv.target-tokens", "4096")
+    budget = ("--hv.pace", "tokens", "--hv.target-tokens", "4096")  # (the last --hv.pace wins over TEXT's)
     run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, own), (2, [*own, "--sharding-strategy", "NO_SHARD"])], budget)
     assert_fragment_rounds_shared(run_dirs)
     rounds = [r for d in run_dirs for r in outer_rows(d) if r.get("num_peers") == 2]

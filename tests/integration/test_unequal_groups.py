@@ -24,7 +24,7 @@ MODEL = ROOT / "tests" / "models" / "llama-1m-fresh"
 BASE = ["--path-model", str(MODEL), "--seq-length", "128", "--fake-data", "--no-torch-compile", "--precision",
         "32-true", "--lr", "3e-3", "--hv.galaxy-size", "2", "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0"]  # fmt: skip
 FLAGS = [*BASE, "--per-device-train-batch-size", "8", "--total-batch-size", "8", "--hv.local-steps", "12",
-         "--hv.pace", "fixed"]  # fmt: skip
+         "--hv.pace", "fixed", "--hv.late-work", "keep"]  # fmt: skip
 
 
 def train_unequal(tmp_path: Path, peers: list[str], slow_cores: float, steps: int) -> list[Path]:

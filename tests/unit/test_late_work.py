@@ -188,7 +188,7 @@ def test_under_fixed_h_a_late_group_takes_its_kept_steps_to_the_swarms_next_roun
     nets = {g: net() for g in (0, 1)}
     members = {g: Lone(hub, f"g{g}") for g in (0, 1)}
     outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.0, h=2, world_rank=g, tokens_per_step=TOKENS,
-                        final_step=10) for g in (0, 1)}  # fmt: skip
+                        final_step=10, late_work="keep") for g in (0, 1)}  # fmt: skip
     for g in (0, 1):
         outers[g].join(0)
     train({0: outers[0]}, {0: nets[0]}, range(0, 4))  # group 0: rounds 1 and 2 (alone)
