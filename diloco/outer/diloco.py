@@ -89,12 +89,9 @@ class DiLoCo:
     :param aggregation: how reducers combine pseudo-gradients (``--hv.aggregation``): part of the outer setting the
         groups of a run must share.
     :param schedule: the group's schedule (``agreement.schedule``), which the groups of a run must share too;
-        empty: not compared. `batch`: its inner step, ``<total batch size>x<sequence length>``, for the line that
-        names the flag a token budget's groups differ in.
-    :param late_work: what a group that loads the swarm's newer state does with the inner steps it took since its
-        last round (``--hv.late-work``): ``keep`` moves its model along with the outer parameters, so they land in
-        its next round, weighted by their tokens (a one-round-stale contribution); ``drop`` resets the model to the
-        loaded state. Either way every row and the summary count the inner steps thrown away (``discarded_steps``).
+        empty: not compared. `batch`: its inner step, ``<total batch size>x<sequence length>``.
+    :param late_work: ``--hv.late-work``: after loading a newer state, ``keep`` the inner steps since the last round
+        for the next one (the model moves with the outer parameters) or ``drop`` them (counted: ``Ledger``).
     """
 
     def __init__(
@@ -323,11 +320,9 @@ class DiLoCo:
 
     def _next_round_now(self, step: int) -> int | None:
         """Collective, under fixed H, in a group that kept its inner steps through loading the state of a round that
-        formed without it: move on to the swarm's next boundary and take that round now, so that the steps land in
-        it (the next round would otherwise find this group as late as this one, and the steps would never land).
-        Its inner step count moves on by the steps it skips, as a group behind takes the swarm's step count. Returns
-        the inner step it continues from; None when it kept nothing, or rounds have no fixed boundary (a token
-        budget: its next round is due with everyone's)."""
+        formed without it: jump to the swarm's next boundary (as a group behind takes the swarm's step count) and
+        take that round now, or its steps would never land (it would be as late at each round). Returns the inner
+        step it continues from; None when it kept nothing, or under a token budget (due with everyone)."""
         boundary = self.pace.next_boundary(self._paced)
         if not self.keep_late or boundary is None or boundary <= step or self.ledger.trained(step) == 0:
             return None
