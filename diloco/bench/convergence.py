@@ -38,7 +38,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
@@ -418,27 +418,47 @@ def _codec(compression: str) -> object:
 
 # ---------------------------------------------------------------- arms in parallel
 
+# runs one arm in a pool process: (its spec, the workload, the corpus) -> its figures; module-level (pickled)
+ArmRunner = Callable[[Any, "Workload", "Corpus"], dict[str, Any]]
 _WORKER: dict[str, Any] = {}  # per pool process: its workload and corpus, loaded once by `_start_worker`
 
 
-def _start_worker(w: Workload, data: Path) -> None:
+def _start_worker(w: Workload, data: Path, run: ArmRunner) -> None:
     torch.set_num_threads(1)
     logging.getLogger("diloco").setLevel(logging.ERROR)  # a line per outer step would bury the results
-    _WORKER.update(w=w, corpus=load_corpus(w, data))
+    _WORKER.update(w=w, corpus=load_corpus(w, data), run=run)
 
 
-def _run_in_worker(spec: ArmSpec) -> dict[str, Any]:
-    return run_arm(spec, _WORKER["w"], _WORKER["corpus"])
+def _run_in_worker(spec: Any) -> dict[str, Any]:
+    return _WORKER["run"](spec, _WORKER["w"], _WORKER["corpus"])
 
 
-def run_arms(specs: list[ArmSpec], w: Workload, data: Path, workers: int) -> Iterator[dict[str, Any]]:
-    """Every arm, the longest first, in `workers` processes of one torch thread; yields results as they end."""
-    order = sorted(specs, key=ArmSpec.cost, reverse=True)
+def run_arms(specs: Sequence[Any], w: Workload, data: Path, workers: int,
+             run: ArmRunner | None = None) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """Every arm (anything with a `cost()`, the costliest first) run by `run` (a module-level function, default
+    `run_arm`) in `workers` processes of one torch thread; yields results as they end."""
+    order = sorted(specs, key=lambda spec: spec.cost(), reverse=True)
     context = get_context("spawn")  # no forked copy of this process's threads and torch state
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(w, data)) as pool:
+    initargs = (w, data, run or run_arm)
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=initargs) as pool:
         futures = [pool.submit(_run_in_worker, spec) for spec in order]
         for future in as_completed(futures):
             yield future.result()
+
+
+def run_all(specs: Sequence[Any], w: Workload, data: Path, info: dict[str, Any],
+            run: ArmRunner | None = None) -> tuple[list[dict[str, Any]], int]:  # fmt: skip
+    """`run_arms` with a worker per usable core (at most one per arm), logging each arm as it ends. Returns the runs
+    in the order they ended, and the number of workers."""
+    log = logging.getLogger("diloco")
+    workers = max(1, min(info["usable_cores"], len(specs)))
+    runs: list[dict[str, Any]] = []
+    for result in run_arms(specs, w, data, workers, run):
+        runs.append(result)
+        k = f" k={result['k']}" if "k" in result else ""
+        log.info("bench arm %d/%d%s %s seed %d: eval loss %.4f (%.0f s)", len(runs), len(specs), k, result["name"],
+                 result["seed"], result["final_eval_loss"], result["wall_s"])  # fmt: skip
+    return runs, workers
 
 
 # ---------------------------------------------------------------- the bench
@@ -446,17 +466,11 @@ def run_arms(specs: list[ArmSpec], w: Workload, data: Path, workers: int) -> Ite
 
 def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path, study: str = "defaults") -> dict[str, Any]:
     """Every arm of `study` on the text file `data`; gaps against DDP (per seed and on the seeds' mean)."""
-    log = logging.getLogger("diloco")
     w = workload(quick, study)
     w = replace(w, model=model_folder(w.model, work_dir / "models"))
     load_corpus(w, data)  # a bad --data fails here, once, not in every worker
     specs = {"defaults": defaults_specs, "map": map_specs, "streaming": streaming_specs}[study](w, quick)
-    workers = max(1, min(info["usable_cores"], len(specs)))
-    runs = []
-    for run in run_arms(specs, w, data, workers):
-        runs.append(run)
-        log.info("bench arm %d/%d k=%d %s seed %d: eval loss %.4f (%.0f s)", len(runs), len(specs), run["k"],
-                 run["name"], run["seed"], run["final_eval_loss"], run["wall_s"])  # fmt: skip
+    runs, workers = run_all(specs, w, data, info)
     params = sum(p.numel() for p in load_model(w.model, 0).parameters())
     return {
         "study": study,

@@ -73,10 +73,16 @@ def vs_blocking(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _arm(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    runs = sorted(runs, key=lambda r: r["seed"])
-    first, losses = runs[0], [r["final_eval_loss"] for r in runs]
     kept = ("name", "k", "groups", "batch", "steps", "h", "outer", "outer_warmup", "lr", "warmup_steps", "trial",
             "tokens", "fragments", "layout", "overlap", "mix", "inner_moment")  # fmt: skip
+    return arm_figures(runs, kept)
+
+
+def arm_figures(runs: list[dict[str, Any]], kept: tuple[str, ...]) -> dict[str, Any]:
+    """One arm over its seeds' runs: the first seed's `kept` fields, every seed's eval loss, their mean and spread,
+    the first seed's curve, the wall time summed."""
+    runs = sorted(runs, key=lambda r: r["seed"])
+    first, losses = runs[0], [r["final_eval_loss"] for r in runs]
     return {key: first[key] for key in kept} | {
         "seeds": [r["seed"] for r in runs],
         "final_eval_loss": losses,

@@ -35,15 +35,12 @@ swarm's tokens trained and landed: the arms are compared at the same schedule (S
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +57,10 @@ from diloco.bench.convergence import (
     inner_optimizer,
     inner_step,
     load_corpus,
+    run_all,
     workload,
 )
-from diloco.bench.convergence_report import workload_text
+from diloco.bench.convergence_report import arm_figures, workload_text
 from diloco.bench.models import model_folder
 from diloco.data import BlockBatches, Shard
 from diloco.model import load_model
@@ -369,42 +367,13 @@ def run_late_arm(arm: LateArm, w: Workload, corpus: Corpus) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- arms in parallel
 
-_WORKER: dict[str, Any] = {}  # per pool process: its workload and corpus, loaded once
-
-
-def _start_worker(w: Workload, data: Path) -> None:
-    torch.set_num_threads(1)
-    logging.getLogger("diloco").setLevel(logging.ERROR)  # lines per outer step and per lone round would bury it
-    _WORKER.update(w=w, corpus=load_corpus(w, data))
-
-
-def _run_in_worker(arm: LateArm) -> dict[str, Any]:
-    return run_late_arm(arm, _WORKER["w"], _WORKER["corpus"])
-
-
-def run_arms(specs: list[LateArm], w: Workload, data: Path, workers: int) -> Iterator[dict[str, Any]]:
-    """Every arm, the 4-group ones first, in `workers` processes of one torch thread; yields results as they end."""
-    order = sorted(specs, key=LateArm.cost, reverse=True)
-    context = get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(w, data)) as pool:
-        futures = [pool.submit(_run_in_worker, spec) for spec in order]
-        for future in as_completed(futures):
-            yield future.result()
-
-
 def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path, study: str = "late") -> dict[str, Any]:
     """Every arm of the late study on the text file `data`, and keep against drop and both against ontime."""
-    log = logging.getLogger("diloco")
     w = late_workload(quick)
     w = replace(w, model=model_folder(w.model, work_dir / "models"))
     load_corpus(w, data)  # a bad --data fails here, once, not in every worker
     specs = late_specs(w, quick)
-    workers = max(1, min(info["usable_cores"], len(specs)))
-    runs = []
-    for run in run_arms(specs, w, data, workers):
-        runs.append(run)
-        log.info("bench arm %d/%d k=%d %s seed %d: eval loss %.4f (%.0f s)", len(runs), len(specs), run["k"],
-                 run["name"], run["seed"], run["final_eval_loss"], run["wall_s"])  # fmt: skip
+    runs, workers = run_all(specs, w, data, info, run_late_arm)  # the 4-group arms first (`LateArm.cost`)
     params = sum(p.numel() for p in load_model(w.model, 0).parameters())
     return {
         "study": "late",
@@ -432,21 +401,13 @@ def summarize(runs: list[dict[str, Any]], specs: list[LateArm]) -> dict[str, Any
 
 
 def _arm(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    first, losses = runs[0], [r["final_eval_loss"] for r in runs]
     kept = ("name", "k", "h", "late_work", "pattern", "late_groups", "late_at", "outer", "outer_warmup",
             "inner_moment", "steps", "batch")  # fmt: skip
-    return {key: first[key] for key in kept} | {
-        "seeds": [r["seed"] for r in runs],
-        "final_eval_loss": losses,
-        "mean_eval_loss": float(np.mean(losses)),
-        "spread": float(max(losses) - min(losses)),
-        "groups_identical": all(r["groups_identical"] for r in runs),
+    return arm_figures(runs, kept) | {
         "one_state": all(r["one_state"] for r in runs),
         "groups_by_seed": [r["groups"] for r in runs],
         "swarm_tokens_trained": [r["swarm_tokens_trained"] for r in runs],
         "swarm_tokens_landed": [r["swarm_tokens_landed"] for r in runs],
-        "curve": first["curve"],  # the first seed's
-        "wall_s": sum(r["wall_s"] for r in runs),
     }
 
 

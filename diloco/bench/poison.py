@@ -16,7 +16,6 @@ Groups run as threads averaging through the in-memory swarm, whose robust rules 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import numpy as np
 
 from diloco.bench import section_head
 from diloco.bench.attacks import ATTACKS, HEAVY, SCALE
-from diloco.bench.convergence import ArmSpec, Workload, load_corpus, run_arms, workload
+from diloco.bench.convergence import ArmSpec, Workload, load_corpus, run_all, workload
 from diloco.bench.convergence_report import workload_text
 from diloco.bench.models import model_folder
 from diloco.model import load_model
@@ -60,17 +59,11 @@ def specs(w: Workload, quick: bool) -> list[ArmSpec]:
 
 
 def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path) -> dict[str, Any]:
-    log = logging.getLogger("diloco")
     w = workload(quick)
     w = replace(w, model=model_folder(w.model, work_dir / "models"))
     load_corpus(w, data)  # a bad --data fails here, once, not in every worker
     arms = specs(w, quick)
-    workers = max(1, min(info["usable_cores"], len(arms)))
-    runs = []
-    for run in run_arms(arms, w, data, workers):
-        runs.append(run)
-        log.info("bench arm %d/%d %s seed %d: eval loss %.4f (%.0f s)", len(runs), len(arms), run["name"],
-                 run["seed"], run["final_eval_loss"], run["wall_s"])  # fmt: skip
+    runs, workers = run_all(arms, w, data, info)
     params = sum(p.numel() for p in load_model(w.model, 0).parameters())
     first = arms[0]
     return {
