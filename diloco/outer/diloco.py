@@ -189,9 +189,10 @@ class DiLoCo:
                 joining = self._publish_status("joining")
                 time.sleep(self.claim_settle_s)  # a group starting at the same moment: the later record wins
                 verdict = self.claims.rival()
-                if self._adopt_budget(joining):  # (only a later group adopts: its record only gets later)
+                records = self.swarm.status_records()
+                if self._adopt_budget(joining, records):  # (only a later group adopts: its record only gets later)
                     joining = self._publish_status("joining")
-                other_model = rival_model(joining, self.swarm.status_records(), self.claims.answers)
+                other_model = rival_model(joining, records, self.claims.answers)
         verdict, other_model = self.group.broadcast((verdict, other_model))
         self._share_budget()
         if other_model is not None:
@@ -217,13 +218,14 @@ class DiLoCo:
         if budget != self.pace.budget():
             self.pace.adopt(budget)
 
-    def _adopt_budget(self, mine: Status | None) -> bool:
-        """Rank 0, under a token budget: take the swarm's N and length in rounds (``agreement.budget_to_adopt``).
-        Returns whether anything changed."""
+    def _adopt_budget(self, mine: Status | None, records: list[Status] | None = None) -> bool:
+        """Rank 0, under a token budget: take the swarm's N and length in rounds (``agreement.budget_to_adopt``) from
+        the status `records` (default: read now). Returns whether anything changed."""
         ours = self.pace.budget()
         if ours is None or mine is None:
             return False
-        theirs = budget_to_adopt(ours, self.pace.follows_h, mine, self.swarm.status_records(), self.claims.answers)
+        records = self.swarm.status_records() if records is None else records
+        theirs = budget_to_adopt(ours, self.pace.follows_h, mine, records, self.claims.answers)
         if theirs is not None:
             self.pace.adopt(theirs)
             self.beacon.schedule = with_budget(self.beacon.schedule, theirs)
