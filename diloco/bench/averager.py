@@ -297,10 +297,9 @@ class SwarmAverager(Matchmaker):
         """Trigger the all-reduce once a group is formed, or give up when nobody came. Returns (ok, num_peers,
         seconds from the group's forming to the result)."""
         grouped = self._trigger_when_grouped(control, time.monotonic() + self.matchmaking_time + self.grace, stop)
-        if grouped is None:
-            return False, 0, 0.0  # stopped
         if not grouped:
-            return True, 1, 0.0
+            self._leave()
+            return grouped is False, int(grouped is False), 0.0  # nobody came (ok, alone), or stopped
         formed = time.monotonic()
         deadline = started + self.matchmaking_time + self.averaging_timeout + self.grace
         while not control.done() and not stop() and time.monotonic() < deadline:

@@ -84,15 +84,20 @@ class CatchUp:
                 digest = self.digester.combine(self.group.gather(self.digester.partial(*got[1]))) if named else None
                 if digest == record.digest:
                     return record, meta, got[1]  # every rank got all of the signed state
+                # a state served one outer step ahead of its record: the group moved on before its record did (an
+                # honest race, not counted as a refusal; that record's state is not asked for again all the same)
+                lagging = whole and seen[0][0] == record.outer_step + 1
                 if not whole:
                     why = "not every rank got it whole"
-                elif seen[0][0] != record.outer_step:  # (a lagging record, or a stranger's)
+                elif lagging:
+                    why = f"its record names outer step {record.outer_step}, it has moved on to {seen[0][0]}"
+                elif seen[0][0] != record.outer_step:
                     why = f"it served outer step {seen[0][0]}, its record names outer step {record.outer_step}"
                 elif not named:
                     why = "it served another digest than its record names"
                 else:
                     why = "its values do not add up to its digest"
-                self._refused(record, whole, self.refusals_here > before, why)
+                self._refused(record, whole, self.refusals_here > before, why, lagging)
         return None
 
     def on_join(self, plan: Callable[[], list[list[Progress]]], load: Callable[[list[list[Progress]]], int | None],
@@ -168,15 +173,18 @@ class CatchUp:
         """State answers this rank refused: misfits here, the rest in the swarm's transfer."""
         return self.rejected_states + self.swarm.rejected_states
 
-    def _refused(self, record: Progress, whole: bool, refused_here: bool, why: str) -> None:
+    def _refused(self, record: Progress, whole: bool, refused_here: bool, why: str, lagging: bool = False) -> None:
         """Collective: a download from `record`'s group failed (`why`). An answer that came whole but is not the state
         its record names or does not add up to its digest, or that a rank refused, counts against that state
-        (`Refused`); one warning per group start."""
+        (`Refused`); one warning per group start. A `lagging` record (its group served a later state) is only
+        noted."""
         if self.group.sum(float(refused_here)) or whole:
             self.refused.note(record)
-            if whole and self.group.is_main:
+            if whole and not lagging and self.group.is_main:
                 self.rejected_states += 1  # not the signed state, or values that do not add up to its digest
-        if self.group.is_main:
+        if lagging and self.group.is_main:
+            log.info("did not load the state of worker group %d (%s); trying the next", record.world_rank, why)
+        elif self.group.is_main:
             warn = log.warning if record.token not in self._warned else log.debug
             warn("could not load the state of worker group %d (%s); trying the next", record.world_rank, why)
             self._warned.add(record.token)

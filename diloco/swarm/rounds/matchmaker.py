@@ -144,6 +144,26 @@ class ExactAverager(hivemind.DecentralizedAverager):
             if not future.done():
                 future.set_exception(e)
 
+    def idle(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until this averager no longer looks for a group. A cancelled step's
+        search ends in the averager process only after its DHT requests return (seconds under load); a step started
+        before would spend its own matchmaking time waiting for that search. Returns whether it ended in time."""
+        future = MPFuture()
+        self._outer_pipe.send(("_idle", [], dict(future=future)))
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            return False
+
+    async def _idle(self, future: MPFuture) -> None:
+        try:
+            async with self._matchmaking.lock_looking_for_group:  # free once the last search has wound down
+                pass
+            future.set_result(True)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
+
     async def _shutdown(self, timeout: float | None) -> None:
         try:
             await super()._shutdown(timeout)
@@ -266,7 +286,9 @@ class Matchmaker:
         control = self._start_step(round_index, 1.0, gather, wait)
         grouped = self._trigger_when_grouped(control, time.monotonic() + wait + min(self._grace, wait / 2), stop)
         if not grouped:
-            return None, RoundReport(1 if grouped is False else 0, time.monotonic() - started, 0, 0, grouped is False)
+            report = RoundReport(1 if grouped is False else 0, time.monotonic() - started, 0, 0, grouped is False)
+            self._leave()
+            return None, report
         try:
             gathered = control.result(timeout=self.averaging_timeout)
         except Exception as e:  # TimeoutError, AllreduceException, MatchmakingException, CancelledError, ...
@@ -321,11 +343,12 @@ class Matchmaker:
                 return True
             time.sleep(0.005)
         cancel(control)
-        # let the averager process leave matchmaking before the next round starts
-        deadline = time.monotonic() + 5.0
-        while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
-            time.sleep(0.005)
         return None if stop() else False
+
+    def _leave(self, timeout: float = 10.0) -> None:
+        """After a round that formed no group: let the averager process end its search before the next round."""
+        if not self._averager.idle(timeout):
+            logger.debug(f"the averager still looked for a group {timeout:.0f} s after the round gave up")
 
     @property
     def peer_id(self) -> str:
