@@ -285,6 +285,12 @@ class Config(_Strict):
         "wikitext-2-raw-v1).",
     )
     tokenizer: str | None = Field(None, description="Hugging Face tokenizer folder or hub id [default: byte-level].")
+    token_cache: Path | None = Field(
+        None,
+        description="Folder of token stores: each --dataset is tokenized there once per machine, and every run and "
+        "rank on it reads its blocks from there [default: $XDG_CACHE_HOME/diloco/tokens, else "
+        "~/.cache/diloco/tokens].",
+    )
     attn_implementation: str | None = Field(
         None,
         description="The attention kernel transformers builds the model with: eager, sdpa, flash_attention_2, ... "

@@ -217,11 +217,14 @@ def log_warning(message: Warning | str, category: type[Warning], *_location: Any
 
 
 def setup_logging(rank: int) -> None:
-    """Log lines with time and rank; INFO on rank 0, WARNING on the others (every rank sees the same events)."""
+    """Log lines with time and rank; INFO on rank 0, WARNING on the others (every rank sees the same events), but
+    for the token store's lines (``diloco.data``), which only the rank that builds or waits for it has."""
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    # whichever rank builds a token store (the first to take its lock) says how far it got
+    logging.getLogger("diloco.data").setLevel(logging.INFO)
     for chatty in ("httpx", "httpx2", "httpcore"):  # huggingface_hub's HTTP clients log every request at INFO
         logging.getLogger(chatty).setLevel(logging.WARNING)

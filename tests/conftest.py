@@ -15,6 +15,17 @@ if TYPE_CHECKING:
     import hivemind
 
 
+@pytest.fixture(autouse=True, scope="session")
+def token_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Token stores (``diloco.data.store``) go to a folder of the session's, for the trainers it starts too: a run
+    of the suite leaves none in the user's cache."""
+    folder = tmp_path_factory.mktemp("xdg-cache")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CACHE_HOME", str(folder))
+    yield folder
+    patch.undo()
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

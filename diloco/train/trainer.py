@@ -238,6 +238,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         seed=config.seed,
         shard=Shard.of(config.hv.world_rank, config.hv.galaxy_size, env.rank, env.world_size),
         eval_shard=Shard(env.rank, env.world_size),
+        token_cache=config.token_cache,
     )
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

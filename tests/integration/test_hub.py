@@ -67,7 +67,8 @@ def online_env(hf_home: Path, endpoint: str) -> dict[str, str]:
 
 def test_ids_missing_from_the_cache_are_downloaded_once_per_machine(tmp_path: Path) -> None:
     """Online, with an empty cache: both ranks of a group need the model, the tokenizer and the dataset; the first
-    downloads each under a lock in the cache, the other finds the files, and the weights are the hub's."""
+    downloads the model and tokenizer under a lock in the cache, the other finds the files, and the weights are the
+    hub's. The dataset streams into the token store, which the other rank waits for and reads."""
     source = tmp_path / "published"  # what the hub serves: repositories laid out as folders
     saved = cache_model(source, "tiny-org/llama", weights=True)
     cache_tokenizer(source, "tiny-org/words")
@@ -84,7 +85,12 @@ def test_ids_missing_from_the_cache_are_downloaded_once_per_machine(tmp_path: Pa
     assert summary(run_dir)["params_sha256"] == saved  # the hub's weights, not a fresh init
     weights = [name for name in hub.downloads if name.startswith("tiny-org/llama/") and "safetensors" in name]
     assert weights and hub.downloads["tiny-org/llama/config.json"] == 1
-    assert all(count == 1 for count in hub.downloads.values()), hub.downloads  # one download per file
+    # one download per file of the model and the tokenizer; the dataset, not cached, is streamed into the token
+    # store (`datasets` reads its file for the schema, then for the rows) and nothing of it lands in the cache
+    streamed = {name: n for name, n in hub.downloads.items() if name.startswith("tiny-org/hamlet/")}
+    assert streamed and all(n <= 2 for n in streamed.values()), hub.downloads
+    assert all(n == 1 for name, n in hub.downloads.items() if name not in streamed), hub.downloads
+    assert not list((tmp_path / "hf").rglob("*.parquet")), list((tmp_path / "hf").rglob("*.parquet"))
     assert hub.downloads["tiny-org/words/tokenizer.json"] == 1
     assert (tmp_path / "hf" / "hub" / "models--tiny-org--llama" / "snapshots").is_dir()
 
