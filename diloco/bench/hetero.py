@@ -73,6 +73,7 @@ import psutil
 
 from diloco import procs
 from diloco.bench import BenchError
+from diloco.bench.hetero_dead import DEAD_AFTER, DEAD_GROUP, dead_figures
 from diloco.bench.hetero_report import (
     Counters,
     arm_figures,
@@ -106,6 +107,7 @@ ARM_FLAGS = {  # each arm's pace, rendezvous and late work; everything else at t
 }
 ARMS = tuple(ARM_FLAGS)
 DIAGNOSTIC = {"tokens-group": ("unequal",)}  # runs on these trios only
+DEAD_ARM = "tokens"  # the dead-group arm's flags (`dead_arm`): the default pace
 QUICK_ARMS = (("unequal", "fixed"), ("unequal", "tokens"))  # a smoke test of both paces, as long as it was
 MOMENT = re.compile(r"inner AdamW moment (\w+)")  # the trainer's start-up line
 ENGAGE_POLL_S = 0.02  # how often a starting trainer is looked at: its quota is set within this of being ready
@@ -172,13 +174,14 @@ def solo_steps(setup: HeteroSetup, cores: float) -> int:
     return max(setup.skip + 3, round(setup.solo_steps * cores / max(CORES)))
 
 
-def arm_flags(setup: HeteroSetup, trio: str, arm: str, rank: int, peers: list[str]) -> list[str]:
+def arm_flags(setup: HeteroSetup, trio: str, arm: str, rank: int, peers: list[str], run: str | None = None
+              ) -> list[str]:  # fmt: skip
     """Swarm flags of group `rank` in `arm` on `trio`: H, the arm's own flags, the outer lr 1.0 / momentum 0."""
     # no evaluation until the end (the solo runs have none either): an evaluation costs the slowest group several
     # of its steps, which the throughput ratio would count as swarm overhead
     return [
         "--hv.galaxy-size", str(len(CORES)), "--hv.world-rank", str(rank), "--hv.local-steps", str(setup.local_steps),
-        *ARM_FLAGS[arm], "--hv.outer-lr", "1.0", "--hv.outer-momentum", "0", "--hv.run-id", f"hetero-{trio}-{arm}",
+        *ARM_FLAGS[arm], "--hv.outer-lr", "1.0", "--hv.outer-momentum", "0", "--hv.run-id", f"hetero-{run or f'{trio}-{arm}'}",
         "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--hv.initial-peers", *peers,
     ]  # fmt: skip
 
@@ -281,12 +284,15 @@ class Launch:
 
 
 def run_phase(
-    launches: list[Launch], work_dir: Path, timeout_s: float, dht: CpuLimit | None = None
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    launches: list[Launch], work_dir: Path, timeout_s: float, dht: CpuLimit | None = None,
+    kill: tuple[int, int] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """Start every trainer in a cgroup of its own (and one without a quota for its helpers), set each quota once its
     trainer is past start-up (`engage_when_ready`), wait until all exit 0 (BenchError otherwise), then stop and remove
     everything. Returns, per launch, its cgroups, when its quota was set (unix time) and what the kernel counted from
-    then on; and the sampler's series (`Sampler`; `dht`: the bootstrap DHT's cgroup, read beside them)."""
+    then on; and the sampler's series (`Sampler`; `dht`: the bootstrap DHT's cgroup, read beside them).
+    `kill` (group, outer steps): that group's trainer is killed once it took as many outer steps (`kill_after`; its
+    figures get ``killed_at``), and the others must exit 0."""
     with ExitStack() as stack:
         limits = [stack.enter_context(CpuLimit(x.label, x.cores, engaged=False)) for x in launches]
         helpers = [stack.enter_context(CpuLimit(f"{x.label}-helpers", usable_cores(), engaged=False)) for x in launches]
@@ -300,6 +306,10 @@ def run_phase(
         stack.callback(sampler.stop)  # first on the way out: before the cgroups go
         deadline = time.monotonic() + timeout_s
         engaged = engage_when_ready(jobs, limits, helpers, [x.run_dir for x in launches], deadline)
+        killed_at = None
+        if kill is not None:
+            killed_at = kill_after(jobs[kill[0]], launches[kill[0]].run_dir, kill[1], deadline)
+            jobs = [job for i, job in enumerate(jobs) if i != kill[0]]
         wait_all(jobs, max(deadline - time.monotonic(), 1.0))
         sampler.stop()
         usage = [limit.usage() for limit in limits]
@@ -310,7 +320,28 @@ def run_phase(
          "throttled_periods": u.throttled_periods, "throttled_s": u.throttled_s, "helpers_cpu_s": h.cpu_s}
         for limit, helper, (at, before), u, h in zip(limits, helpers, engaged, usage, helper_usage)
     ]  # fmt: skip
+    if kill is not None:
+        figures[kill[0]]["killed_at"] = killed_at
     return figures, sampler.series
+
+
+def kill_after(job: tuple[str, subprocess.Popen[bytes], Path], run_dir: Path, outer_steps: int,
+               deadline: float) -> float:  # fmt: skip
+    """`kill -9` of a group's trainer once its metrics show `outer_steps` outer steps (as when its machine dies: its
+    DHT, averager and p2pd follow their parent). Returns when (unix time); BenchError if it exits or the deadline
+    passes first."""
+    name, proc, log_path = job
+    while sum("outer_step" in row for row in read_rows(run_dir)) < outer_steps:
+        if proc.poll() is not None:
+            raise BenchError(f"{name} exited with code {proc.returncode} before it could be killed: "
+                             f"{last_line(log_path)}")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise BenchError(f"{name} took no {outer_steps} outer steps in time")
+        time.sleep(ENGAGE_POLL_S * 10)
+    proc.kill()
+    killed_at = time.time()
+    log.info("bench hetero: killed %s (kill -9) after its outer step %d", name, outer_steps)
+    return killed_at
 
 
 def engage_when_ready(
@@ -455,6 +486,26 @@ def group_figures(run_dir: Path, setup: HeteroSetup) -> dict[str, Any]:
 # ---------------------------------------------------------------- the bench
 
 
+def dead_arm(setup: HeteroSetup, model: Path, work_dir: Path, peers: list[str],
+             dht: CpuLimit) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """The equal trio under the `DEAD_ARM`'s flags, group `DEAD_GROUP` killed after its outer step `DEAD_AFTER`
+    (`diloco.bench.hetero_dead`; the first in a quick run). Returns its figures and its commands."""
+    name = "equal-tokens-dead"
+    launches = [Launch(f"{name}-{i}", c, train_command(setup, model, work_dir / name / f"group-{i}", setup.steps,
+                                                       arm_flags(setup, "equal", DEAD_ARM, i, peers, name)),
+                       work_dir / name / f"group-{i}") for i, c in enumerate(TRIOS["equal"])]  # fmt: skip
+    log.info("bench hetero %s: %s", name, shlex.join(launches[-1].command))
+    after = min(DEAD_AFTER, setup.steps // setup.local_steps // 2)  # (a quick run has 2 rounds)
+    figures, _ = run_phase(launches, work_dir, setup.timeout_s, dht, kill=(DEAD_GROUP, after))
+    survivors = [read_rows(x.run_dir) for i, x in enumerate(launches) if i != DEAD_GROUP]
+    for i, launch in enumerate(launches):
+        if i != DEAD_GROUP:
+            summary(launch.run_dir)  # (BenchError unless it ended ok)
+    dead = dead_figures(survivors, read_rows(launches[DEAD_GROUP].run_dir), figures[DEAD_GROUP]["killed_at"],
+                        setup.tokens_per_step, after)  # fmt: skip
+    return dead | {"flags": ARM_FLAGS[DEAD_ARM]}, [shlex.join(x.command) for x in launches]
+
+
 def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
     """Solo (one group after the other; in a quick run all at once, a smoke test), then each arm on each trio
     (`arm_list`; see the module's docstring). Returns the result document."""
@@ -490,6 +541,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
             alone = [next(s for s in solo if s["cores"] == c) for c in cores]
             arms.append(arm_figures(arm, groups, cgroups[name], alone, Counters(series), trio))
             commands[name] = [shlex.join(x.command) for x in launches]
+        dead, commands["equal-tokens-dead"] = dead_arm(setup, model, work_dir, peers, dht)
     solo_sum = sum(s["tokens_per_s"] for s in solo)
     result = {
         "model": MODEL,
@@ -503,6 +555,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
         "solo_sum_tokens_per_s": solo_sum,
         "fixed_h_expected_ratio": len(CORES) * min(s["tokens_per_s"] for s in solo) / solo_sum,
         "arms": arms,
+        "dead": dead,
         "targets": targets(arms),
         "cgroups": cgroups,
         "commands": commands,

@@ -14,6 +14,7 @@ import numpy as np
 
 from diloco.bench import BenchError, machine_line
 from diloco.bench.arms import row
+from diloco.bench.hetero_dead import dead_lines
 
 __all__ = ["Counters", "arm_figures", "explain", "markdown", "plot", "step_cpu", "targets"]
 
@@ -500,6 +501,7 @@ def markdown(result: dict[str, Any]) -> str:
         *machine_rows(result),
         "",
         *[f"- {line}" for line in explain(result)],
+        *(dead_lines(result["dead"], " ".join(result["dead"]["flags"])) if "dead" in result else []),
         "",
         verdict(result),
     ]

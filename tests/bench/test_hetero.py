@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from diloco.bench import BenchError, hetero, hetero_report, throttle
+from diloco.bench import BenchError, hetero, hetero_dead, hetero_report, throttle
 from diloco.bench.hetero import Launch
 from diloco.bench.hetero_report import Counters
 from diloco.bench.models import write_model
@@ -137,6 +137,12 @@ def test_hetero_quick(tmp_path: Path) -> None:
     assert "- unequal tokens (inner AdamW moment galaxy): inner steps at " in text
     assert "helpers (DHT, p2pd, averager) used " in text and "Tokens on unequal groups: final eval loss " in text
     assert "Decision: not measured" in text
+    dead = data["dead"]  # group 2 of the equal trio killed after its first round; the others finish ok
+    assert dead["dead_group"] == 2 and dead["killed_after_outer_steps"] == 1 and dead["dead_inner_steps"] > 0
+    assert dead["stale_after_kill_s"] > hetero_dead.STALE_S and {r["group"] for r in dead["rounds"]} == {0, 1}
+    assert sum(p["rounds"] for p in dead["phases"].values()) == len(dead["rounds"]) > 0
+    assert dead["phases"]["before the kill"]["num_peers"] == [3], dead  # all three, until one died
+    assert len(data["commands"]["equal-tokens-dead"]) == 3 and "**A dead group** (equal trio, `" in text
     assert data["plot"] == "hetero-quick.png" and (tmp_path / "hetero-quick.png").stat().st_size > 0
     assert not [f for f in cgroup_folders(data) if f.exists()]
     assert not marked(mark), [p.cmdline() for p in marked(mark)]
@@ -366,3 +372,30 @@ def test_markdown_without_the_tokens_arms_says_so() -> None:
     text = hetero_report.markdown(result)
     assert result["targets"]["tokens_default"] is None and "Decision: not measured" in text
     assert "| tokens |" not in text and "Tokens on" not in text
+
+
+def outer_row(time: float, wait_s: float, peers: int, averaging_s: float = 1.0) -> dict:
+    return {"time": time, "outer_step": 1, "wait_s": wait_s, "averaging_s": averaging_s, "num_peers": peers}
+
+
+def test_a_dead_groups_rounds_are_sorted_by_when_they_began_against_its_kill_and_staleness() -> None:
+    """Killed at t = 100 after steps of 1 s (100 tokens at 100 tokens/s): stale 17 s later. Rounds that began before
+    100, in [100, 117) and after fall in the three phases; waits within the floor while fresh and no longer than
+    before once stale meet the claim, a longer one after does not."""
+    dead_rows = [{"time": 90.0 + i, "tokens_per_s": 100.0} for i in range(8)]
+    survivors = [[outer_row(80, 1.0, 3), outer_row(106, 5.0, 2), outer_row(130, 0.5, 2)],
+                 [outer_row(81, 0.8, 3), {"time": 107.0, "outer_step": 2, "loaded_state_from": 0},
+                  outer_row(131, 0.4, 2)]]  # fmt: skip
+    dead = hetero_dead.dead_figures(survivors, dead_rows, killed_at=100.0, tokens_per_step=100, after=2)
+    assert dead["stale_after_kill_s"] == pytest.approx(hetero_dead.STALE_S + 2.0)
+    assert dead["killed_after_outer_steps"] == 2 and dead["dead_inner_steps"] == 8
+    phases = dead["phases"]
+    assert [phases[p]["rounds"] for p in hetero_dead.PHASES] == [2, 1, 2]  # the load without a round: none
+    assert phases["record still fresh"] == {"rounds": 1, "mean_wait_s": 5.0, "max_wait_s": 5.0, "num_peers": [2]}
+    assert dead["fresh_within_bound"] and dead["stale_costs_nothing"]
+    assert [r["since_kill_s"] for r in dead["rounds"]] == [-21.0, -20.0, 5.0, 29.0, 30.0]
+    survivors[0][2] = outer_row(130, 6.0, 2)
+    later = hetero_dead.dead_figures(survivors, dead_rows, killed_at=100.0, tokens_per_step=100, after=2)
+    assert not later["stale_costs_nothing"]
+    text = "\n".join(hetero_dead.dead_lines(later, "--hv.pace tokens"))
+    assert "| record stale | 2 | 2 | 3.2 | 6.0 |" in text and "then nothing" not in text and "**missed**" in text
