@@ -181,13 +181,17 @@ class Swarm:
                 procs.kill_all(alive)
 
     def wait_all(self, timeout_s: float) -> None:
-        """Poll until every trainer has exited (a hang is counted and the trainer killed at `timeout_s`)."""
-        deadline = time.monotonic() + timeout_s
+        """Poll until every trainer has exited (a hang is counted and the trainer killed once `timeout_s` pass
+        without an outer step in any group: under the token pace the swarm's last rounds take as long as the
+        tokens its groups still owe, which churn stretched)."""
+        deadline, newest = time.monotonic() + timeout_s, self.newest_outer_step()
         while any(slot.life for slot in self.slots):
+            if (now := self.newest_outer_step()) > newest:
+                deadline, newest = time.monotonic() + timeout_s, now
             if time.monotonic() > deadline:
                 for slot in self.slots:
                     if (life := slot.life) is not None:
-                        self._hang(life, f"still running at the phase's end ({timeout_s:.0f} s)")
+                        self._hang(life, f"no outer step in any group for {timeout_s:.0f} s")
                         self.kill(life)
                 break
             self.poll(time.time() - self.t0)
@@ -195,6 +199,9 @@ class Swarm:
         while self._orphan_checks:
             self._check_orphans()
             time.sleep(POLL_S)
+
+    def newest_outer_step(self) -> int:
+        return max(self.outer_step(g) for g in range(len(self.slots)))
 
     def outer_step(self, group: int) -> int:
         """The newest outer step group `group`'s current life has logged (0 before its first)."""
