@@ -71,7 +71,9 @@ BENCH_HELP = {
     "the token pace against fixed H (today's and the old defaults): tokens/s alone and together, full rounds, "
     "discarded steps, eval loss, and where the CPU went.",
     "shapes": "A 1-rank and a 2-rank FULL_SHARD group in one swarm against two 1-rank groups: identical after "
-    "every round, and the round time.",
+    "every round, and the round time; and the pair of unequal speed under the old and today's defaults.",
+    "scale": "A 2 GB corpus against a 10 MB one: each rank's peak RSS, the token store's build rate (bytes and a "
+    "BPE tokenizer trained here) and a second run's data start-up.",
     "compression": "Held-out loss at equal tokens and bytes per value of each --hv.compression (none, fp16, int8, "
     "int4): 2 groups, H = 25, against DDP, on real text.",
     "poison": "One hostile group among four honest ones (50x, sign-flipped, noise pseudo-gradients) under each "

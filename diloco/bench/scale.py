@@ -1,0 +1,270 @@
+"""`diloco bench scale`: what a corpus of gigabytes costs a worker group on this machine (its data part).
+
+- corpus: text generated here (the lines of tinyshakespeare.txt, shuffled by a seeded generator, numbered), a small
+  one and a large one (`ScaleSetup`);
+- cold: a 2-rank group (``torchrun``, galaxy size 1, the byte tokenizer, a token cache of its own) on the small
+  corpus, then on the large one, whose token store it builds first: each rank's peak RSS (VmHWM, read from /proc
+  every `POLL_S` while it runs), the store's build rate (the builder's own line), the data's start-up (the
+  trainer's "ready in" figure);
+- warm: the large corpus again, the store in place: the data's start-up and peak RSS per rank;
+- BPE: a byte-level BPE tokenizer trained here with `tokenizers` on a sample, saved as a Hugging Face tokenizer
+  folder; the rate at which this process builds a token store of part of the corpus with it (its threads on every
+  core).
+
+Targets (reported, never asserted): the large corpus adds at most `RSS_TARGET_MB` to a rank's peak RSS over the
+small one; a second run's data start-up under `WARM_TARGET_S`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import shlex
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from diloco import procs
+from diloco.bench import BenchError, section_head
+from diloco.bench.models import write_model
+from diloco.bench.wire import started, summary, wait_all
+from diloco.corpus import TINYSHAKESPEARE
+
+__all__ = ["markdown", "measure"]
+
+log = logging.getLogger("diloco")
+
+MODEL = "llama-1m-bytes"
+RSS_TARGET_MB, WARM_TARGET_S = 100.0, 5.0
+POLL_S = 0.2
+BPE_VOCAB, EOS = 8192, "<|endoftext|>"
+READY = re.compile(r"ready in ([\d.]+) s\)")
+TOKENIZED = re.compile(r"tokenized \S+: ([\d,]+) tokens in ([\d.]+) s \(([\d.]+) MB/s\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleSetup:
+    small_mb: int
+    large_mb: int
+    bpe_sample_mb: int  # text the BPE tokenizer is trained on
+    bpe_rate_mb: int  # text tokenized with it to time the rate
+    ranks: int
+    seq_length: int
+    batch: int
+    steps: int
+    timeout_s: float
+
+
+def scale_setup(quick: bool) -> ScaleSetup:
+    """Quick: 2 and 20 MB. Full: 10 MB and 2 GB, BPE timed on 200 MB."""
+    if quick:
+        return ScaleSetup(small_mb=2, large_mb=20, bpe_sample_mb=1, bpe_rate_mb=4, ranks=2, seq_length=128, batch=2,
+                          steps=2, timeout_s=300.0)  # fmt: skip
+    return ScaleSetup(small_mb=10, large_mb=2000, bpe_sample_mb=20, bpe_rate_mb=200, ranks=2, seq_length=256, batch=2,
+                      steps=2, timeout_s=1800.0)  # fmt: skip
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def write_corpus(path: Path, megabytes: int, seed: int = 0) -> Path:
+    """`megabytes` MB of text: the corpus's lines in a seeded order, chunk after chunk, each line numbered (so no
+    two chunks are alike)."""
+    lines = TINYSHAKESPEARE.read_text(encoding="utf-8").splitlines()
+    rng, target, written, chunk = np.random.default_rng(seed), megabytes * 10**6, 0, 0
+    with path.open("w", encoding="utf-8") as out:
+        while written < target:
+            order = rng.permutation(len(lines))
+            text = "".join(f"{chunk}.{i} {lines[i]}\n" for i in order)[: target - written]
+            out.write(text)
+            written += len(text.encode("utf-8"))
+            chunk += 1
+    return path
+
+
+def train_bpe(sample: Path, folder: Path) -> Path:
+    """A byte-level BPE tokenizer of `BPE_VOCAB` ids trained on `sample`, as a Hugging Face tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train([str(sample)], trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=[EOS], show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS).save_pretrained(folder)
+    return folder
+
+
+def head(source: Path, path: Path, megabytes: int) -> Path:
+    """The first `megabytes` MB of `source` (cut at a line end) in `path`."""
+    with source.open("rb") as f:
+        data = f.read(megabytes * 10**6)
+    path.write_bytes(data[: data.rfind(b"\n") + 1])
+    return path
+
+
+# ---------------------------------------------------------------- runs
+
+
+class PeakRss:
+    """Polls the VmHWM (peak resident set) of a process's children (torchrun's ranks) every `POLL_S` until
+    `stop`; `peaks` keeps the last value read per pid, in MB."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peaks = pid, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="scale-rss", daemon=True)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                children = psutil.Process(self.pid).children()
+            except psutil.Error:
+                return
+            for child in children:
+                peak = vm_hwm_mb(child.pid)
+                if peak is not None:
+                    self.peaks[child.pid] = peak
+
+
+def vm_hwm_mb(pid: int) -> float | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return int(found.group(1)) / 1024 if found else None
+
+
+def group_run(setup: ScaleSetup, model: Path, corpus: Path, cache: Path, work_dir: Path, name: str) -> dict[str, Any]:
+    """A 2-rank group (galaxy size 1) training `setup.steps` steps on `corpus` with the token cache `cache`: each
+    rank's peak RSS, the data's start-up and (when it built the store) the build's figures, from its log."""
+    run_dir, log_path = work_dir / name, work_dir / f"{name}.log"
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={setup.ranks}",
+               "-m", "diloco.train", "--path-model", str(model), "--dataset", str(corpus), "--token-cache", str(cache),
+               "--seq-length", str(setup.seq_length), "--per-device-train-batch-size", str(setup.batch),
+               "--total-batch-size", str(setup.batch * setup.ranks), "--max-steps", str(setup.steps),
+               "--eval-steps", "1", "--precision", "32-true", "--no-torch-compile", "--metric-logger-type", "dummy",
+               "--run-dir", str(run_dir)]  # fmt: skip
+    log.info("bench scale %s: %s", name, shlex.join(command))
+    began = time.monotonic()
+    with ExitStack() as stack:
+        proc = started(stack, command, log_path, procs.child_env())
+        with PeakRss(proc.pid) as rss:
+            wait_all([(name, proc, log_path)], setup.timeout_s)
+    summary(run_dir)  # (BenchError unless it ended ok)
+    text = log_path.read_text(errors="replace")
+    ready = [float(s) for s in READY.findall(text)]
+    built = TOKENIZED.search(text)
+    if len(rss.peaks) != setup.ranks or not ready:
+        raise BenchError(f"{name}: {len(rss.peaks)} ranks' memory read, {len(ready)} data start-ups in {log_path}")
+    return {
+        "name": name,
+        "corpus_mb": corpus.stat().st_size / 1e6,
+        "peak_rss_mb": sorted(rss.peaks.values()),
+        "data_ready_s": max(ready),  # the slower rank's (the one that waited for the store, if one was built)
+        "wall_s": time.monotonic() - began,
+        "built": None if built is None else {"tokens": int(built.group(1).replace(",", "")),
+                                             "seconds": float(built.group(2)), "mb_per_s": float(built.group(3))},
+        "command": shlex.join(command),
+    }  # fmt: skip
+
+
+def bpe_rate(corpus: Path, tokenizer: Path, cache: Path) -> dict[str, Any]:
+    """This process builds a token store of `corpus` with the tokenizer in `tokenizer`: MB/s and tokens per MB."""
+    from diloco.data import HFTokenizer
+    from diloco.data.store import open_store
+
+    began = time.monotonic()
+    stored = open_store(corpus, None, HFTokenizer(str(tokenizer)), cache)
+    seconds = time.monotonic() - began
+    megabytes = corpus.stat().st_size / 1e6
+    return {"corpus_mb": megabytes, "seconds": seconds, "mb_per_s": megabytes / seconds,
+            "tokens": stored.count, "tokens_per_mb": stored.count / megabytes, "dtype": stored.dtype.name}  # fmt: skip
+
+
+def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
+    setup = scale_setup(quick)
+    model = write_model(MODEL, work_dir / "models")
+    began = time.monotonic()
+    large = write_corpus(work_dir / "large.txt", setup.large_mb)
+    generated_s = time.monotonic() - began
+    small = head(large, work_dir / "small.txt", setup.small_mb)
+    cache = work_dir / "token-cache"
+    runs = [group_run(setup, model, small, cache, work_dir, "small"),
+            group_run(setup, model, large, cache, work_dir, "large-cold"),
+            group_run(setup, model, large, cache, work_dir, "large-warm")]  # fmt: skip
+    tokenizer = train_bpe(head(large, work_dir / "bpe-sample.txt", setup.bpe_sample_mb), work_dir / "bpe")
+    bpe = bpe_rate(head(large, work_dir / "bpe-rate.txt", setup.bpe_rate_mb), tokenizer, cache)
+    from diloco.data import ByteTokenizer
+    from diloco.data.store import store_key
+
+    small_run, cold, warm = runs
+    added = max(max(r["peak_rss_mb"]) for r in (cold, warm)) - max(small_run["peak_rss_mb"])
+    return {
+        "setup": dataclasses.asdict(setup),
+        "model": MODEL,
+        "generated_s": generated_s,
+        "runs": runs,
+        "bpe": bpe | {"vocab": BPE_VOCAB},
+        "rss_added_mb": added,
+        "rss_met": added <= RSS_TARGET_MB,
+        "warm_ready_met": warm["data_ready_s"] < WARM_TARGET_S,
+        "store_mb": (cache / store_key(large, None, ByteTokenizer()) / "tokens.bin").stat().st_size / 1e6,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["setup"]
+    small, cold, warm = result["runs"]
+    met = {True: "**met**", False: "**missed**"}
+    lines = [
+        *section_head(result),
+        f"- 1-minute load average at start / end: {result['machine']['load_avg_1m']:.1f} / "
+        f"{result['load_avg_1m_end']:.1f}",
+        f"- corpus: tinyshakespeare.txt's lines shuffled (seeded) and numbered, {s['large_mb']:,} MB "
+        f"(generated in {result['generated_s']:.0f} s) and its first {s['small_mb']} MB; the byte tokenizer",
+        f"- each run: one group of {s['ranks']} ranks (torchrun, galaxy size 1), model {result['model']}, seq "
+        f"{s['seq_length']}, {s['batch']} sequences per rank, {s['steps']} inner steps and one held-out batch; a token "
+        "cache of the bench's own, empty before the first run; peak RSS: each rank's VmHWM (/proc, read every "
+        f"{POLL_S} s); data start-up: the trainer's own \"ready in\" (the slower rank's)",
+        "",
+        "| run | corpus (MB) | store built | build rate (MB/s) | data start-up (s) | peak RSS per rank (MB) | wall (s) |",
+        "|---|---:|---|---:|---:|---|---:|",
+    ]
+    for run in (small, cold, warm):
+        built = run["built"]
+        rate = "–" if built is None else f"{built['mb_per_s']:.1f}"
+        lines.append(
+            f"| {run['name']} | {run['corpus_mb']:,.0f} | {'yes' if built else 'no (reused)'} | {rate} | "
+            f"{run['data_ready_s']:.1f} | {', '.join(f'{m:.0f}' for m in run['peak_rss_mb'])} | {run['wall_s']:.0f} |"
+        )
+    bpe = result["bpe"]
+    lines += [
+        "",
+        f"- token store of the large corpus: {result['store_mb']:,.0f} MB on disk",
+        f"- BPE (byte-level, {bpe['vocab']} ids, trained here with `tokenizers` on {s['bpe_sample_mb']} MB): this "
+        f"process tokenized {bpe['corpus_mb']:.0f} MB into a store at {bpe['mb_per_s']:.1f} MB/s "
+        f"({bpe['tokens_per_mb']:,.0f} tokens per MB, {bpe['dtype']})",
+        f"- the large corpus adds {result['rss_added_mb']:.0f} MB to a rank's peak RSS over the small one; target "
+        f"≤ {RSS_TARGET_MB:.0f} MB: {met[result['rss_met']]}",
+        f"- data start-up of a second run on the large corpus: {warm['data_ready_s']:.1f} s; target under "
+        f"{WARM_TARGET_S:.0f} s: {met[result['warm_ready_met']]}",
+        "- not measured here yet: loading a 1B-parameter checkpoint and the outer path at ~300M parameters",
+    ]
+    return "\n".join(lines) + "\n"
