@@ -4,6 +4,7 @@ store is keyed by it)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 from typing import Protocol
 
@@ -60,9 +61,39 @@ class HFTokenizer:
         return np.asarray(self.inner(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """The texts together (a fast tokenizer spreads them over the cores)."""
-        ids = self.inner(texts, add_special_tokens=False)["input_ids"]
-        return [np.asarray(one, dtype=np.int32) for one in ids]
+        """The texts together, each cut into parts of a few KB at line starts (`parts`): a fast tokenizer spreads
+        the parts over the cores, and is four times faster on them than on one text of megabytes."""
+        split = [parts(text) for text in texts]
+        flat = [part for cut in split for part in cut]
+        backend = getattr(self.inner, "backend_tokenizer", None)
+        if backend is not None:
+            ids = [encoding.ids for encoding in backend.encode_batch(flat, add_special_tokens=False)]
+        else:
+            ids = self.inner(flat, add_special_tokens=False)["input_ids"]
+        out, at = [], 0
+        for cut in split:
+            out.append(np.fromiter(itertools.chain.from_iterable(ids[at : at + len(cut)]), dtype=np.int32))
+            at += len(cut)
+        return out
+
+
+PART_CHARS = 4096  # what `HFTokenizer.encode_batch` cuts texts into
+
+
+def parts(text: str, size: int = PART_CHARS) -> list[str]:
+    """`text` in parts of at most about `size` characters, each cut after a line end that a visible character
+    follows (a BPE pre-tokenizer splits there anyway), else after a space, else anywhere; [text] when short."""
+    out, start = [], 0
+    while len(text) - start > size:
+        cut = text.rfind("\n", start, start + size)
+        while cut >= start and text[cut + 1].isspace():
+            cut = text.rfind("\n", start, cut)
+        if cut < start:
+            cut = text.rfind(" ", start, start + size)
+        end = cut + 1 if cut >= start else start + size
+        out.append(text[start:end])
+        start = end
+    return [*out, text[start:]]
 
 
 def folder_digest(folder: Path) -> str:

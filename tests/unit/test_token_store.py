@@ -22,6 +22,7 @@ from diloco.data import (
     pack,
     store,
     tokenize_corpus,
+    tokenizers,
 )
 from diloco.data import documents as docs
 from diloco.errors import FieldError
@@ -195,3 +196,13 @@ def test_a_run_reads_its_data_through_the_store(tmp_path: Path) -> None:
     held_out = pack(tokenize_corpus(path, ByteTokenizer()), 16)[1]
     assert torch.equal(torch.cat(made.eval_batches), torch.from_numpy(held_out[:4].astype(np.int64)))
     assert len([p for p in root.iterdir() if p.is_dir()]) == 1
+
+
+@pytest.mark.parametrize("text", ["", "short", "x" * 10_000, "ab\n\n\ncd " * 3000, "line one\nline two\n" * 2000])
+def test_texts_are_cut_into_parts_at_line_starts_and_nothing_is_lost(text: str) -> None:
+    """A fast tokenizer gets parts of about 4 KB: cut after a line end that a visible character follows, else after a
+    space, else anywhere; the parts put together are the text."""
+    cut = tokenizers.parts(text, size=4096)
+    assert "".join(cut) == text and all(len(part) <= 4096 for part in cut[:-1])
+    assert all(part.endswith("\n") and not cut[i + 1][:1].isspace() for i, part in enumerate(cut[:-1])
+               if "\n" in text)  # fmt: skip
