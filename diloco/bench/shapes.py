@@ -37,7 +37,7 @@ log = logging.getLogger("diloco")
 
 ARMS = {"1+1": (1, 1), "1+2": (1, 2)}  # ranks of each group (the 2-rank group: FULL_SHARD)
 # the pair under the pace flags of each arm, the 1-rank group accumulating two micro-batches where each rank of the
-# other takes one (about twice as slow): the trainer's former defaults, and today's (no flag)
+# other takes one (of unequal speed: which one is faster depends on the cores): the former defaults, and today's
 PAIR_ARMS = {"1+2-old-defaults": ["--hv.pace", "fixed", "--hv.matchmaking-time", "5", "--hv.late-work", "drop"],
              "1+2-defaults": []}  # fmt: skip
 
@@ -242,7 +242,7 @@ def pair_lines(result: dict[str, Any]) -> list[str]:
     lines = [
         "",
         "**Unequal speed, one swarm**: the same 1-rank and 2-rank groups, every rank taking half the batch per "
-        "micro-batch (the 1-rank group two in a row: about twice as slow), under the former defaults "
+        "micro-batch (the 1-rank group two in a row, in one process), under the former defaults "
         f"(`{' '.join(PAIR_ARMS['1+2-old-defaults'])}`) and today's (no pace flag). Tokens/s: in its steps, and its "
         "tokens over the arm's wall (rounds and waits included); full rounds: those with both groups.",
         "",
