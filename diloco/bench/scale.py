@@ -4,7 +4,7 @@
   one and a large one (`ScaleSetup`);
 - cold: a 2-rank group (``torchrun``, galaxy size 1, the byte tokenizer, a token cache of its own) on the small
   corpus, then on the large one, whose token store it builds first: each rank's peak RSS (VmHWM, read from /proc
-  every `POLL_S` while it runs), the store's build rate (the builder's own line), the data's start-up (the
+  every `POLL_S` while it runs), the store's build rate (from its manifest), the data's start-up (the
   trainer's "ready in" figure);
 - warm: the large corpus again, the store in place: the data's start-up and peak RSS per rank;
 - BPE: a byte-level BPE tokenizer trained here with `tokenizers` on a sample, saved as a Hugging Face tokenizer
@@ -18,6 +18,7 @@ small one; a second run's data start-up under `WARM_TARGET_S`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 import shlex
@@ -46,7 +47,6 @@ RSS_TARGET_MB, WARM_TARGET_S = 100.0, 5.0
 POLL_S = 0.2
 BPE_VOCAB, EOS = 8192, "<|endoftext|>"
 READY = re.compile(r"ready in ([\d.]+) s\)")
-TOKENIZED = re.compile(r"tokenized \S+: ([\d,]+) tokens in ([\d.]+) s \(([\d.]+) MB/s\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,11 @@ def group_run(setup: ScaleSetup, model: Path, corpus: Path, cache: Path, work_di
                "--eval-steps", "1", "--precision", "32-true", "--no-torch-compile", "--metric-logger-type", "dummy",
                "--run-dir", str(run_dir)]  # fmt: skip
     log.info("bench scale %s: %s", name, shlex.join(command))
-    began = time.monotonic()
+    from diloco.data import ByteTokenizer
+    from diloco.data.store import store_key
+
+    store = cache / store_key(corpus, None, ByteTokenizer())
+    existed, began = store.exists(), time.monotonic()
     with ExitStack() as stack:
         proc = started(stack, command, log_path, procs.child_env())
         with PeakRss(proc.pid) as rss:
@@ -170,7 +174,7 @@ def group_run(setup: ScaleSetup, model: Path, corpus: Path, cache: Path, work_di
     summary(run_dir)  # (BenchError unless it ended ok)
     text = log_path.read_text(errors="replace")
     ready = [float(s) for s in READY.findall(text)]
-    built = TOKENIZED.search(text)
+    manifest = json.loads((store / "manifest.json").read_text())
     if len(rss.peaks) != setup.ranks or not ready:
         raise BenchError(f"{name}: {len(rss.peaks)} ranks' memory read, {len(ready)} data start-ups in {log_path}")
     return {
@@ -179,8 +183,8 @@ def group_run(setup: ScaleSetup, model: Path, corpus: Path, cache: Path, work_di
         "peak_rss_mb": sorted(rss.peaks.values()),
         "data_ready_s": max(ready),  # the slower rank's (the one that waited for the store, if one was built)
         "wall_s": time.monotonic() - began,
-        "built": None if built is None else {"tokens": int(built.group(1).replace(",", "")),
-                                             "seconds": float(built.group(2)), "mb_per_s": float(built.group(3))},
+        "built": None if existed else {"tokens": manifest["tokens"], "seconds": manifest["build_seconds"],
+                                       "mb_per_s": manifest["source_bytes"] / 1e6 / manifest["build_seconds"]},
         "command": shlex.join(command),
     }  # fmt: skip
 

@@ -15,7 +15,6 @@ from diloco.data.documents import (
     TEXT_SUFFIXES,
     dataset_files,
     hub_documents,
-    read_documents,
 )
 from diloco.data.tokenizers import (
     ByteTokenizer,
@@ -28,5 +27,5 @@ from diloco.data.tokenizers import (
 __all__ = [
     "EVAL_FRACTION", "TEXT_SUFFIXES", "BatchSource", "BlockBatches", "ByteTokenizer", "Data", "FakeBatches",
     "HFTokenizer", "Shard", "Tokenizer", "build_data", "build_tokenizer", "dataset_files", "hub_documents", "pack",
-    "read_documents", "tokenize_corpus",
+    "tokenize_corpus",
 ]  # fmt: skip

@@ -1,5 +1,5 @@
 """The documents of a corpus, as text: local .txt, .jsonl and .parquet files (or a folder of them), or a hub
-dataset's train split. Read in pieces of a few MB whatever the file's size (`pieces`), or whole (`documents`)."""
+dataset's train split, read in pieces of a few MB whatever the file's size (`pieces`)."""
 
 from __future__ import annotations
 
@@ -114,16 +114,6 @@ def parquet_pieces(path: Path) -> Iterator[Piece]:
             yield Piece(text, True, share if i == len(texts) - 1 else 0)
 
 
-def read_documents(path: Path) -> Iterator[str]:
-    """The documents of one local file, each whole."""
-    parts: list[str] = []
-    for piece in file_pieces(path):
-        parts.append(piece.text)
-        if piece.ends:
-            yield "".join(parts)
-            parts = []
-
-
 def _text_field(record: object, where: str) -> str:
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise FieldError(f"{{dataset}} {where}: each JSON line needs a string 'text' field")
@@ -184,13 +174,3 @@ def streamed(name: str, config: str | None) -> Iterator[str]:
             raise hub.not_found("dataset", name, first_line(e)) from None
         raise FieldError(f"{{dataset}} {name}: the stream from the hub broke off after {rows} rows "
                          f"({first_line(e)})") from None  # fmt: skip
-
-
-def documents(dataset: Path, config: str | None = None) -> Iterator[str]:
-    """Every document of `dataset`, each whole. A local file or folder keeps priority over a hub dataset id of the
-    same spelling."""
-    if hub.is_hub_id(str(dataset)):
-        yield from hub_documents(str(dataset), config)
-        return
-    for file in dataset_files(dataset):
-        yield from read_documents(file)

@@ -209,12 +209,13 @@ def sampled_digests(path: Path, size: int) -> list[str]:
 
 @contextlib.contextmanager
 def locked(path: Path, waiting: str) -> Iterator[None]:
-    """An exclusive lock on `path` (any process of the machine); says `waiting` once if another holds it."""
+    """An exclusive lock on `path` (any process of the machine); says `waiting` (at DEBUG: the builder's progress
+    lines say how far it got) if another holds it."""
     with path.open("a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("%s", waiting)
+            log.debug("%s", waiting)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -231,10 +232,12 @@ def build(folder: Path, dataset: Path, config: str | None, tokenizer: Tokenizer)
     building.mkdir()
     try:
         dtype = token_dtype(tokenizer.vocab_size)
-        count, documents = write_tokens(building / "tokens.bin", dataset, config, tokenizer, dtype)
+        began = time.monotonic()
+        count, documents, source_bytes = write_tokens(building / "tokens.bin", dataset, config, tokenizer, dtype)
         manifest = {"version": VERSION, "dtype": dtype.name, "tokens": count, "documents": documents,
                     "tokenizer": tokenizer.fingerprint, "corpus": corpus_fingerprint(dataset, config),
-                    "samples": sampled_digests(building / "tokens.bin", count * dtype.itemsize)}  # fmt: skip
+                    "samples": sampled_digests(building / "tokens.bin", count * dtype.itemsize),
+                    "source_bytes": source_bytes, "build_seconds": time.monotonic() - began}  # fmt: skip
         (building / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
         building.rename(folder)
     except BaseException:
@@ -243,9 +246,9 @@ def build(folder: Path, dataset: Path, config: str | None, tokenizer: Tokenizer)
 
 
 def write_tokens(path: Path, dataset: Path, config: str | None, tokenizer: Tokenizer,
-                 dtype: np.dtype) -> tuple[int, int]:  # fmt: skip
+                 dtype: np.dtype) -> tuple[int, int, int]:  # fmt: skip
     """Every document's ids, then EOS, into `path` as `dtype`; a progress line every `PROGRESS_S`. Returns (ids
-    written, documents)."""
+    written, documents, bytes of the source read)."""
     progress = Progress(dataset, corpus_bytes(dataset))
     count = documents = 0
     with path.open("wb") as out:
@@ -274,7 +277,7 @@ def write_tokens(path: Path, dataset: Path, config: str | None, tokenizer: Token
     if count <= documents:  # nothing but separators
         raise FieldError(f"{{dataset}} {dataset}: the dataset is empty")
     progress.done(count)
-    return count, documents
+    return count, documents, progress.done_bytes
 
 
 def corpus_bytes(dataset: Path) -> int | None:
@@ -286,7 +289,7 @@ def corpus_bytes(dataset: Path) -> int | None:
 
 class Progress:
     """The build's progress line every `PROGRESS_S` (bytes done of the total, rate, time left), and a last one; a
-    corpus that cannot be read fails before the first, so its error stays the only line."""
+    build shorter than that says nothing (its figures are in the manifest)."""
 
     def __init__(self, dataset: Path, total: int | None) -> None:
         self.name, self.total, self.done_bytes = dataset.name, total, 0
@@ -307,6 +310,10 @@ class Progress:
             log.info("tokenizing %s: %.0f MB, %.1f MB/s", self.name, self.done_bytes / 1e6, rate / 1e6)
 
     def done(self, count: int) -> None:
+        """The last line, after progress lines only (a build of seconds says nothing: a run that then stops on bad
+        input keeps its one line)."""
         seconds = time.monotonic() - self.started
+        if seconds < PROGRESS_S:
+            return
         log.info("tokenized %s: %s tokens in %.1f s (%.1f MB/s)", self.name, f"{count:,}", seconds,
                  self.done_bytes / 1e6 / max(seconds, 1e-9))  # fmt: skip

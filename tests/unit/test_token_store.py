@@ -62,12 +62,15 @@ def test_a_corpus_read_in_pieces_gives_the_tokens_of_a_whole_read(tmp_path: Path
 def test_a_store_is_built_once_and_reused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = corpus(tmp_path)
     root = tmp_path / "cache"
-    with caplog.at_level(logging.INFO, logger="diloco"):
+    with caplog.at_level(logging.INFO, logger="diloco.data"):
         first = store.open_store(path, None, ByteTokenizer(), root)
-    assert "tokenized c.txt: 3,721 tokens in " in caplog.text  # one line, at the end (bytes and EOS)
+    assert "tokeniz" not in caplog.text  # a build of seconds says nothing; its figures are in its manifest
+    manifest = json.loads((first.path.parent / "manifest.json").read_text())
+    assert manifest["tokens"] == 3721 and manifest["source_bytes"] == path.stat().st_size  # bytes and EOS
+    assert 0 < manifest["build_seconds"] < 60
     built_at = first.path.stat().st_mtime_ns
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="diloco"):
+    with caplog.at_level(logging.INFO, logger="diloco.data"):
         again = store.open_store(path, None, ByteTokenizer(), root)
     assert again == first and again.path.stat().st_mtime_ns == built_at and "tokeniz" not in caplog.text
     assert np.array_equal(stream(first), tokenize_corpus(path, ByteTokenizer()))
@@ -101,7 +104,7 @@ def test_a_damaged_store_is_rebuilt_with_one_line(tmp_path: Path, caplog: pytest
         stored.path.write_bytes(data)
     else:
         (stored.path.parent / "manifest.json").unlink()
-    with caplog.at_level(logging.WARNING, logger="diloco"):
+    with caplog.at_level(logging.WARNING, logger="diloco.data"):
         rebuilt = store.open_store(path, None, ByteTokenizer(), tmp_path / "cache")
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "is damaged" in warned[0] and "building it again" in warned[0], warned
@@ -158,7 +161,7 @@ def test_of_two_builders_at_once_one_builds_and_the_other_waits(tmp_path: Path,
     path, root, got = corpus(tmp_path), tmp_path / "cache", []
     threads = [threading.Thread(target=lambda: got.append(store.open_store(path, None, Slow(), root)))
                for _ in range(2)]  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="diloco"):
+    with caplog.at_level(logging.DEBUG, logger="diloco.data"):  # (its own level: `console.setup_logging`)
         for thread in threads:
             thread.start()
             time.sleep(0.1)
