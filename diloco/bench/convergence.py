@@ -33,7 +33,6 @@ thread each: the losses do not depend on it, the wall times do.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
@@ -343,15 +342,8 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
                 with lock:
                     curve.append((step * tokens_per_step, eval_loss(model, corpus.held_out)))
 
-    threads = [
-        threading.Thread(target=swarm.guard(functools.partial(group, g)), name=f"{spec.name}-g{g}")
-        for g in range(spec.groups)
-    ]
     started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    swarm.run_groups(group, spec.groups, spec.name)
     if swarm.failed:
         raise BenchError(f"arm {spec.name}: {swarm.failed[0]}")
     final = eval_loss(models[0], corpus.held_out)

@@ -34,7 +34,6 @@ swarm's tokens trained and landed: the arms are compared at the same schedule (S
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import time
@@ -329,14 +328,9 @@ def run_late_arm(arm: LateArm, w: Workload, corpus: Corpus) -> dict[str, Any]:
             "outer_digest": outer.digest,
         }
 
-    threads = [threading.Thread(target=hub.guard(functools.partial(group, g)), name=f"{arm.name}-g{g}")
-               for g in range(arm.k)]  # fmt: skip
     started = time.perf_counter()
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        hub.run_groups(group, arm.k, arm.name)
     finally:
         for outer in outers:
             outer.close()

@@ -13,6 +13,7 @@ in dicts. It implements `diloco.outer.links.Swarm`; plain torch, no hivemind, no
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -118,6 +119,16 @@ class MemorySwarm:
                 self.barrier.abort()
 
         return target
+
+    def run_groups(self, group: Callable[[int], None], count: int, name: str) -> None:
+        """`group(g)` for g in range(`count`), each in a thread of its own named `<name>-g<g>` and `guard`ed; returns
+        once every one ended (their errors are in `failed`)."""
+        threads = [threading.Thread(target=self.guard(functools.partial(group, g)), name=f"{name}-g{g}")
+                   for g in range(count)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
 
 class Member:
