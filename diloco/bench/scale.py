@@ -37,6 +37,8 @@ from diloco.bench import BenchError, section_head
 from diloco.bench.models import write_model
 from diloco.bench.wire import started, summary, wait_all
 from diloco.corpus import TINYSHAKESPEARE
+from diloco.data import ByteTokenizer, HFTokenizer
+from diloco.data.store import open_store, store_key
 
 __all__ = ["markdown", "measure"]
 
@@ -162,9 +164,6 @@ def group_run(setup: ScaleSetup, model: Path, corpus: Path, cache: Path, work_di
                "--eval-steps", "1", "--precision", "32-true", "--no-torch-compile", "--metric-logger-type", "dummy",
                "--run-dir", str(run_dir)]  # fmt: skip
     log.info("bench scale %s: %s", name, shlex.join(command))
-    from diloco.data import ByteTokenizer
-    from diloco.data.store import store_key
-
     store = cache / store_key(corpus, None, ByteTokenizer())
     existed, began = store.exists(), time.monotonic()
     with ExitStack() as stack:
@@ -191,9 +190,6 @@ def group_run(setup: ScaleSetup, model: Path, corpus: Path, cache: Path, work_di
 
 def bpe_rate(corpus: Path, tokenizer: Path, cache: Path) -> dict[str, Any]:
     """This process builds a token store of `corpus` with the tokenizer in `tokenizer`: MB/s and tokens per MB."""
-    from diloco.data import HFTokenizer
-    from diloco.data.store import open_store
-
     began = time.monotonic()
     stored = open_store(corpus, None, HFTokenizer(str(tokenizer)), cache)
     seconds = time.monotonic() - began
@@ -215,9 +211,6 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
             group_run(setup, model, large, cache, work_dir, "large-warm")]  # fmt: skip
     tokenizer = train_bpe(head(large, work_dir / "bpe-sample.txt", setup.bpe_sample_mb), work_dir / "bpe")
     bpe = bpe_rate(head(large, work_dir / "bpe-rate.txt", setup.bpe_rate_mb), tokenizer, cache)
-    from diloco.data import ByteTokenizer
-    from diloco.data.store import store_key
-
     small_run, cold, warm = runs
     added = max(max(r["peak_rss_mb"]) for r in (cold, warm)) - max(small_run["peak_rss_mb"])
     return {
