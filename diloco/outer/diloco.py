@@ -422,12 +422,16 @@ class DiLoCo:
         if all_ok and self.group.sum(float(num_peers)) != num_peers * ranks:
             log.warning("outer step %d: the ranks of this group averaged with different peers", self.outer_step + 1)
             all_ok, num_peers = False, 0
+        # a lone round of a group that would keep its steps, while a live group is already past this outer step: its
+        # round formed without this group. Applied alone, the step would be replaced at the next load, its inner
+        # steps lost; left out, they carry over and land in the swarm's next round
+        passed = all_ok and num_peers <= 1 and bool(weight) and self.keep_late and self._swarm_past()
         outer_before = self.outer_step
         with self.params.lock:  # a state served meanwhile has the digest of its parameters
             if all_ok and num_peers > 1:
                 self.params.step(pseudo_gradient, fragment, mix)
                 self.tainted, self.ledger.alone_steps = False, 0
-            elif all_ok and weight:  # as the paper does: a group that found nobody applies its own pseudo-gradient
+            elif all_ok and weight and not passed:  # as the paper: a group that found nobody applies its own
                 log.warning(
                     "outer step %d: no peer was ready, applying this group's own pseudo-gradient", self.outer_step + 1
                 )
@@ -437,7 +441,8 @@ class DiLoCo:
             else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
                 log.warning(
                     "outer step %d: %s; nothing applied, the inner steps carry over to the next round",
-                    self.outer_step + 1, "missed the swarm's round" if all_ok else
+                    self.outer_step + 1, "the swarm is already past it" if passed else
+                    "missed the swarm's round" if all_ok else
                     "behind the others' outer step, it sat the round out" if report.behind else "averaging failed",
                 )  # fmt: skip
             self._update_digest()
@@ -454,7 +459,17 @@ class DiLoCo:
                         with_sha=landed is None)  # fmt: skip
         if fragment is not None:
             row["fragment"] = fragment
-        return row | {"tokens": tokens, "weight": weight} | (self.pace.summary(tokens) if landed is None else landed)
+        if passed:
+            row["sat_out"] = True  # it applied nothing: the swarm was past this outer step
+        row |= {"tokens": tokens, "weight": weight} | self.params.timings  # (the gather: of this round's send)
+        return row | (self.pace.summary(tokens) if landed is None else landed)
+
+    def _swarm_past(self) -> bool:
+        """Collective: whether a live group's record holds a later outer step than this group's (rank 0 reads)."""
+        past = None
+        if self.group.is_main:
+            past = any(r.outer_step > self.outer_step for holders in self._plan() for r in holders)
+        return bool(self.group.broadcast(past))
 
     def _row(self, step: int, *, source: int | None, **round_fields: Any) -> dict[str, Any]:
         """Collective: the metrics row of this group's outer state at `step` (``rows.round_row``), with the inner

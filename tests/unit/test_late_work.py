@@ -3,7 +3,7 @@ round it takes part in, weighted by their tokens; with ``drop`` they are thrown 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -198,3 +198,42 @@ def test_under_fixed_h_a_late_group_takes_its_kept_steps_to_the_swarms_next_roun
     assert sorted(members[1].sent) == [3] and members[1].sent[3][1] == 1.0  # one round of tokens, in round 3
     assert row["tokens"] == 2 * TOKENS and row["discarded_steps"] == 0 and outers[1].step == 6
     assert outers[1].outer_step == 3  # (alone here: this member meets nobody)
+
+
+class Overtaken(Lone):
+    """A lone member during whose first round another group closes the same round and moves on (`meanwhile`): the
+    race of a late group that loaded a state just before its source took the next step."""
+
+    def __init__(self, hub: MemorySwarm, name: str) -> None:
+        super().__init__(hub, name)
+        self.meanwhile: list[Callable[[], object]] = []
+
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
+                fragment: object = None, outer_step: int | None = None) -> Report:  # fmt: skip
+        while self.meanwhile:
+            self.meanwhile.pop()()
+        return super().average(tensors, round_index, weight, stop, fragment, outer_step)
+
+
+def test_a_lone_round_the_swarm_is_already_past_applies_nothing_and_the_kept_steps_carry_on() -> None:
+    """Group 1 loads outer step 1 and takes its kept steps to round 2, which group 0 closes (alone) meanwhile. Group 1
+    applies nothing alone (that step would be replaced at its next load, and its steps lost), carries them on, and
+    brings all four to round 3 with nothing discarded. (Nobody past it: it applies its own step, as the paper; see
+    the test above.)"""
+    hub = MemorySwarm(2)
+    nets = {g: net() for g in (0, 1)}
+    members = {0: Lone(hub, "g0"), 1: Overtaken(hub, "g1")}
+    outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.0, h=2, world_rank=g, tokens_per_step=TOKENS,
+                        final_step=10, late_work="keep") for g in (0, 1)}  # fmt: skip
+    for g in (0, 1):
+        outers[g].join(0)
+    train({0: outers[0]}, {0: nets[0]}, range(0, 2))  # group 0: round 1, alone
+    members[1].meanwhile.append(lambda: train({0: outers[0]}, {0: nets[0]}, range(2, 4)))  # and round 2
+    [row] = train({1: outers[1]}, {1: nets[1]}, range(0, 2))[1]
+    assert row["loaded_state_from"] == 0 and outers[0].outer_step == 2
+    assert row["sat_out"] is True and row["num_peers"] == 1 and outers[1].outer_step == 1
+    assert row["carried_steps"] == 2 and row["discarded_steps"] == 0
+    [row] = train({1: outers[1]}, {1: nets[1]}, range(4, 6))[1]  # loads outer step 2, keeping all four steps
+    assert row["loaded_state_from"] == 0 and row["discarded_steps"] == 0 and "sat_out" not in row
+    assert members[1].sent[3][1] == 2.0 and row["tokens"] == 4 * TOKENS  # round 3: two rounds' worth of tokens
+    assert outers[1].summary()["discarded_steps"] == 0
