@@ -329,6 +329,12 @@ class Config(_Strict):
     eval_interval: int | None = Field(None, gt=0, description="Evaluate every N inner steps (and at the last).")
     eval_steps: int = Field(10, gt=0, description="Batches per evaluation and rank.")
     log_interval: int = Field(1, gt=0, description="Write a metrics row every N inner steps.")
+    profile_steps: int = Field(
+        0, ge=0, description="Profile N inner steps with torch.profiler (first rank): profile.json and profile.txt "
+        "in the run folder say what keeps the accelerator busy or idle; 0: off."
+    )
+    profile_start: int = Field(10, ge=0, description="The inner step after which --profile-steps begins (past "
+                               "compilation and warm-up).")  # fmt: skip
     run_name: str | None = Field(None, description="Name of the run folder under runs/ [default: a timestamp].")
     run_dir: Path | None = Field(None, description="Output folder [default: runs/<run name>/worker-<hv.world-rank>].")
     ckpt: Annotated[CkptConfig, Parameter(name="ckpt")] = Field(default_factory=CkptConfig)

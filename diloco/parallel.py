@@ -176,16 +176,17 @@ def shard_model(
     fully_shard(model, **kwargs)
 
 
-def all_reduce_sum(value: float, device: torch.device) -> float:
-    """Sum a Python scalar over the ranks of this group."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+def all_reduce_sum(value: float) -> float:
+    """Sum a Python scalar over the ranks of this group. A CPU tensor goes over gloo (every backend here has it):
+    reading an accelerator's result would wait for all the work queued before it, once per call."""
+    tensor = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(tensor)
     return tensor.item()
 
 
-def all_reduce_mean(value: float, device: torch.device) -> float:
+def all_reduce_mean(value: float) -> float:
     """Average a Python scalar over the ranks of this group."""
-    return all_reduce_sum(value, device) / dist.get_world_size()
+    return all_reduce_sum(value) / dist.get_world_size()
 
 
 def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -195,9 +196,10 @@ def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when it is true on any (for stop requests that must be agreed on)."""
-    tensor = torch.tensor([int(flag)], device=device)
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any (for stop requests that must be agreed on). Asked every inner
+    step: host-side over gloo, so the host goes on queueing the next step while the accelerator works."""
+    tensor = torch.tensor([int(flag)])
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
 

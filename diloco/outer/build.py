@@ -76,7 +76,7 @@ def _join(config: Config, env: DistEnv, model: torch.nn.Module, device: torch.de
     check_overlap(hv, tokens_per_step)
     group = Group(
         rank=env.rank,
-        sum=lambda value: parallel.all_reduce_sum(value, device),
+        sum=parallel.all_reduce_sum,
         gather=parallel.all_gather_object,
         broadcast=parallel.broadcast_object,
         sha=lambda: parallel.sha_of(model, parallel.full_state_dict(model)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +55,8 @@ class OuterOptimizer:
         self._spans = list(zip([0, *ends[:-1]], ends))  # each shard's [start, stop) in the flat shard
         self.whole: Runs = [(0, self.outer.numel())] if self.outer.numel() else []
         self.fragments = fragments or [self.whole]
+        # the last pseudo-gradient's and the last step's seconds (device to host, and the step plus host to device)
+        self.timings = {"pseudo_gradient_s": 0.0, "outer_apply_s": 0.0}
 
     def flat_shards(self) -> torch.Tensor:
         """The model's current shard, flattened, as a new float32 CPU tensor."""
@@ -78,10 +81,15 @@ class OuterOptimizer:
     def pseudo_gradient(self, fragment: int | None = None) -> torch.Tensor:
         """Outer parameters − current parameters of `fragment` (None: all), its runs concatenated (a new tensor,
         averaged in place by the swarm)."""
+        started = time.perf_counter()
         if fragment is None:
-            return self.outer - self.flat_shards()
-        parts = [self.outer[a:b] - view.to("cpu", torch.float32) for view, a, b in self._pieces(self._runs(fragment))]
-        return torch.cat(parts) if parts else torch.zeros(0)
+            result = self.outer - self.flat_shards()
+        else:
+            runs = self._runs(fragment)
+            parts = [self.outer[a:b] - view.to("cpu", torch.float32) for view, a, b in self._pieces(runs)]
+            result = torch.cat(parts) if parts else torch.zeros(0)
+        self.timings["pseudo_gradient_s"] = time.perf_counter() - started  # the copy waits for the device
+        return result
 
     @torch.no_grad()
     def step(self, pseudo_gradient: torch.Tensor, fragment: int | None = None, mix: float = 0.0) -> None:
@@ -89,6 +97,7 @@ class OuterOptimizer:
         shard there to the result; with `mix` > 0 (overlapped rounds) to mix × the model's values + (1 − mix) ×
         the result instead, keeping a share of the inner steps taken while the round was on the wire."""
         with self.lock:
+            started = time.perf_counter()
             lr = self.lr_at(self.steps // len(self.fragments))  # the warm-up counts whole passes over the model
             if fragment is None:
                 self.outer.grad = pseudo_gradient
@@ -99,6 +108,7 @@ class OuterOptimizer:
                 self._step_runs(pseudo_gradient, self.fragments[fragment], lr)
             self._write(self._runs(fragment), mix)
             self.steps += 1
+            self.timings["outer_apply_s"] = time.perf_counter() - started
 
     def _step_runs(self, pseudo_gradient: torch.Tensor, runs: Runs, lr: float) -> None:
         """torch's SGD update (Nesterov when momentum > 0) on the runs of the flat shard alone; the momentum of

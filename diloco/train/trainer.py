@@ -32,6 +32,7 @@ from diloco.outer.auto import outer_setting
 from diloco.outer.build import build_outer
 from diloco.outer.diloco import JoinError
 from diloco.outer.loop import OuterLoop
+from diloco.profiling import NoProfiler, build_profiler
 
 log = logging.getLogger("diloco")
 
@@ -81,6 +82,7 @@ class Run:
     metrics: Metrics
     outer: OuterLoop
     stop: StopRequest
+    profiler: NoProfiler  # --profile-steps: torch.profiler over a window of inner steps
     step: int = 0
     last_loss: float | None = None
     last_eval_loss: float | None = None
@@ -139,7 +141,7 @@ def evaluate(run: Run) -> float | None:
             for b in run.data.eval_batches
         ]
     run.model.train()
-    return parallel.all_reduce_mean(torch.stack(losses).mean().item(), run.device)
+    return parallel.all_reduce_mean(torch.stack(losses).mean().item())
 
 
 def train_loop(run: Run) -> str:
@@ -152,8 +154,9 @@ def train_loop(run: Run) -> str:
         lr = run.scheduler.get_last_lr()[0]  # the rate this step uses
         loss = inner_step(run)
         run.step += 1
+        run.profiler.step(run.step)
         if run.step % cfg.log_interval == 0 or run.step == run.max_steps:
-            run.last_loss = parallel.all_reduce_mean(loss.item(), run.device)
+            run.last_loss = parallel.all_reduce_mean(loss.item())
             if not math.isfinite(run.last_loss):
                 raise FloatingPointError(f"loss is {run.last_loss} at step {run.step}: stopping this group")
             elapsed, tick = time.perf_counter() - tick, time.perf_counter()
@@ -170,7 +173,7 @@ def train_loop(run: Run) -> str:
                 row["swarm_step"] = run.outer.position(run.step)  # the swarm's, in steps of an average group
             run.metrics.log(row)
             run.outer.progress(row)  # the swarm's status heartbeat; never waits for the network
-        if parallel.any_rank(run.stop.requested, run.device):  # agreed, and before a possibly long outer round
+        if parallel.any_rank(run.stop.requested):  # agreed (host-side: no wait for the accelerator), before a round
             return "interrupted"
         outer = run.outer.after_inner_step(run.step)
         if outer is not None:
@@ -291,6 +294,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         metrics=metrics,
         outer=outer,
         stop=stop,
+        profiler=build_profiler(config.profile_start, config.profile_steps, run_dir, device, env.is_main),
     )
 
 
@@ -466,6 +470,7 @@ def main(config: Config, env: DistEnv) -> int:
         if config.eval_interval and run.step == 0:
             log_eval(run)  # where the curve starts (about ln(vocabulary) for a fresh model)
         status = train_loop(run)
+        run.profiler.close()  # a window the run's end cut short
         summary = finish(run, status, started)
     except KeyboardInterrupt:  # a second signal: no more collectives, just record what is known
         status = "interrupted"
