@@ -123,16 +123,28 @@ def build_optimizer(
     betas: tuple[float, float],
     weight_decay: float,
     galaxy_batches: float | None = None,
+    fused: bool = False,
 ) -> torch.optim.Optimizer:
     """AdamW; under ZERO1 each rank keeps and steps the AdamW state of a 1/n partition of the parameters only
     (ZeroRedundancyOptimizer), then broadcasts its updated partition. Elementwise, so float32 results match.
-    With `galaxy_batches` k: `GalaxyAdamW`, whose second moment is that of a k times larger batch."""
+    With `galaxy_batches` k: `GalaxyAdamW`, whose second moment is that of a k times larger batch.
+
+    `fused`: torch's fused AdamW kernel instead of the multi-tensor one (see `fused_adamw`)."""
     if galaxy_batches is not None:
         return GalaxyAdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, galaxy_batches=galaxy_batches)
-    kwargs = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "foreach": True}
+    kwargs = {"lr": lr, "betas": betas, "weight_decay": weight_decay} | ({"fused": True} if fused else {"foreach": True})
     if strategy == "ZERO1":
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
+def fused_adamw(device: torch.device, precision: Precision, cpu_offload: bool = False) -> bool:
+    """Whether the inner AdamW takes torch's fused kernel: on an accelerator, where the multi-tensor step took 10% of
+    a 1B llama's inner step on an H100 and the fused one half that (docs/gpu.md). Not under fp16-mixed: torch's
+    sharded gradient scaler hands the fused step an inf flag of another shape (it fails). Not with --cpu-offload,
+    whose step runs on the host (measured multi-tensor only), nor on CPU, where every result here was measured with
+    the multi-tensor step."""
+    return device.type != "cpu" and precision != "fp16-mixed" and not cpu_offload
 
 
 def build_mesh(strategy: ShardingStrategy, env: DistEnv, device: torch.device) -> DeviceMesh:

@@ -260,6 +260,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         betas=config.adam_betas,
         weight_decay=config.weight_decay,
         galaxy_batches=float(config.hv.galaxy_size) if galaxy else None,  # groups of equal batches: k of them
+        fused=parallel.fused_adamw(device, config.precision, config.cpu_offload),
     )
     steps_per_epoch = data.steps_per_epoch(grad_accum)
     max_steps = total_steps(config, steps_per_epoch)

@@ -79,3 +79,20 @@ def test_a_profiled_window_writes_its_summary_and_the_figures_read_it(tmp_path: 
     flops, _, _ = flops_per_token(MODELS / "llama-124m-fresh", 1024)
     assert figures["tokens_per_s"] == 2e3 and figures["mfu"] == pytest.approx(2e3 * flops / 1e12 / 100.0)
     assert figures["peak_memory_mb"] == 12.5 and figures["profile"]["steps"] == [3, 4]
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "fused"),
+    [("cuda", "bf16-mixed", True), ("cuda", "fp16-mixed", False), ("cpu", "bf16-mixed", False), ("meta", "32-true", True)],
+)
+def test_the_inner_adamw_is_fused_on_an_accelerator_without_the_gradient_scaler(
+    device: str, precision: str, fused: bool
+) -> None:
+    from diloco import parallel
+
+    assert parallel.fused_adamw(torch.device(device), precision) is fused  # type: ignore[arg-type]
+    assert not parallel.fused_adamw(torch.device(device), precision, cpu_offload=True)  # type: ignore[arg-type]
+    model = torch.nn.Linear(3, 3)
+    optimizer = parallel.build_optimizer(model, "FULL_SHARD", lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                                         fused=fused)  # fmt: skip
+    assert bool(optimizer.defaults.get("fused")) is fused and bool(optimizer.defaults.get("foreach")) is not fused
