@@ -20,6 +20,7 @@ from cyclopts import App, Parameter
 
 from diloco import preflight
 from diloco.bench.cli import bench_app
+from diloco.cli import deepspeed
 from diloco.cli.spellings import translate
 from diloco.config import Config, HvConfig
 from diloco.console import log_warning, setup_logging
@@ -36,7 +37,9 @@ def train(config: Config) -> int:
 
     --config FILE.toml reads flags from a TOML file: keys spelled as the flags without their dashes (path-model =
     "models/x", max-steps = 1000), [hv] and [ckpt] tables for --hv.* and --ckpt.*; flags on the command line win.
-    OpenDiLoCo's train_fsdp.py flags are taken too (docs/seeds.md)."""
+    --deepspeed ds_config.json reads a DeepSpeed config as the flags it maps to, ahead of those given beside it
+    (docs/cli.md); the deepspeed launcher's --local_rank N is ignored. OpenDiLoCo's train_fsdp.py flags are taken
+    too (docs/seeds.md)."""
     env = DistEnv.from_environ()
     env.export()  # an srun step without torchrun: the variables torch's env:// rendezvous (and rank 0 gating) read
     setup_logging(env.rank)
@@ -153,7 +156,8 @@ def launch(
     if workers < 1 or nproc_per_worker < 1:
         raise UsageError("--workers and --nproc-per-worker must be at least 1")
     seen: list[Config] = []
-    run_app(build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0), list(train_args))
+    run_app(build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0), list(train_args),
+            world_size=nproc_per_worker)  # fmt: skip
     preflight.check_files(seen[0])  # fail here, before a DHT or any worker starts (each checks the rest itself)
     preflight.check_batch(seen[0], nproc_per_worker)
     setup_logging(0)
@@ -190,7 +194,8 @@ def slurm(
     job = slurm_script.Job(job_name, output, time, partition, account)
     seen: list[Config] = []
     checked = [*train_args, "--hv.galaxy-size", str(groups), "--hv.world-rank", str(groups - 1)]
-    run_app(build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0), checked)
+    run_app(build_app(train_only=True, train_fn=lambda config: seen.append(config) or 0), checked,
+            world_size=nodes_per_group * per_node)  # fmt: skip
     preflight.check_files(seen[0])  # here, not in the job an hour later (the cluster's nodes see the same files)
     preflight.check_batch(seen[0], nodes_per_group * per_node)
     text = slurm_script.script(layout, job, seen[0], list(train_args), Path.cwd())
@@ -255,13 +260,19 @@ def build_app(train_only: bool = False, train_fn: Callable[[Config], int] = trai
     return app
 
 
-def run_app(app: App, argv: Sequence[str]) -> int:
-    """Parse and call; every user error becomes one line on stderr and exit code 2."""
+def run_app(app: App, argv: Sequence[str], world_size: int | None = None) -> int:
+    """Parse and call; every user error becomes one line on stderr and exit code 2. `world_size`: the ranks of the
+    worker group a training command is for, where they are not this process's (a launcher checking its groups'
+    flags) [default: the launcher's environment]."""
     try:
         tokens, config_file = _pop_config_flag(list(argv))
         training = app.name[0] == TRAIN_ONLY or tokens[:1] == ["train"]
-        if training:  # OpenDiLoCo's spellings, in the flags of a training command
-            tokens = translate(tokens) if app.name[0] == TRAIN_ONLY else ["train", *translate(tokens[1:])]
+        if training:  # other trainers' habits in the flags of a training command: OpenDiLoCo's, DeepSpeed's
+            head, flags = ([], tokens) if app.name[0] == TRAIN_ONLY else (tokens[:1], tokens[1:])
+            flags, warning = deepspeed.expand(translate(flags), world_size)
+            tokens = [*head, *flags]
+            if warning and DistEnv.from_environ().is_main:  # every rank reads the same file: rank 0 says it
+                print(f"warning: {warning}", file=sys.stderr)
         if config_file is not None:
             app.config = _config_source(config_file, flat=training)
         result = app(tokens)
