@@ -3,7 +3,9 @@ and export."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,14 +37,49 @@ def load_model(name: Path | str, seed: int, attn_implementation: str | None = No
     weights = has_weights(path)
     try:
         if weights:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **attention)
+            with quiet_transformers():  # its load report is a table; `check_fit` says what matters in one line
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=torch.float32, local_files_only=True, output_loading_info=True,
+                    ignore_mismatched_sizes=True, **attention,
+                )  # fmt: skip
+            check_fit(name, info)
+            return model
         torch.manual_seed(seed)  # every rank builds the same initial model, so no broadcast is needed
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention)
+    except FieldError:
+        raise
     except Exception as e:  # safetensors, torch and transformers each raise their own types
         if attn_implementation is not None and attn_implementation in str(e):  # an unknown or unusable kernel
             raise FieldError(f"{{attn_implementation}} {attn_implementation}: {first_line(e)}") from None
         what = "could not load the weights" if weights else "could not build the model from its config.json"
         raise FieldError(f"{{path_model}} {name}: {what} ({first_line(e)})") from None
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars off for the block (its errors still come as exceptions)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def check_fit(name: Path | str, info: dict[str, list]) -> None:
+    """Refuse weights that leave parameters of config.json without a value or of another shape: transformers would
+    initialise those at random with a warning, and a run would train from a half-loaded checkpoint."""
+    missing = list(info.get("missing_keys") or []) + [str(m[0]) for m in info.get("mismatched_keys") or []]
+    if missing:
+        raise FieldError(
+            f"{{path_model}} {name}: the weights do not fit its config.json: {len(missing)} parameter(s) missing or "
+            f"of another shape (first: {missing[0]})"
+        )
 
 
 def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:

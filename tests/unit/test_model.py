@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -60,3 +61,16 @@ def test_corrupt_weights_are_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(UsageError, match="could not load the weights"):
         load_model(tmp_path, seed=0)
+
+
+@pytest.mark.parametrize(("key", "value"), [("num_hidden_layers", 3), ("intermediate_size", 128)])
+def test_weights_that_do_not_fit_the_config_are_a_usage_error(tmp_path: Path, key: str, value: int) -> None:
+    """A config.json with a layer more than the weights (transformers would initialise it at random), or with
+    another width (shapes that do not fit): one line naming the flag and the folder, nothing loaded."""
+    model = load_model(TINY_MODEL, seed=3)
+    save_hf(model, model.state_dict(), tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config | {key: value}))
+    with pytest.raises(UsageError, match=r"path_model.*out.*(do not fit|could not load)") as raised:
+        load_model(tmp_path / "out", seed=0)
+    assert "\n" not in str(raised.value)
