@@ -19,9 +19,10 @@ import torch
 from hivemind.p2p import PeerID
 
 from diloco.swarm.records import budget, progress, status
-from diloco.swarm.records.arrivals import FLOOR_S, plan_wait
+from diloco.swarm.records.arrivals import FLOOR_S, plan_wait, stale_after
 from diloco.swarm.records.budget import RoundTokens
 from diloco.swarm.records.dht import rendezvous
+from diloco.swarm.records.heartbeat import Heartbeat
 from diloco.swarm.records.ownership import Owner
 from diloco.swarm.records.progress import Progress
 from diloco.swarm.records.status import Status
@@ -86,7 +87,6 @@ class SwarmPeer:
         self.members_key = members_key
         self.round_steps, self.wait_cap, self.final_step = round_steps, wait_cap, final_step
         self._round_ended = time.monotonic()  # this group's own round takes from here to its next boundary
-        self._longest_wait = 0.0  # the longest a round of this group waited for others (``round_wait``)
         self.owner = "" if owner is None else owner.id
         self.progress_key, self.request_timeout, self.status_key = progress_key, request_timeout, status_key
         self.tokens_key = tokens_key
@@ -97,6 +97,7 @@ class SwarmPeer:
         self._storing: set[Future] = set()  # record stores under way (a future nobody holds drops its result)
         self._store_failed = False  # one warning, not one per heartbeat
         self._last_peers = 0  # groups in the last round that did not fail
+        self.heartbeat = Heartbeat(self._store_status)  # rank 0's status, re-sent while the training loop sends none
         self.rejected_states = 0  # state downloads refused: short, malformed, unproven (``transfer.download``)
         self.malformed: Counter[tuple[str, str, int]] = Counter()  # (DHT key, owner, world rank): entries not records
 
@@ -125,19 +126,18 @@ class SwarmPeer:
         return report
 
     def expected_groups(self, records: list[Status] | None) -> int:
-        """Rank 0: the groups that may come to the next round: this one, the others whose status record is fresh
-        and says they have not left, and at least as many as the last round had. A group killed a moment ago still
-        counts until its record is stale (then matchmaking stops waiting for it); one counted too few would be
-        turned away, so a record is fresh for two heartbeats plus a whole failed round, in which none is written.
-        `records`: the status records (None: unreadable, every group is expected)."""
+        """Rank 0: the groups that may come to the next round: this one, the others whose status record is not
+        stale and says they have rounds to come (not done, not left), and at least as many as the last round had. Staleness is the rule the
+        wait for arrivals uses (``arrivals.stale_after``): every live group's rank 0 sends a record at least every
+        ``HEARTBEAT_S``, in rounds and pauses too (``Heartbeat``), so a group killed a moment ago stops counting
+        once its record is stale, and so does the wait for it. `records`: the status records (None: unreadable,
+        every group is expected)."""
         matchmaker = self.matchmaker
         if records is None:
             return matchmaker.target_group_size or 2
-        waits = max(matchmaker.matchmaking_time, self._longest_wait)  # (a group in matchmaking writes no record)
-        fresh_s = 2 * status.HEARTBEAT_S + waits + matchmaker.averaging_timeout
         now = time.time()
-        others = {r.world_rank for r in records
-                  if r.peer != self.peer_id and r.state not in status.LEFT and now - r.heard_at <= fresh_s}  # fmt: skip
+        live = [r for r in records if r.state not in status.NO_MORE_ROUNDS and now - r.heard_at <= stale_after(r)]
+        others = {r.world_rank for r in live if r.peer != self.peer_id}
         return max(1 + len(others), self._last_peers)
 
     def round_wait(self, records: list[Status] | None, round_index: int) -> float | None:
@@ -148,17 +148,16 @@ class SwarmPeer:
             return None
         # one round of this group's own time, and the floor's jitter: a group half as fast is waited for
         bound = unknown = time.monotonic() - self._round_ended + FLOOR_S
-        boundary = None
+        boundary, last = None, False
         if self.round_steps is not None:
             boundary = round_index * self.round_steps
             if self.final_step is not None and boundary >= self.final_step:  # the last round: any live group
-                boundary, bound = self.final_step, self.wait_cap
+                boundary, bound, last = self.final_step, self.wait_cap, True
                 # whose peer answers (a record alone, which anyone may write, must not hold the last round long)
                 records = [r for r in records if r.peer != self.peer_id and r.peer and self.alive(r.peer)]
         wait = plan_wait(records, me=self.peer_id, boundary=boundary, now=time.time(), bound=bound,
                          cap=self.wait_cap, unknown=unknown,
-                         galaxy_size=self.matchmaker.target_group_size)  # fmt: skip
-        self._longest_wait = max(self._longest_wait, wait)
+                         galaxy_size=self.matchmaker.target_group_size, last=last)  # fmt: skip
         if wait > self.matchmaker.matchmaking_time:
             log.info("round %d: waiting up to %.0f s for the worker groups on their way", round_index, wait)
         return wait
@@ -187,7 +186,12 @@ class SwarmPeer:
         return progress.read(self.dht, self.progress_key, partial(self._malformed, self.progress_key))
 
     def publish_status(self, record: Status) -> None:
-        """Returns at once: the DHT process stores it while training goes on; a failure is logged once."""
+        """Returns at once: the DHT process stores it while training goes on; a failure is logged once. The
+        heartbeat re-sends it while nothing newer comes."""
+        self.heartbeat.sent(record)
+        self._store_status(record)
+
+    def _store_status(self, record: Status) -> None:
         subkey = self._subkey(record.world_rank)
         self._store_later(lambda: status.publish(self.dht, self.status_key, record, subkey, return_future=True))
 
@@ -283,6 +287,7 @@ class SwarmPeer:
         return self.rounds.listener.refused if self.rounds is not None else 0
 
     def shutdown(self) -> None:
+        self.heartbeat.stop()  # before the last stores are waited for: no beat after the group said it left
         deadline = time.monotonic() + LAST_STATUS_WAIT_S
         for future in list(self._storing):
             with contextlib.suppress(Exception):  # a failure or a timeout: `_stored` logs it, or nobody needs it

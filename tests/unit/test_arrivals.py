@@ -6,6 +6,8 @@ import pytest
 
 from diloco.swarm.records.arrivals import (
     FLOOR_S,
+    LAST_SLACK,
+    LAST_SLACK_S,
     SKEW_S,
     SLACK_S,
     STALE_S,
@@ -99,3 +101,14 @@ def test_a_groups_record_carries_the_median_of_its_last_rows_throughput() -> Non
     for _ in range(RATE_ROWS):
         beacon.measured(20.0)  # slower for good: it follows within a few rows
     assert beacon.tokens_per_s == 20.0
+
+
+def test_the_last_round_waits_far_past_the_latest_arrival() -> None:
+    """Groups that finished lose nothing by waiting and a group that misses the last round has no later one: one
+    slow step of a group on its way (a busy machine) must not cost its inner steps."""
+    coming_in_10s = [coming(1, 90, 1.0)]  # 10 steps before the boundary at 1 step/s, heard just now
+    arrival = wait(coming_in_10s) - max(SLACK_S, 0.1 * 10)
+    last = plan_wait(coming_in_10s, me="g0", boundary=100, now=NOW, bound=3600, cap=3600, last=True)
+    assert last == pytest.approx(arrival + max(LAST_SLACK_S, LAST_SLACK * arrival))
+    assert last >= 2 * arrival and last >= arrival + 30
+    assert plan_wait([], me="g0", boundary=100, now=NOW, bound=3600, cap=3600, last=True) == FLOOR_S  # nobody coming

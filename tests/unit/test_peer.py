@@ -1,17 +1,22 @@
-"""One rank's ``SwarmPeer`` (``diloco.swarm.peer``) over stand-ins: how many groups it expects in a round."""
+"""One rank's ``SwarmPeer`` (``diloco.swarm.peer``) over stand-ins: how many groups it expects in a round, and the
+status heartbeat that keeps a live group counted while its training loop sends nothing."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
 
+from diloco.swarm.records.arrivals import STALE_S
+from diloco.swarm.records.heartbeat import Heartbeat
+from diloco.swarm.records.status import Status
 from tests.support.records import record
 
 
-def test_a_trainer_expects_the_groups_whose_status_records_are_fresh() -> None:
-    """Itself, the others heard from within two heartbeats and a failed round (5 + 20 s here) that have not left,
-    and never fewer than its last round had."""
-    from types import SimpleNamespace
-
+def test_a_trainer_expects_the_groups_whose_status_records_are_not_stale() -> None:
+    """Itself, the others whose record is not stale by the rule the wait for arrivals uses (``STALE_S``, plus two
+    of their inner steps: none here, the records give no batch) and that have not left, and never fewer than its
+    last round had."""
     from diloco.swarm.peer import SwarmPeer
 
     averager = SimpleNamespace(peer_id="me", matchmaking_time=5.0, averaging_timeout=20.0, target_group_size=4)
@@ -19,8 +24,8 @@ def test_a_trainer_expects_the_groups_whose_status_records_are_fresh() -> None:
     now = time.time()
     records = [
         record(0, peer="me", heard_at=now - 100),  # itself, however stale its own record
-        record(1, peer="b", heard_at=now - 30),  # a failed round ago: still coming
-        record(2, peer="c", heard_at=now - 40),  # killed a while ago
+        record(1, peer="b", heard_at=now - STALE_S + 2),  # a beat or two late: still coming
+        record(2, peer="c", heard_at=now - STALE_S - 2),  # killed a while ago
         record(3, peer="d", heard_at=now - 1, state="finished"),  # left
     ]
     assert peer.expected_groups(records) == 2
@@ -29,3 +34,39 @@ def test_a_trainer_expects_the_groups_whose_status_records_are_fresh() -> None:
     peer._last_peers = 4
     assert peer.expected_groups(records) == 4
     assert peer.expected_groups(None) == 4  # records unreadable: every group of the galaxy
+
+
+def until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_heartbeat_resends_the_last_record_while_nothing_newer_goes_out() -> None:
+    """Fresh times, the same step (the group sits where it is); a record the group sends itself postpones the next
+    beat; nothing before the first record, nothing after `stop`."""
+    published: list[Status] = []
+    beat = Heartbeat(published.append, period=0.2)
+    time.sleep(0.4)
+    assert published == [] and beat._thread is None  # (rank 1 and up never send a record: no thread)
+    first = record(0, heard_at=time.time(), step=7)
+    beat.sent(first)
+    until(lambda: len(published) >= 2)
+    assert published[1].heard_at - published[0].heard_at >= 0.19  # one beat a period, not more
+    assert all(r.step == 7 and r.heard_at > first.heard_at for r in published)
+    assert [r.heard_at for r in published] == sorted(r.heard_at for r in published)
+    newer = record(0, heard_at=time.time(), step=9)
+    beat.sent(newer)
+    before = len(published)
+    time.sleep(0.1)
+    assert len(published) == before  # the group's own record just went out
+    until(lambda: published[-1].step == 9)
+    beat.sent(record(0, heard_at=time.time(), state="joining"))  # its time orders rival claims: never refreshed
+    joining = len(published)
+    time.sleep(0.5)
+    assert len(published) == joining
+    beat.stop()
+    stopped = len(published)
+    time.sleep(0.4)
+    assert len(published) == stopped and beat.beats == stopped

@@ -17,13 +17,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from diloco.swarm.records.status import HEARTBEAT_S, LEFT, Status
+from diloco.swarm.records.status import HEARTBEAT_S, NO_MORE_ROUNDS, Status
 
 FLOOR_S = 5.0  # the least wait: boundaries a second or two apart in groups of one speed, records a heartbeat old
 SLACK = 0.1  # the wait goes this share past the latest expected arrival (rates move), and at least ...
 SLACK_S = 2.0  # ... this many seconds
-STALE_S = 3 * HEARTBEAT_S  # a record older than this (and two inner steps) is a group not to wait for: dead, or
-# blocked in a round of its own
+# the last round's wait goes this far past the latest arrival: groups that finished lose nothing by waiting, a group
+# that misses it has no later round for its inner steps, and one slow step (a busy machine) must not cost them
+LAST_SLACK, LAST_SLACK_S = 1.0, 30.0
+STALE_S = 3 * HEARTBEAT_S  # a record older than this (and two inner steps) is a group not to wait for: a live one's
+# rank 0 re-sends its record every HEARTBEAT_S, in rounds and pauses too (``heartbeat``); a dead one sends nothing
 SKEW_S = 30.0  # a record written further ahead of this clock is not a group's (a forged time never goes stale)
 AUTO_CAP_S = 3600.0  # --hv.matchmaking-time auto: the bound limits the wait, this only guards against a bad clock
 
@@ -79,16 +82,18 @@ def plan_wait(
     floor: float = FLOOR_S,
     unknown: float | None = None,
     galaxy_size: int | None = None,
+    last: bool = False,
 ) -> float:
     """Seconds the round at inner step `boundary` waits for the other groups (between `floor` and `cap`).
 
-    :param records: the groups' status records; this group's own (peer `me`) and those of groups that left or
-        whose record is older than ``STALE_S`` are not waited for.
+    :param records: the groups' status records; this group's own (peer `me`) and those of groups that took their
+        last round (done, or left) or whose record is stale (`stale_after`) are not waited for.
     :param boundary: the round's inner step under fixed H; None when every group's round is due at one moment (a
         token budget): then each live group is expected now.
     :param bound: the longest arrival waited for: one round's worth of this group's own time.
     :param unknown: how long a live group whose record gives no pace yet is waited for (default: `bound`).
     :param galaxy_size: world ranks at or above it are no group of the run (None: any).
+    :param last: the run's last round: the wait goes ``LAST_SLACK`` / ``LAST_SLACK_S`` past the latest arrival.
 
     A stranger in an open swarm can write status records too: one written ahead of this clock by more than
     ``SKEW_S``, or of a world rank outside the galaxy, is not waited for; any other costs at most the bound.
@@ -96,7 +101,7 @@ def plan_wait(
     floor = min(floor, cap)
     latest = None  # the latest arrival waited for
     for record in records:
-        if record.peer == me or record.state in LEFT or now - record.heard_at > stale_after(record):
+        if record.peer == me or record.state in NO_MORE_ROUNDS or now - record.heard_at > stale_after(record):
             continue
         if record.heard_at > now + SKEW_S or (galaxy_size is not None and record.world_rank >= galaxy_size):
             continue
@@ -107,5 +112,6 @@ def plan_wait(
             latest = eta if latest is None else max(latest, eta)
     if latest is None:
         return floor
-    wait = latest + max(SLACK_S, SLACK * latest)
+    slack, slack_s = (LAST_SLACK, LAST_SLACK_S) if last else (SLACK, SLACK_S)
+    wait = latest + max(slack_s, slack * latest)
     return min(cap, max(floor, wait)) if math.isfinite(wait) else cap

@@ -24,6 +24,7 @@ STATUS_TTL = 180.0  # seconds a status record lives without a refresh: a dead gr
 HEARTBEAT_S = 5.0  # least seconds between two heartbeats of a training group (outer steps publish at once)
 DIGEST_CHARS = 16  # hex characters of the outer digest a record carries (onlookers compare groups by it)
 LEFT = ("finished", "stopped", "failed")  # the states of a group that left the run
+NO_MORE_ROUNDS = ("done", *LEFT)  # a group that took its last round: no round waits for it or counts it
 
 
 @dataclass(frozen=True)
