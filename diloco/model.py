@@ -83,12 +83,30 @@ def check_fit(name: Path | str, info: dict[str, list]) -> None:
 
 
 def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
-    """The repeated transformer blocks, the unit FSDP shards and gradient checkpointing recomputes."""
-    depth = model.config.num_hidden_layers
+    """The repeated transformer blocks in model order, the unit FSDP shards, torch.compile compiles and gradient
+    checkpointing recomputes: the modules whose class the model names in `_no_split_modules` (transformers' list
+    of the blocks a device map never splits, e.g. GPT-2's ``GPT2Block``), outermost only; failing that, the
+    ModuleList of `num_hidden_layers` modules."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = named_blocks(model, names) if names else []
+    if blocks:
+        return blocks
+    depth = getattr(model.config, "num_hidden_layers", None)
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == depth:
             return list(module)
-    raise UsageError(f"model type {model.config.model_type!r}: could not find its {depth} decoder layers")
+    raise UsageError(
+        f"model type {model.config.model_type!r}: could not find its decoder layers (no module of a class its "
+        f"_no_split_modules names, no ModuleList of its {depth} hidden layers)"
+    )
+
+
+def named_blocks(module: torch.nn.Module, names: set[str]) -> list[torch.nn.Module]:
+    """The submodules of `module` whose class name is in `names`, in model order, not looking inside a match."""
+    found = []
+    for child in module.children():
+        found += [child] if type(child).__name__ in names else named_blocks(child, names)
+    return found
 
 
 def parameter_layers(model: PreTrainedModel) -> list[int | None]:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from diloco.errors import UsageError
 from diloco.model import decoder_layers, load_model, params_sha256, save_hf
+from tests.support.architectures import ARCHITECTURES
 from tests.support.paths import ROOT, TINY_MODEL
 
 
@@ -45,6 +46,27 @@ def test_decoder_layers_are_the_repeated_blocks() -> None:
     model = load_model(TINY_MODEL, seed=0)
     layers = decoder_layers(model)
     assert len(layers) == 2 and all(type(layer).__name__ == "LlamaDecoderLayer" for layer in layers)
+
+
+def test_decoder_layers_are_the_blocks_no_split_modules_names() -> None:
+    """GPT-2 names its block class in `_no_split_modules`; its blocks are found by that name, in model order, not by
+    the length of the list that holds them (a config claiming another depth finds the same blocks)."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **ARCHITECTURES["gpt2"]))
+    assert "GPT2Block" in model._no_split_modules
+    model.config.n_layer = 3  # num_hidden_layers, under GPT-2's name: no ModuleList is that long
+    layers = decoder_layers(model)
+    assert [type(layer).__name__ for layer in layers] == ["GPT2Block", "GPT2Block"]
+    assert all(a is b for a, b in zip(layers, model.transformer.h, strict=True))
+
+
+def test_without_no_split_modules_the_layer_list_is_found_and_without_either_one_line_refuses() -> None:
+    model = load_model(TINY_MODEL, seed=0)
+    model._no_split_modules = set()  # a model class that names no block: the ModuleList of num_hidden_layers
+    assert all(a is b for a, b in zip(decoder_layers(model), model.model.layers, strict=True))
+    model.model.layers = torch.nn.ModuleList(model.model.layers[:1])  # one layer of 2: no list of the depth either
+    with pytest.raises(UsageError, match="model type 'llama': could not find its decoder layers") as raised:
+        decoder_layers(model)
+    assert "\n" not in str(raised.value)
 
 
 def test_params_sha256_sees_one_changed_bit() -> None:

@@ -1,0 +1,133 @@
+"""The architectures people train, each from a tiny config the test writes (`tests.support.architectures`): their
+blocks are what FSDP2 wraps, a tied lm_head stays one parameter through sharding, averaging, a resume and the
+export, groups of any shape train them together bit-identically, and a resumed run equals the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from diloco import parallel
+from diloco.model import (
+    decoder_layers,
+    load_model,
+    parameter_layers,
+    params_sha256,
+    save_hf,
+)
+from tests.support.architectures import ARCHITECTURES, VOCAB, write_config
+from tests.support.groups import finish, group_args, outer_rows, start_group
+from tests.support.paths import TORCHRUN
+from tests.support.procs import FAST, assert_ok, metrics, run_cmd, summary
+
+TIED = {"gpt2", "qwen2", "qwen3", "gemma", "gemma2"}  # lm_head.weight is the token embedding's weight
+
+
+def tied(model: PreTrainedModel) -> bool:
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def sha(model: torch.nn.Module) -> str:
+    return params_sha256(list(model.named_parameters()))
+
+
+def assert_reloads(final: Path, params_sha: str, model_type: str) -> None:
+    """The exported folder loads with transformers to the same parameters, tied as the architecture ties them."""
+    exported = AutoModelForCausalLM.from_pretrained(final)
+    assert sha(exported) == params_sha
+    assert tied(exported) == (model_type in TIED)
+
+
+@pytest.fixture
+def one_process_group() -> Iterator[None]:
+    """A gloo process group of this process alone, as `python -m diloco.train` starts one."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_blocks_are_found_a_tie_survives_sharding_and_the_export_reloads(
+    tmp_path: Path, model_type: str, one_process_group: None
+) -> None:
+    """`decoder_layers` finds the config's num_hidden_layers blocks (of a class `_no_split_modules` names), every
+    block's parameters map to it, a tied lm_head is the embedding's parameter before and after `fully_shard` (so
+    `parameters()`, which the outer loop averages, yields it once), a sharded step trains, and the export reloads."""
+    model = load_model(write_config(model_type, tmp_path / "model"), seed=0)
+    layers = decoder_layers(model)
+    assert len(layers) == model.config.num_hidden_layers
+    assert all(type(layer).__name__ in model._no_split_modules for layer in layers)
+    homes = parameter_layers(model)
+    assert len(homes) == len(list(model.parameters())) and set(homes) == {None, *range(len(layers))}
+    assert tied(model) == (model_type in TIED)
+    count = len(list(model.parameters()))
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    parallel.shard_model(model, layers, mesh, "FULL_SHARD", "32-true", cpu_offload=False)
+    assert tied(model) == (model_type in TIED) and len(list(model.parameters())) == count
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+    optimizer.step()
+    assert tied(model) == (model_type in TIED)
+
+    state = parallel.full_state_dict(model)
+    save_hf(model, state, tmp_path / "final")
+    assert_reloads(tmp_path / "final", parallel.sha_of(model, state), model_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_a_one_rank_and_a_two_rank_group_train_it_together_bit_identically(
+    tmp_path: Path, dht_peer: list[str], model_type: str
+) -> None:
+    """A 1-rank group and a 2-rank FULL_SHARD group (torchrun, a micro-batch of one sequence per rank: the same
+    batch) take three rounds at H = 5, at least one of them together, and end with the same model, which each
+    exports and transformers reloads. Each waits up to 60 s
+    for the other to join (the averaging timeout; 15 s in `SWARM`): under load the torchrun group once joined 24 s
+    after the other, which had started alone, and the two never met in a round."""
+    own = ["--path-model", str(write_config(model_type, tmp_path / "model")), "--max-steps", "15",
+           "--hv.averaging-timeout", "60"]  # fmt: skip
+    dirs, logs = [tmp_path / "w0", tmp_path / "w1"], [tmp_path / "w0.log", tmp_path / "w1.log"]
+    two_ranks = ["--sharding-strategy", "FULL_SHARD", "--per-device-train-batch-size", "1"]
+    procs = [start_group(group_args(0, 2, dht_peer, dirs[0], *own), logs[0])]
+    procs.append(start_group(group_args(1, 2, dht_peer, dirs[1], *own, *two_ranks), logs[1], torchrun=True, ranks=2))
+    finish(procs, logs, timeout=300)
+    finals = [summary(d) for d in dirs]
+    assert all(s["status"] == "ok" and s["outer_steps"] == 3 for s in finals), finals
+    assert finals[0]["params_sha256"] == finals[1]["params_sha256"]
+    together = [{r["outer_step"]: r["params_sha256"] for r in outer_rows(d) if r.get("num_peers") == 2} for d in dirs]
+    shared = together[0].keys() & together[1].keys()
+    assert shared and all(together[0][step] == together[1][step] for step in shared), together  # a round of both
+    for d in dirs:
+        assert_reloads(d / "final", finals[0]["params_sha256"], model_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_resume_is_bit_exact(tmp_path: Path, model_type: str) -> None:
+    """One 2-rank FULL_SHARD group (galaxy size 1) checkpoints at step 3 of 6; a run resumed from there (the two runs
+    in the same torchrun ranks, one after the other: `tests.support.runs`) ends with the uninterrupted run's model."""
+    base = [*FAST, "--fake-data", "--path-model", str(write_config(model_type, tmp_path / "model")),
+            "--total-batch-size", "4", "--max-steps", "6", "--log-interval", "1",
+            "--sharding-strategy", "FULL_SHARD"]  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([
+        [*base, "--ckpt.interval", "3", "--run-dir", str(straight)],
+        [*base, "--ckpt.resume", str(straight / "checkpoints" / "step-3"), "--run-dir", str(resumed)],
+    ]))  # fmt: skip
+    result = run_cmd([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "tests.support.runs", str(runs)])
+    assert_ok(result)
+    assert [r["step"] for r in metrics(resumed) if "loss" in r] == [4, 5, 6]
+    assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
+    assert_reloads(resumed / "final", summary(resumed)["params_sha256"], model_type)
