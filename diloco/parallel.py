@@ -132,7 +132,8 @@ def build_optimizer(
     `fused`: torch's fused AdamW kernel instead of the multi-tensor one (see `fused_adamw`)."""
     if galaxy_batches is not None:
         return GalaxyAdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, galaxy_batches=galaxy_batches)
-    kwargs = {"lr": lr, "betas": betas, "weight_decay": weight_decay} | ({"fused": True} if fused else {"foreach": True})
+    implementation = {"fused": True} if fused else {"foreach": True}
+    kwargs = {"lr": lr, "betas": betas, "weight_decay": weight_decay} | implementation
     if strategy == "ZERO1":
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(model.parameters(), **kwargs)

@@ -127,11 +127,11 @@ class SwarmPeer:
 
     def expected_groups(self, records: list[Status] | None) -> int:
         """Rank 0: the groups that may come to the next round: this one, the others whose status record is not
-        stale and says they have rounds to come (not done, not left), and at least as many as the last round had. Staleness is the rule the
-        wait for arrivals uses (``arrivals.stale_after``): every live group's rank 0 sends a record at least every
-        ``HEARTBEAT_S``, in rounds and pauses too (``Heartbeat``), so a group killed a moment ago stops counting
-        once its record is stale, and so does the wait for it. `records`: the status records (None: unreadable,
-        every group is expected)."""
+        stale and says they have rounds to come (not done, not left), and at least as many as the last round had.
+        Staleness is the rule the wait for arrivals uses (``arrivals.stale_after``): every live group's rank 0 sends
+        a record at least every ``HEARTBEAT_S``, in rounds and pauses too (``Heartbeat``), so a group killed a moment
+        ago stops counting once its record is stale, and so does the wait for it. `records`: the status records
+        (None: unreadable, every group is expected)."""
         matchmaker = self.matchmaker
         if records is None:
             return matchmaker.target_group_size or 2
