@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from diloco.plot import read_rows
+
 # dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from each card's datasheet: name substring -> (peak, source)
 PEAKS = [
     ("H200", 989.4, "NVIDIA H200 datasheet: 1,979 TFLOPS bf16 with sparsity, half of it dense"),
@@ -53,8 +55,9 @@ def flops_per_token(model_dir: Path, seq_length: int) -> tuple[float, int, int]:
 
 
 def rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics rows (none when it wrote none: a run that failed to start)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_rows(path) if path.exists() else []
 
 
 def steady_tokens_per_s(metrics: list[dict[str, Any]]) -> float | None:

@@ -19,7 +19,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from diloco.swarm.records import budget, progress, status
-from diloco.swarm.records.arrivals import FLOOR_S, plan_wait, stale_after
+from diloco.swarm.records.arrivals import FLOOR_S, live, plan_wait
 from diloco.swarm.records.budget import RoundTokens
 from diloco.swarm.records.dht import rendezvous
 from diloco.swarm.records.heartbeat import Heartbeat
@@ -128,7 +128,7 @@ class SwarmPeer:
     def expected_groups(self, records: list[Status] | None) -> int:
         """Rank 0: the groups that may come to the next round: this one, the others whose status record is not
         stale and says they have rounds to come (not done, not left), and at least as many as the last round had.
-        Staleness is the rule the wait for arrivals uses (``arrivals.stale_after``): every live group's rank 0 sends
+        Staleness is the rule the wait for arrivals uses (``arrivals.live``): every live group's rank 0 sends
         a record at least every ``HEARTBEAT_S``, in rounds and pauses too (``Heartbeat``), so a group killed a moment
         ago stops counting once its record is stale, and so does the wait for it. `records`: the status records
         (None: unreadable, every group is expected)."""
@@ -136,8 +136,7 @@ class SwarmPeer:
         if records is None:
             return matchmaker.target_group_size or 2
         now = time.time()
-        live = [r for r in records if r.state not in status.NO_MORE_ROUNDS and now - r.heard_at <= stale_after(r)]
-        others = {r.world_rank for r in live if r.peer != self.peer_id}
+        others = {r.world_rank for r in records if r.peer != self.peer_id and live(r, now)}
         return max(1 + len(others), self._last_peers)
 
     def round_wait(self, records: list[Status] | None, round_index: int) -> float | None:

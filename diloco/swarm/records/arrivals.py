@@ -59,6 +59,13 @@ def stale_after(record: Status) -> float:
     return STALE_S + 2 * per_step / record.tokens_per_s
 
 
+def live(record: Status, now: float) -> bool:
+    """Whether the group of `record` may still come to a round: it has rounds to come (not done, not left) and its
+    record is not stale (`stale_after`). The one rule for both the wait (`plan_wait`) and the count of the groups a
+    round expects (``SwarmPeer.expected_groups``)."""
+    return record.state not in NO_MORE_ROUNDS and now - record.heard_at <= stale_after(record)
+
+
 def arrival(record: Status, boundary: int, now: float) -> float | None:
     """Seconds from `now` until the group of `record` reaches inner step `boundary` (0: there or past it); None when
     its record gives no rate (no metrics row yet, or a record without a batch)."""
@@ -101,7 +108,7 @@ def plan_wait(
     floor = min(floor, cap)
     latest = None  # the latest arrival waited for
     for record in records:
-        if record.peer == me or record.state in NO_MORE_ROUNDS or now - record.heard_at > stale_after(record):
+        if record.peer == me or not live(record, now):
             continue
         if record.heard_at > now + SKEW_S or (galaxy_size is not None and record.world_rank >= galaxy_size):
             continue
