@@ -13,6 +13,7 @@ Rank 0 decides; nothing here is collective.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from diloco.outer.links import Swarm
@@ -23,6 +24,7 @@ log = logging.getLogger("diloco")
 # pings a group that holds a record must miss before it counts as gone: on a loaded machine a live group's DHT can
 # miss one (seen in the suite), and a newcomer that takes a live group for dead trains on its data shard
 ALIVE_TRIES = 3
+ALIVE_GAP_S = 2.0  # between two tries: a failure that comes at once (an overloaded p2pd) may pass a moment later
 
 
 class Claims:
@@ -36,6 +38,7 @@ class Claims:
     def __init__(self, swarm: Swarm, world_rank: int, token: str) -> None:
         self.swarm, self.world_rank, self.token = swarm, world_rank, token
         self.held = False
+        self.gap_s = ALIVE_GAP_S
         self.claimants: set[str] = set()  # owners of live rejected claims, each logged once
         self._dead: set[str] = set()  # owners of records of this rank found dead (a predecessor's, left to expire)
 
@@ -51,9 +54,14 @@ class Claims:
         return None
 
     def answers(self, peer: str, tries: int = ALIVE_TRIES) -> bool:
-        """Whether `peer` answers one of `tries` pings. A gone DHT's ping failed in milliseconds on loopback, a
-        just-stopped one's can take the DHT's whole wait: each try may cost that."""
-        return any(self.swarm.alive(peer) for _ in range(tries))
+        """Whether `peer` answers one of `tries` pings, `gap_s` apart. A gone DHT's ping failed in
+        milliseconds on loopback, a just-stopped one's can take the DHT's whole wait: each try may cost that."""
+        for attempt in range(tries):
+            if attempt:
+                time.sleep(self.gap_s)
+            if self.swarm.alive(peer):
+                return True
+        return False
 
     def hold(self) -> None:
         """This group holds its world rank from now on: later claims are rejected."""

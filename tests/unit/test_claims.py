@@ -6,6 +6,7 @@ tests/integration/test_claims.py's."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -55,7 +56,8 @@ def test_a_claim_before_the_group_holds_its_rank_is_a_rival_not_a_rejected_claim
 
 def test_a_live_group_that_misses_a_ping_is_still_a_rival() -> None:
     """On a loaded machine a live group's DHT can miss a ping (a newcomer with its world rank once trained in the
-    suite): `rival` asks again before it takes the group for gone; a group that never answers is gone."""
+    suite): `rival` asks again, a moment later, before it takes the group for gone; a group that never answers is
+    gone."""
     hub = MemorySwarm(1)
     first = hub.member("first")
     first.publish(record(0, "t1", "first"))
@@ -69,7 +71,10 @@ def test_a_live_group_that_misses_a_ping_is_still_a_rival() -> None:
         return len(pings) > 2 and answer(peer)
 
     newcomer.swarm.alive = missing_twice  # type: ignore[method-assign]
+    newcomer.claims.gap_s = 0.2
+    started = time.monotonic()
     assert newcomer.claims.rival() == "first" and pings == ["first"] * 3
+    assert time.monotonic() - started >= 2 * 0.2  # the tries are apart
     pings.clear()
     newcomer.swarm.alive = lambda peer: pings.append(peer) is not None  # type: ignore[method-assign]  # never
     assert newcomer.claims.rival() is None and pings == ["first"] * 3
