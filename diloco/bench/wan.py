@@ -11,7 +11,8 @@ Per arm, from the workers' own metrics (``--log-interval 1``; every row carries 
 - *compute utilisation*: the inner steps' own time (tokens per step ÷ the row's tokens/s; the trainer keeps outer
   steps and evals out of it) ÷ training time. Under DDP the inner step includes its all-reduce, so its utilisation
   is estimated with the blocking arm's median step time instead;
-- the final held-out loss (every worker evaluates the whole held-out split) at equal tokens, and the training time
+- the final held-out loss (every worker evaluates the whole held-out split; the quick run its first 50 batches,
+  where a whole pass took 11 s of a 14 s run) at equal tokens, and the training time
   at which each arm's held-out loss first reaches DDP's final one (``--eval-interval``), ÷ DDP's;
 - the link's peak: the most bytes a worker's veth carried in one direction over any 0.5 s window (sampled every 0.25 s);
 - for overlapped arms, the median inner step while a round is on the wire against the others (the CPU the
@@ -64,6 +65,7 @@ WORKERS = 2
 SAMPLE_S = 0.25  # how often the veth counters are read
 WINDOW_S = 0.5  # the peak rate's window (a round of the full run lasts well under 1 s)
 HOLD_POLL_S = 0.05  # how often a starting worker is looked at under --train-cores
+QUICK_EVAL_STEPS = 50  # the quick run's evaluations: the held-out split's first batches, the same in every arm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,7 @@ class WanSetup:
     links_mbit: tuple[float, ...]
     timeout_s: float
     train_cores: float | None = None  # --train-cores: the share of its core each worker's training is held to
+    eval_steps: int = 100_000  # batches per evaluation and worker: the whole held-out split, unless fewer
 
     def arms(self, slowest: bool, quick: bool = False) -> list[Arm]:
         """DDP first, blocking second (the others are compared with them); the full run adds contiguous fragments
@@ -110,10 +113,12 @@ class WanSetup:
 
 
 def wan_setup(quick: bool, train_cores: float | None = None) -> WanSetup:
-    """Quick (CI): 12 steps of a 0.14M model on one 1 Gbit/s link. Full: 300 steps of a 1.1M-parameter model, H =
-    20 (fragments: 2, a round every 10 steps, 8 of them on the wire), on 100 Mbit/s and 1 Gbit/s."""
+    """Quick (CI): 12 steps of a 0.14M model on one 1 Gbit/s link, evaluated on 50 batches. Full: 300 steps of a
+    1.1M-parameter model, H = 20 (fragments: 2, a round every 10 steps, 8 of them on the wire), on 100 Mbit/s and
+    1 Gbit/s, evaluated on the whole held-out split."""
     if quick:
-        return WanSetup("llama-0.1m-bytes", 32, 2, 12, 3e-3, 2, 4, 2, 1, 6, (1000.0,), 240.0, train_cores)
+        return WanSetup("llama-0.1m-bytes", 32, 2, 12, 3e-3, 2, 4, 2, 1, 6, (1000.0,), 240.0, train_cores,
+                        eval_steps=QUICK_EVAL_STEPS)  # fmt: skip
     return WanSetup("llama-1m-bytes", 128, 4, 300, 3e-3, 20, 20, 2, 8, 30, (100.0, 1000.0), 900.0, train_cores)
 
 
@@ -127,7 +132,7 @@ def train_flags(setup: WanSetup, model: Path, data: Path, run_dir: Path, ranks: 
     return [
         "-m", "diloco.train", "--path-model", str(model), "--dataset", str(data), "--seq-length",
         str(setup.seq_length), *batch, "--max-steps", str(steps), "--lr", str(setup.lr), "--warmup-steps",
-        str(setup.warmup), "--eval-interval", str(setup.eval_interval), "--eval-steps", "100000", "--log-interval",
+        str(setup.warmup), "--eval-interval", str(setup.eval_interval), "--eval-steps", str(setup.eval_steps), "--log-interval",
         "1", "--no-torch-compile", "--precision", "32-true", "--metric-logger-type", "dummy", "--run-dir",
         str(run_dir),
     ]  # fmt: skip
@@ -417,7 +422,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"- command: `{result['command']}`",
         f"- model {s['model']}, {result['data']}, seq {s['seq_length']}, {s['batch']} sequences per worker per inner "
         f"step, {s['steps']} inner steps in every arm (equal tokens), lr {s['lr']:g} with {s['warmup']} warm-up "
-        f"steps; held-out loss every {s['eval_interval']} steps over the whole held-out split",
+        f"steps; held-out loss every {s['eval_interval']} steps over "
+        + ("the whole held-out split" if s.get("eval_steps", 100_000) >= 100_000 else
+           f"the held-out split's first {s['eval_steps']} batches"),
         f"- {WORKERS} workers, each in a network namespace behind a `tc tbf` link (both directions); DDP: one group "
         "of 2 ranks (torchrun multi-node, gloo, NO_SHARD); DiLoCo: 2 groups of 1 rank, H = "
         f"{s['local_steps']}, outer setting auto; streaming: `--hv.fragments {s['fragments']} --hv.overlap-steps "

@@ -30,8 +30,9 @@ def test_wan_quick(tmp_path) -> None:
     default, pinned workers alone, differs only in skipping that)."""
     before = namespaces()
     data, doc = bench("wan", tmp_path, "--data", str(CORPUS), "--train-cores", "0.9", timeout=480,
-                      stem="wan-cores0.9")  # 100 s alone  # fmt: skip
+                      stem="wan-cores0.9")  # 80 s alone  # fmt: skip
     assert data["setup"]["train_cores"] == 0.9 and "--train-cores 0.9" in data["command"]
+    assert data["setup"]["eval_steps"] == 50 and "the held-out split's first 50 batches" in doc
     for arm in data["links"][0]["arms"]:  # each worker's training ran under its quota (parked or not: that
         # depends on what else the machine runs)
         assert [(h["cores"], h["periods"] > 0, h["cpu_s"] > 0) for h in arm["held"]] == [(0.9, True, True)] * 2, arm
