@@ -132,9 +132,9 @@ def train_flags(setup: WanSetup, model: Path, data: Path, run_dir: Path, ranks: 
     return [
         "-m", "diloco.train", "--path-model", str(model), "--dataset", str(data), "--seq-length",
         str(setup.seq_length), *batch, "--max-steps", str(steps), "--lr", str(setup.lr), "--warmup-steps",
-        str(setup.warmup), "--eval-interval", str(setup.eval_interval), "--eval-steps", str(setup.eval_steps), "--log-interval",
-        "1", "--no-torch-compile", "--precision", "32-true", "--metric-logger-type", "dummy", "--run-dir",
-        str(run_dir),
+        str(setup.warmup), "--eval-interval", str(setup.eval_interval), "--eval-steps", str(setup.eval_steps),
+        "--log-interval", "1", "--no-torch-compile", "--precision", "32-true", "--metric-logger-type", "dummy",
+        "--run-dir", str(run_dir),
     ]  # fmt: skip
 
 

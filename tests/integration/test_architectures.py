@@ -5,6 +5,7 @@ export, groups of any shape train them together bit-identically, and a resumed r
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from diloco.model import (
 from tests.support.architectures import ARCHITECTURES, VOCAB, write_config
 from tests.support.groups import finish, group_args, outer_rows, start_group
 from tests.support.paths import TORCHRUN
-from tests.support.procs import FAST, assert_ok, metrics, run_cmd, summary
+from tests.support.procs import FAST, metrics, run_cmd, summary
+from tests.support.swarm import diloco_dht
 
 TIED = {"gpt2", "qwen2", "qwen3", "gemma", "gemma2"}  # lm_head.weight is the token embedding's weight
 
@@ -85,10 +87,18 @@ def test_blocks_are_found_a_tie_survives_sharding_and_the_export_reloads(
     assert_reloads(tmp_path / "final", parallel.sha_of(model, state), model_type)
 
 
+@pytest.fixture(scope="module")
+def shared_dht(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """One `diloco dht` for the architectures' swarms (each test its own run id): a bootstrap peer per test cost
+    12 s of a test's setup under the suite's load."""
+    with diloco_dht(tmp_path_factory.mktemp("architectures-dht") / "id.pem") as peers:
+        yield peers
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
 def test_a_one_rank_and_a_two_rank_group_train_it_together_bit_identically(
-    tmp_path: Path, dht_peer: list[str], model_type: str
+    tmp_path: Path, shared_dht: list[str], model_type: str
 ) -> None:
     """A 1-rank group and a 2-rank FULL_SHARD group (torchrun, a micro-batch of one sequence per rank: the same
     batch) take three rounds at H = 5, at least one of them together, and end with the same model, which each
@@ -96,11 +106,11 @@ def test_a_one_rank_and_a_two_rank_group_train_it_together_bit_identically(
     for the other to join (the averaging timeout; 15 s in `SWARM`): under load the torchrun group once joined 24 s
     after the other, which had started alone, and the two never met in a round."""
     own = ["--path-model", str(write_config(model_type, tmp_path / "model")), "--max-steps", "15",
-           "--hv.averaging-timeout", "60"]  # fmt: skip
+           "--hv.averaging-timeout", "60", "--hv.run-id", f"architecture-{model_type}"]  # fmt: skip
     dirs, logs = [tmp_path / "w0", tmp_path / "w1"], [tmp_path / "w0.log", tmp_path / "w1.log"]
     two_ranks = ["--sharding-strategy", "FULL_SHARD", "--per-device-train-batch-size", "1"]
-    procs = [start_group(group_args(0, 2, dht_peer, dirs[0], *own), logs[0])]
-    procs.append(start_group(group_args(1, 2, dht_peer, dirs[1], *own, *two_ranks), logs[1], torchrun=True, ranks=2))
+    procs = [start_group(group_args(0, 2, shared_dht, dirs[0], *own), logs[0])]
+    procs.append(start_group(group_args(1, 2, shared_dht, dirs[1], *own, *two_ranks), logs[1], torchrun=True, ranks=2))
     finish(procs, logs, timeout=300)
     finals = [summary(d) for d in dirs]
     assert all(s["status"] == "ok" and s["outer_steps"] == 3 for s in finals), finals
@@ -112,22 +122,38 @@ def test_a_one_rank_and_a_two_rank_group_train_it_together_bit_identically(
         assert_reloads(d / "final", finals[0]["params_sha256"], model_type)
 
 
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, list[int]]]:
+    """Per architecture, one 2-rank FULL_SHARD group (galaxy size 1) checkpoints at step 3 of 6, and a run resumed
+    from there: every architecture's two runs in the same torchrun ranks, one after another (`tests.support.runs`:
+    a torchrun and two torch imports per architecture spared). Each architecture's (straight run, resumed run, the
+    two runs' exit codes)."""
+    root = tmp_path_factory.mktemp("architectures-resume")
+    runs, dirs = [], {}
+    for model_type in ARCHITECTURES:
+        base = [*FAST, "--fake-data", "--path-model", str(write_config(model_type, root / model_type / "model")),
+                "--total-batch-size", "4", "--max-steps", "6", "--log-interval", "1",
+                "--sharding-strategy", "FULL_SHARD"]  # fmt: skip
+        straight, again = root / model_type / "straight", root / model_type / "resumed"
+        resume = ["--ckpt.resume", str(straight / "checkpoints" / "step-3")]
+        runs += [[*base, "--ckpt.interval", "3", "--run-dir", str(straight)], [*base, *resume, "--run-dir", str(again)]]
+        dirs[model_type] = (straight, again)
+    (root / "runs.json").write_text(json.dumps(runs))
+    result = run_cmd([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "tests.support.runs",
+                      str(root / "runs.json")], timeout=900)  # fmt: skip
+    codes = {int(i): int(code) for i, code in re.findall(r"^RUN (\d+) EXIT (-?\d+)$", result.stdout, re.M)}
+    assert len(codes) == len(runs), result.output[-3000:]  # every run ended (failed or not): the ranks lived
+    return {t: (*dirs[t], [codes[2 * i], codes[2 * i + 1]]) for i, t in enumerate(ARCHITECTURES)}
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("architectures-resume")
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
-def test_resume_is_bit_exact(tmp_path: Path, model_type: str) -> None:
-    """One 2-rank FULL_SHARD group (galaxy size 1) checkpoints at step 3 of 6; a run resumed from there (the two runs
-    in the same torchrun ranks, one after the other: `tests.support.runs`) ends with the uninterrupted run's model."""
-    base = [*FAST, "--fake-data", "--path-model", str(write_config(model_type, tmp_path / "model")),
-            "--total-batch-size", "4", "--max-steps", "6", "--log-interval", "1",
-            "--sharding-strategy", "FULL_SHARD"]  # fmt: skip
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    runs = tmp_path / "runs.json"
-    runs.write_text(json.dumps([
-        [*base, "--ckpt.interval", "3", "--run-dir", str(straight)],
-        [*base, "--ckpt.resume", str(straight / "checkpoints" / "step-3"), "--run-dir", str(resumed)],
-    ]))  # fmt: skip
-    result = run_cmd([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "tests.support.runs", str(runs)])
-    assert_ok(result)
-    assert [r["step"] for r in metrics(resumed) if "loss" in r] == [4, 5, 6]
-    assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
-    assert_reloads(resumed / "final", summary(resumed)["params_sha256"], model_type)
+def test_resume_is_bit_exact(resumed: dict[str, tuple[Path, Path, list[int]]], model_type: str) -> None:
+    """A run resumed from the step-3 checkpoint (`resumed`) ends with the uninterrupted run's model, and its export
+    reloads, tied as the architecture ties it."""
+    straight, again, codes = resumed[model_type]
+    assert codes == [0, 0], (codes, (straight / "summary.json").exists(), (again / "summary.json").exists())
+    assert [r["step"] for r in metrics(again) if "loss" in r] == [4, 5, 6]
+    assert summary(again)["params_sha256"] == summary(straight)["params_sha256"]
+    assert_reloads(again / "final", summary(again)["params_sha256"], model_type)
