@@ -54,9 +54,9 @@ class Attacker:
         return getattr(self.member, name)
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
-                fragment: int | None = None, outer_step: int | None = None) -> Any:  # fmt: skip
+                fragment: int | None = None, outer_step: int | None = None, last: bool = False) -> Any:  # fmt: skip
         for tensor in tensors:
             tensor.copy_(self.forge(tensor, self.generator))
         if self.announced is not None and weight > 0:  # (a group that joined mid-round adds nothing, attacker or not)
             weight = self.announced  # the swarm caps it, as every member of a round caps the announced weights
-        return self.member.average(tensors, round_index, weight, stop, fragment, outer_step)
+        return self.member.average(tensors, round_index, weight, stop, fragment, outer_step, last)

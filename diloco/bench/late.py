@@ -221,7 +221,7 @@ class LateMember(Member):
     swarm: LateHub
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
-                fragment: int | None = None, outer_step: int | None = None) -> Report:  # fmt: skip
+                fragment: int | None = None, outer_step: int | None = None, last: bool = False) -> Report:  # fmt: skip
         sent = [self.swarm.wire(t, count=True) for t in tensors]
         kept, mean = self.swarm.average(self.peer_id, round_index, sent, weight, outer_step)
         if mean is None:

@@ -376,7 +376,7 @@ class DiLoCo:
             self.ledger.round_start = self.ledger.pace_start = step  # the next round's tokens count from here
             self.pace.new_round(self._paced)
             return []
-        report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment, self.outer_step)
+        report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment, self.outer_step, last)
         row = self._apply(step, fragment, report, pseudo_gradient, weight, source, tokens, mix=0.0)
         rows = [] if row is None else [row]
         for more in range(1, self.fragments if last and row is not None else 1):  # the other fragments, each
@@ -385,7 +385,7 @@ class DiLoCo:
             tokens = self.ledger.fragment_tokens(step, fragment)
             weight = self.pace.weight(tokens) if weight else 0.0  # (a group that joined the round adds nothing)
             report = self.swarm.average([pseudo_gradient], index + more, weight, self.stop, fragment,
-                                        self.outer_step)
+                                        self.outer_step, last=True)
             row = self._apply(step, fragment, report, pseudo_gradient, weight, None, tokens, mix=0.0)
             if row is None:
                 break  # stopped during the round: the run ends here

@@ -50,11 +50,13 @@ class Swarm(Protocol):
         stop: Callable[[], bool],
         fragment: int | None = None,
         outer_step: int | None = None,
+        last: bool = False,
     ) -> RoundResult:
         """Average in place with the groups averaging the same `round_index`; gives up when `stop()` is true.
         With fragments (``diloco.outer.fragments``) the tensors hold this rank's shard of `fragment`'s parameters.
         `outer_step`: the outer steps this group has applied; a group behind the others' sits the round out
-        (``diloco.swarm.rounds.group_round.abreast``; not ok)."""
+        (``diloco.swarm.rounds.group_round.abreast``; not ok). `last`: the run's last round, which waits longer for
+        the groups still on their way (a group that misses it has no later round for its inner steps)."""
         ...
 
     def publish(self, record: Progress) -> None:

@@ -146,6 +146,7 @@ class Member:
         stop: Callable[[], bool],
         fragment: int | None = None,
         outer_step: int | None = None,
+        last: bool = False,
     ) -> Report:
         swarm = self.swarm
         swarm.inbox[self.peer_id] = ([swarm.wire(t, count=True) for t in tensors], weight, outer_step)

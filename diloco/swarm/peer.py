@@ -109,6 +109,7 @@ class SwarmPeer:
         stop: Callable[[], bool],
         fragment: int | None = None,
         outer_step: int | None = None,
+        last: bool = False,
     ) -> RoundReport:
         if self.matchmaker is not None:
             try:
@@ -116,7 +117,7 @@ class SwarmPeer:
             except Exception as e:  # the DHT is shutting down: expect everyone, as without records
                 log.debug("status records unreadable (%s): expecting every group", e)
                 records = None
-            self.matchmaker.expect(self.expected_groups(records), self.round_wait(records, round_index))
+            self.matchmaker.expect(self.expected_groups(records), self.round_wait(records, round_index, last))
         try:
             report = self.rounds.average(tensors, round_index, weight, stop, fragment, outer_step)
         finally:
@@ -139,21 +140,24 @@ class SwarmPeer:
         others = {r.world_rank for r in records if r.peer != self.peer_id and live(r, now)}
         return max(1 + len(others), self._last_peers)
 
-    def round_wait(self, records: list[Status] | None, round_index: int) -> float | None:
+    def round_wait(self, records: list[Status] | None, round_index: int, last: bool = False) -> float | None:
         """Rank 0: how long round `round_index` waits for the groups coming (``arrivals.plan_wait``: those whose
         status records say they arrive within this group's own round time); None: the matchmaker's fixed wait (no
-        cap given, or no records to go by)."""
+        cap given, or no records to go by). The run's last round (`last`, or under fixed H the round at the final
+        step) waits for any live group whose peer answers, up to the cap, ``LAST_SLACK`` past its arrival."""
         if self.wait_cap is None or records is None:
             return None
         # one round of this group's own time, and the floor's jitter: a group half as fast is waited for
         bound = unknown = time.monotonic() - self._round_ended + FLOOR_S
-        boundary, last = None, False
+        boundary = None  # under a token budget every group's round is due at one moment
         if self.round_steps is not None:
             boundary = round_index * self.round_steps
-            if self.final_step is not None and boundary >= self.final_step:  # the last round: any live group
-                boundary, bound, last = self.final_step, self.wait_cap, True
-                # whose peer answers (a record alone, which anyone may write, must not hold the last round long)
-                records = [r for r in records if r.peer != self.peer_id and r.peer and self.alive(r.peer)]
+            if self.final_step is not None and boundary >= self.final_step:
+                boundary, last = self.final_step, True
+        if last:  # any live group whose peer answers (a record alone, which anyone may write, must not hold the
+            # last round long)
+            bound = self.wait_cap
+            records = [r for r in records if r.peer != self.peer_id and r.peer and self.alive(r.peer)]
         wait = plan_wait(records, me=self.peer_id, boundary=boundary, now=time.time(), bound=bound,
                          cap=self.wait_cap, unknown=unknown,
                          galaxy_size=self.matchmaker.target_group_size, last=last)  # fmt: skip

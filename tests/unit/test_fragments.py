@@ -79,6 +79,7 @@ class Recording(Member):
     def average(
         self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
         outer_step: int | None = None,
+        last: bool = False,
     ) -> Report:
         self.rounds.append((round_index, fragment, tensors[0].numel()))
         return Report(num_peers=1)

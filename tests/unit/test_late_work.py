@@ -28,13 +28,13 @@ class Spy(Member):
         self.sent: dict[int, tuple[torch.Tensor, float]] = {}
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
-                fragment: object = None, outer_step: int | None = None) -> Report:  # fmt: skip
+                fragment: object = None, outer_step: int | None = None, last: bool = False) -> Report:  # fmt: skip
         self.sent[round_index] = (tensors[0].clone(), weight)
         if round_index == self.fail_round:
             self.swarm.barrier.wait()  # the others' round goes on without this group's contribution
             self.swarm.barrier.wait()
             return Report(num_peers=0, ok=False)
-        return super().average(tensors, round_index, weight, stop, fragment, outer_step)
+        return super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
 
 
 class Solo(Member):
@@ -45,12 +45,12 @@ class Solo(Member):
         self.alone_round = alone_round
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
-                fragment: object = None, outer_step: int | None = None) -> Report:  # fmt: skip
+                fragment: object = None, outer_step: int | None = None, last: bool = False) -> Report:  # fmt: skip
         if round_index == self.alone_round:
             self.swarm.barrier.wait()
             self.swarm.barrier.wait()
             return Report(num_peers=1)  # it applies its own pseudo-gradient
-        return super().average(tensors, round_index, weight, stop, fragment, outer_step)
+        return super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
 
 
 def net(seed: int = 0) -> torch.nn.Module:
@@ -175,7 +175,7 @@ class Lone(Member):
         self.sent: dict[int, tuple[torch.Tensor, float]] = {}
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
-                fragment: object = None, outer_step: int | None = None) -> Report:  # fmt: skip
+                fragment: object = None, outer_step: int | None = None, last: bool = False) -> Report:  # fmt: skip
         self.sent[round_index] = (tensors[0].clone(), weight)
         return Report(num_peers=1)
 
@@ -209,10 +209,10 @@ class Overtaken(Lone):
         self.meanwhile: list[Callable[[], object]] = []
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
-                fragment: object = None, outer_step: int | None = None) -> Report:  # fmt: skip
+                fragment: object = None, outer_step: int | None = None, last: bool = False) -> Report:  # fmt: skip
         while self.meanwhile:
             self.meanwhile.pop()()
-        return super().average(tensors, round_index, weight, stop, fragment, outer_step)
+        return super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
 
 
 def test_a_lone_round_the_swarm_is_already_past_applies_nothing_and_the_kept_steps_carry_on() -> None:

@@ -35,6 +35,7 @@ class Alone(Member):
     def average(
         self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
         outer_step: int | None = None,
+        last: bool = False,
     ) -> Report:
         return Report(num_peers=1)
 
@@ -210,9 +211,10 @@ class FailsOnce(Member):
     def average(
         self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
         outer_step: int | None = None,
+        last: bool = False,
     ) -> Report:
         inputs = [t.clone() for t in tensors]
-        report = super().average(tensors, round_index, weight, stop, fragment, outer_step)
+        report = super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
         if not self.failed and self.fail_round in (None, round_index):
             self.failed = True
             for tensor, kept in zip(tensors, inputs):
@@ -325,6 +327,7 @@ class AlwaysFails(Member):
     def average(
         self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object, fragment: object = None,
         outer_step: int | None = None,
+        last: bool = False,
     ) -> Report:
         return Report(num_peers=0, ok=False)
 

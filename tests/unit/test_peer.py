@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
-from diloco.swarm.records.arrivals import STALE_S
+from diloco.swarm.records.arrivals import FLOOR_S, LAST_SLACK_S, STALE_S
 from diloco.swarm.records.heartbeat import Heartbeat
 from diloco.swarm.records.status import Status
 from tests.support.records import record
@@ -34,6 +34,29 @@ def test_a_trainer_expects_the_groups_whose_status_records_are_not_stale() -> No
     peer._last_peers = 4
     assert peer.expected_groups(records) == 4
     assert peer.expected_groups(None) == 4  # records unreadable: every group of the galaxy
+
+
+def test_under_a_token_budget_the_last_round_waits_for_the_live_groups_whose_peers_answer() -> None:
+    """Every group's round under a token budget is due at one moment: a round waits the floor for the others, but
+    the run's last round (the outer loop says so) waits ``LAST_SLACK_S`` for them, as under fixed H: a group one
+    busy step late there has no later round for its inner steps. A group whose peer does not answer, or that is
+    done, is not waited for."""
+    from diloco.swarm.peer import SwarmPeer
+
+    averager = SimpleNamespace(peer_id="me", matchmaking_time=5.0, averaging_timeout=20.0, target_group_size=3)
+    peer = SwarmPeer(SimpleNamespace(), averager, "progress", 1.0, "status", round_steps=None, wait_cap=3600.0)
+    answering = {"b"}
+    peer.alive = lambda peer_id: peer_id in answering  # type: ignore[method-assign]
+    now = time.time()
+    records = [record(0, peer="me", heard_at=now), record(1, peer="b", heard_at=now - 1, step=3, batch="2x32",
+                                                              tokens_per_s=64.0)]  # fmt: skip
+    assert peer.round_wait(records, 1) == FLOOR_S
+    assert peer.round_wait(records, 2, last=True) == LAST_SLACK_S
+    answering.clear()  # its peer is gone: a record alone does not hold the last round
+    assert peer.round_wait(records, 2, last=True) == FLOOR_S
+    answering.add("b")
+    done = [records[0], record(1, peer="b", heard_at=now - 1, state="done")]
+    assert peer.round_wait(done, 2, last=True) == FLOOR_S
 
 
 def until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
