@@ -65,6 +65,7 @@ WORKERS = 2
 SAMPLE_S = 0.25  # how often the veth counters are read
 WINDOW_S = 0.5  # the peak rate's window (a round of the full run lasts well under 1 s)
 HOLD_POLL_S = 0.05  # how often a starting worker is looked at under --train-cores
+WHOLE_SPLIT = 100_000  # --eval-steps past any held-out split's end: the whole split (tinyshakespeare's: 1,742)
 QUICK_EVAL_STEPS = 50  # the quick run's evaluations: the held-out split's first batches, the same in every arm
 
 
@@ -94,7 +95,7 @@ class WanSetup:
     links_mbit: tuple[float, ...]
     timeout_s: float
     train_cores: float | None = None  # --train-cores: the share of its core each worker's training is held to
-    eval_steps: int = 100_000  # batches per evaluation and worker: the whole held-out split, unless fewer
+    eval_steps: int = WHOLE_SPLIT  # batches per evaluation and worker
 
     def arms(self, slowest: bool, quick: bool = False) -> list[Arm]:
         """DDP first, blocking second (the others are compared with them); the full run adds contiguous fragments
@@ -423,7 +424,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"- model {s['model']}, {result['data']}, seq {s['seq_length']}, {s['batch']} sequences per worker per inner "
         f"step, {s['steps']} inner steps in every arm (equal tokens), lr {s['lr']:g} with {s['warmup']} warm-up "
         f"steps; held-out loss every {s['eval_interval']} steps over "
-        + ("the whole held-out split" if s.get("eval_steps", 100_000) >= 100_000 else
+        + ("the whole held-out split" if s.get("eval_steps", WHOLE_SPLIT) >= WHOLE_SPLIT else
            f"the held-out split's first {s['eval_steps']} batches"),
         f"- {WORKERS} workers, each in a network namespace behind a `tc tbf` link (both directions); DDP: one group "
         "of 2 ranks (torchrun multi-node, gloo, NO_SHARD); DiLoCo: 2 groups of 1 rank, H = "
