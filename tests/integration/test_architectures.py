@@ -4,6 +4,7 @@ export, groups of any shape train them together bit-identically, and a resumed r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterator
@@ -95,23 +96,48 @@ def shared_dht(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         yield peers
 
 
+@pytest.fixture(scope="module")
+def swarmed(tmp_path_factory: pytest.TempPathFactory, shared_dht: list[str]) -> dict[str, tuple[Path, Path, list[int]]]:
+    """Per architecture, a 1-rank group and a 2-rank FULL_SHARD group (a micro-batch of one sequence per rank: the
+    same batch) take three rounds at H = 5 under a run id of the architecture's. Each group trains every
+    architecture one after another in the same torchrun ranks (`tests.support.runs`: a torchrun and three torch
+    imports per architecture spared); the two meet in each architecture's rounds. Each waits up to 60 s for the
+    other to join (the averaging timeout; 15 s in `SWARM`): under load a torchrun group once joined 24 s after the
+    other, which had started alone. Each architecture's (1-rank run, 2-rank run, the two runs' exit codes)."""
+    root = tmp_path_factory.mktemp("architectures-swarm")
+    two_ranks = ["--sharding-strategy", "FULL_SHARD", "--per-device-train-batch-size", "1"]
+    runs: list[list[list[str]]] = [[], []]
+    dirs = {}
+    for model_type in ARCHITECTURES:
+        own = ["--path-model", str(write_config(model_type, root / model_type / "model")), "--max-steps", "15",
+               "--hv.averaging-timeout", "60", "--hv.run-id", f"architecture-{model_type}"]  # fmt: skip
+        dirs[model_type] = (root / model_type / "w0", root / model_type / "w1")
+        runs[0].append(group_args(0, 2, shared_dht, dirs[model_type][0], *own))
+        runs[1].append(group_args(1, 2, shared_dht, dirs[model_type][1], *own, *two_ranks))
+    logs = [root / "w0.log", root / "w1.log"]
+    procs = []
+    for i, ranks in enumerate((1, 2)):
+        (root / f"runs-{i}.json").write_text(json.dumps(runs[i]))
+        procs.append(start_group([str(root / f"runs-{i}.json")], logs[i], torchrun=True, ranks=ranks,
+                                 module="tests.support.runs"))  # fmt: skip
+    with contextlib.suppress(AssertionError):  # a failed run is its architecture's test's failure, not every one's
+        finish(procs, logs, timeout=900)
+    ended = r"^RUN (\d+) EXIT (-?\d+)$"
+    codes = [{int(i): int(c) for i, c in re.findall(ended, log.read_text(), re.M)} for log in logs]
+    assert all(len(c) == len(ARCHITECTURES) for c in codes), [log.read_text()[-3000:] for log in logs]
+    return {t: (*dirs[t], [codes[0][i], codes[1][i]]) for i, t in enumerate(ARCHITECTURES)}
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("architectures-swarm")
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
 def test_a_one_rank_and_a_two_rank_group_train_it_together_bit_identically(
-    tmp_path: Path, shared_dht: list[str], model_type: str
+    swarmed: dict[str, tuple[Path, Path, list[int]]], model_type: str
 ) -> None:
-    """A 1-rank group and a 2-rank FULL_SHARD group (torchrun, a micro-batch of one sequence per rank: the same
-    batch) take three rounds at H = 5, at least one of them together, and end with the same model, which each
-    exports and transformers reloads. Each waits up to 60 s
-    for the other to join (the averaging timeout; 15 s in `SWARM`): under load the torchrun group once joined 24 s
-    after the other, which had started alone, and the two never met in a round."""
-    own = ["--path-model", str(write_config(model_type, tmp_path / "model")), "--max-steps", "15",
-           "--hv.averaging-timeout", "60", "--hv.run-id", f"architecture-{model_type}"]  # fmt: skip
-    dirs, logs = [tmp_path / "w0", tmp_path / "w1"], [tmp_path / "w0.log", tmp_path / "w1.log"]
-    two_ranks = ["--sharding-strategy", "FULL_SHARD", "--per-device-train-batch-size", "1"]
-    procs = [start_group(group_args(0, 2, shared_dht, dirs[0], *own), logs[0])]
-    procs.append(start_group(group_args(1, 2, shared_dht, dirs[1], *own, *two_ranks), logs[1], torchrun=True, ranks=2))
-    finish(procs, logs, timeout=300)
+    """The architecture's 1-rank and 2-rank groups (`swarmed`) end with the same model after at least one round
+    together, and each one's export reloads with transformers."""
+    *dirs, codes = swarmed[model_type]
+    assert codes == [0, 0], (codes, [(d / "summary.json").exists() for d in dirs])
     finals = [summary(d) for d in dirs]
     assert all(s["status"] == "ok" and s["outer_steps"] == 3 for s in finals), finals
     assert finals[0]["params_sha256"] == finals[1]["params_sha256"]

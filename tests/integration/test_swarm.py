@@ -390,14 +390,14 @@ def test_lone_averager_keeps_tensors(bootstrap):
     original = [t.clone() for t in tensors]
     with SwarmAverager(
         bootstrap, prefix="lonely/rank0", tensors=tensors, compression="int8", matchmaking_time=2.0,
-        averaging_timeout=10.0, grace=1.0,
+        averaging_timeout=60.0, grace=1.0,
     ) as averager:
         for _ in range(2):  # a second round right after the cancelled one must work too
             started = time.monotonic()
             report = averager.average(tensors)
-            # it gives up once matchmaking found nobody, long before the averaging timeout (under load 12 a lone
-            # round was seen to take 8 s: the give-up waits up to 5 s for hivemind to leave matchmaking)
-            assert time.monotonic() - started < 2.0 + 10.0
+            # it gives up once matchmaking found nobody, long before the averaging timeout (the give-up waits up to
+            # 5 s for hivemind to leave matchmaking; under the suite's load a lone round was seen to take 12 s)
+            assert time.monotonic() - started < 30.0
             assert report.ok and report.num_peers == 1 and report.bytes_sent == 0
             assert all(torch.equal(t, o) for t, o in zip(tensors, original))
     assert bootstrap.is_alive()

@@ -13,8 +13,8 @@ from tests.support.paths import ROOT, TORCHRUN
 from tests.support.procs import FAST, child_env
 from tests.support.swarm import kill_group
 
-SWARM = [*FAST, "--fake-data", "--total-batch-size", "2", "--log-interval", "10", "--hv.local-steps", "5", "--hv.pace", "fixed",
-         "--hv.matchmaking-time", "3", "--hv.averaging-timeout", "15"]  # fmt: skip
+SWARM = [*FAST, "--fake-data", "--total-batch-size", "2", "--log-interval", "10", "--hv.local-steps", "5",
+         "--hv.pace", "fixed", "--hv.matchmaking-time", "3", "--hv.averaging-timeout", "15"]  # fmt: skip
 
 
 def group_args(world_rank: int, galaxy: int, peers: list[str], run_dir: Path, *extra: str) -> list[str]:
@@ -22,12 +22,14 @@ def group_args(world_rank: int, galaxy: int, peers: list[str], run_dir: Path, *e
             "--hv.initial-peers", *peers, "--run-dir", str(run_dir), *extra]  # fmt: skip
 
 
-def start_group(args: list[str], log: Path, torchrun: bool = False, ranks: int = 1) -> subprocess.Popen[str]:
-    """One worker group in its own session, output to `log` (a pipe nobody reads would block it)."""
+def start_group(args: list[str], log: Path, torchrun: bool = False, ranks: int = 1,
+                module: str = "diloco.train") -> subprocess.Popen[str]:  # fmt: skip
+    """One worker group in its own session, output to `log` (a pipe nobody reads would block it). `module`:
+    `tests.support.runs` for several runs one after another (`args`: its RUNS.json)."""
     entry = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}"] if torchrun else [sys.executable]
     with log.open("a") as out:
         return subprocess.Popen(
-            [*entry, "-m", "diloco.train", *args], cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
+            [*entry, "-m", module, *args], cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
         )  # fmt: skip
 
