@@ -36,19 +36,27 @@ class ModelAndOptimizer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        from diloco.parallel import unwrap
+
         self.model, self.optimizer = model, optimizer
         self.partitioned = isinstance(optimizer, ZeroRedundancyOptimizer)
+        self.aliases = tied_aliases(unwrap(model))
 
     def state_dict(self) -> dict[str, Any]:
+        """The model's state without the aliases of a tied weight (a tied lm_head is the token embedding: DCP would
+        write it twice, a vocabulary's worth of bytes), and the optimizer's (torch keys a tied weight's once)."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_state_dict,
         )
 
         if self.partitioned:
-            return {"model": get_model_state_dict(self.model)}
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optim": optim_state}
+            model_state, optim_state = get_model_state_dict(self.model), None
+        else:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        for alias in self.aliases:
+            del model_state[alias]
+        return {"model": model_state} if optim_state is None else {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -56,6 +64,8 @@ class ModelAndOptimizer:
             set_state_dict,
         )
 
+        for alias, name in self.aliases.items():  # the loaded tensor is the tied parameter's, under either name
+            state["model"][alias] = state["model"][name]
         if self.partitioned:
             set_model_state_dict(self.model, state["model"])
             return
@@ -79,6 +89,18 @@ class ModelAndOptimizer:
         self.optimizer.optim.load_state_dict(state["partition"])
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
             group.update(saved)
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Each name under which a parameter appears after its first name (a tied weight's), mapped to that first one."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
 
 
 def save(

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from diloco import parallel
+from diloco import checkpoint, parallel
 from diloco.model import (
     decoder_layers,
     load_model,
@@ -64,7 +65,8 @@ def test_blocks_are_found_a_tie_survives_sharding_and_the_export_reloads(
 ) -> None:
     """`decoder_layers` finds the config's num_hidden_layers blocks (of a class `_no_split_modules` names), every
     block's parameters map to it, a tied lm_head is the embedding's parameter before and after `fully_shard` (so
-    `parameters()`, which the outer loop averages, yields it once), a sharded step trains, and the export reloads."""
+    `parameters()`, which the outer loop averages, yields it once), a sharded step trains, the export reloads, and
+    a checkpoint holds a tied weight once and loads back into another sharded model, tied."""
     model = load_model(write_config(model_type, tmp_path / "model"), seed=0)
     layers = decoder_layers(model)
     assert len(layers) == model.config.num_hidden_layers
@@ -86,6 +88,19 @@ def test_blocks_are_found_a_tie_survives_sharding_and_the_export_reloads(
     state = parallel.full_state_dict(model)
     save_hf(model, state, tmp_path / "final")
     assert_reloads(tmp_path / "final", parallel.sha_of(model, state), model_type)
+
+    # a checkpoint writes a tied weight once, and a fresh sharded model (its own seed) loads it back tied
+    saved = checkpoint.save(tmp_path / "ckpt", 1, checkpoint.ModelAndOptimizer(model, optimizer), {}, 0, 1)
+    written = dcp.FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    assert ("app.model.lm_head.weight" in written) == (model_type not in TIED)
+    assert len([k for k in written if k.startswith("app.model.")]) == len(state) - (model_type in TIED)
+    other = load_model(tmp_path / "model", seed=1)
+    parallel.shard_model(other, decoder_layers(other), mesh, "FULL_SHARD", "32-true", cpu_offload=False)
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    checkpoint.load(saved, checkpoint.ModelAndOptimizer(other, other_optimizer), 0)
+    assert tied(other) == (model_type in TIED)
+    assert parallel.sha_of(other, parallel.full_state_dict(other)) == parallel.sha_of(model, state)
+    assert other_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
 
 
 @pytest.fixture(scope="module")
