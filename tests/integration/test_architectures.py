@@ -101,6 +101,15 @@ def test_blocks_are_found_a_tie_survives_sharding_and_the_export_reloads(
     assert tied(other) == (model_type in TIED)
     assert parallel.sha_of(other, parallel.full_state_dict(other)) == parallel.sha_of(model, state)
     assert other_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+    if model_type in TIED:  # a checkpoint written under both names (as before) loads too
+        both = checkpoint.ModelAndOptimizer(model, optimizer)
+        both.aliases = {}
+        older = checkpoint.save(tmp_path / "older", 1, both, {}, 0, 1)
+        assert "app.model.lm_head.weight" in dcp.FileSystemReader(str(older)).read_metadata().state_dict_metadata
+        fresh = load_model(tmp_path / "model", seed=2)
+        parallel.shard_model(fresh, decoder_layers(fresh), mesh, "FULL_SHARD", "32-true", cpu_offload=False)
+        checkpoint.load(older, checkpoint.ModelAndOptimizer(fresh, torch.optim.AdamW(fresh.parameters())), 0)
+        assert tied(fresh) and parallel.sha_of(fresh, parallel.full_state_dict(fresh)) == parallel.sha_of(model, state)
 
 
 @pytest.fixture(scope="module")
