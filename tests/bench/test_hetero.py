@@ -104,8 +104,6 @@ def test_hetero_quick(tmp_path: Path) -> None:
     for arm in data["arms"]:
         check_quick_arm(arm, data)
     by_name = {hetero_report.arm_key(arm): arm for arm in data["arms"]}
-    for g in by_name["unequal-fixed"]["groups"]:  # H per round at most (a late group carries its steps on)
-        assert g["inner_steps"] <= setup["steps"] and max(g["steps_per_round"]) <= setup["local_steps"], g
     token = by_name["unequal-tokens"]
     # every round that formed had all three groups (under the suite's load one can fail: num_peers 0, nothing
     # applied, its tokens carried into the group's next round)
@@ -126,16 +124,13 @@ def test_hetero_quick(tmp_path: Path) -> None:
     for name, t in targets["arms"].items():
         assert t["ratio"] == by_name[name]["ratio_to_solo_sum"] and isinstance(t["ratio_met"], bool)
         assert isinstance(t["full_rounds_met"], bool) and isinstance(t["discarded_met"], bool)
-    assert targets["eval_gaps"]["unequal"]["fixed"] is not None and targets["tokens_default"] is None  # quick
-    assert targets["eval_gaps"]["unequal"]["fixed"] == pytest.approx(
-        token["final_eval_loss"] / by_name["unequal-fixed"]["final_eval_loss"] - 1
-    )
+    assert targets["eval_gaps"]["unequal"]["fixed"] is None and targets["tokens_default"] is None  # quick: no fixed
     assert "## hetero (quick): " in (text := doc.read_text())
     assert "- command: `diloco bench hetero --quick --out " in text and "mixed-shape" in text
     assert "| trio | arm | group | cores | solo tokens/s | swarm tokens/s |" in text
-    assert f"| unequal | fixed | 2 | {hetero.CORES[2]:g} | " in text and "| equal |" not in text
+    assert f"| unequal | tokens | 2 | {hetero.CORES[2]:g} | " in text and "| equal |" not in text
     assert "- unequal tokens (inner AdamW moment galaxy): inner steps at " in text
-    assert "helpers (DHT, p2pd, averager) used " in text and "Tokens on unequal groups: final eval loss " in text
+    assert "helpers (DHT, p2pd, averager) used " in text and "Tokens on unequal groups" not in text
     assert "Decision: not measured" in text
     dead = data["dead"]  # group 2 of the equal trio killed after its first round; the others finish ok
     assert dead["dead_group"] == 2 and dead["killed_after_outer_steps"] == 1 and dead["dead_inner_steps"] > 0
