@@ -40,6 +40,7 @@ ARMS = {"1+1": (1, 1), "1+2": (1, 2)}  # ranks of each group (the 2-rank group: 
 # other takes one (of unequal speed: which one is faster depends on the cores): the former defaults, and today's
 PAIR_ARMS = {"1+2-old-defaults": ["--hv.pace", "fixed", "--hv.matchmaking-time", "5", "--hv.late-work", "drop"],
              "1+2-defaults": []}  # fmt: skip
+QUICK_PAIR = ("1+2-defaults",)  # the quick run's pair: today's defaults (the full run compares the former ones)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +190,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
             arms.append(arm_figures(name, run_dirs))
             commands[name] = [shlex.join(c) for c in launches]
         pair = []
-        for name in PAIR_ARMS:
+        for name in QUICK_PAIR if quick else PAIR_ARMS:
             run_dirs = [work_dir / name / f"group-{i}" for i in range(2)]
             launches = [group_command(setup, model, name, i, ranks, peers, d)
                         for i, (ranks, d) in enumerate(zip(ARMS["1+2"], run_dirs))]  # fmt: skip
@@ -239,12 +240,14 @@ def pair_lines(result: dict[str, Any]) -> list[str]:
     """The pair under each pace: one row per group, then the swarm's."""
     if not result.get("pair"):
         return []
+    old = "1+2-old-defaults"
+    paces = (f"the former defaults (`{' '.join(PAIR_ARMS[old])}`) and today's"
+             if old in {arm["name"] for arm in result["pair"]} else "today's defaults")  # fmt: skip
     lines = [
         "",
         "**Unequal speed, one swarm**: the same 1-rank and 2-rank groups, every rank taking half the batch per "
-        "micro-batch (the 1-rank group two in a row, in one process), under the former defaults "
-        f"(`{' '.join(PAIR_ARMS['1+2-old-defaults'])}`) and today's (no pace flag). Tokens/s: in its steps, and its "
-        "tokens over the arm's wall (rounds and waits included); full rounds: those with both groups.",
+        f"micro-batch (the 1-rank group two in a row, in one process), under {paces} (no pace flag). Tokens/s: in its "
+        "steps, and its tokens over the arm's wall (rounds and waits included); full rounds: those with both groups.",
         "",
         "| arm | group | ranks | inner steps | steps per round | discarded steps | full rounds | waits (s) | "
         "tokens/s in steps | tokens/s over the wall |",

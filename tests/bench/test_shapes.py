@@ -31,9 +31,10 @@ def test_shapes_quick(tmp_path: Path) -> None:
         data["arms"][1]["median_allreduce_s"] / data["arms"][0]["median_allreduce_s"])
     section = doc.read_text()
     assert "| 1+2 | 1 + 2 | 2 | yes | yes |" in section and "Round time of 1+2 ÷ 1+1:" in section
-    # the pair of unequal speed (the 1-rank group accumulates two micro-batches) under the old and today's defaults
+    # the pair of unequal speed (the 1-rank group accumulates two micro-batches) under today's defaults (the full run
+    # adds the former ones)
     pair = {arm["name"]: arm for arm in data["pair"]}
-    assert list(pair) == ["1+2-old-defaults", "1+2-defaults"]
+    assert list(pair) == ["1+2-defaults"]
     for arm in pair.values():
         assert arm["same_final_model"] and arm["wall_s"] > 0 and arm["swarm_tokens_per_s"] > 0, arm
         for g in arm["groups"]:
@@ -42,3 +43,4 @@ def test_shapes_quick(tmp_path: Path) -> None:
     assert pair["1+2-defaults"]["discarded_steps"] == 0, pair  # no inner step thrown away while both live
     assert "--per-device-train-batch-size 1 --total-batch-size 2" in " ".join(data["commands"]["1+2-defaults"])
     assert "**Unequal speed, one swarm**" in section and "| 1+2-defaults | 1 | 2 | " in section
+    assert "under today's defaults (no pace flag)" in section
