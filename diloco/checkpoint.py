@@ -40,38 +40,52 @@ class ModelAndOptimizer:
 
         self.model, self.optimizer = model, optimizer
         self.partitioned = isinstance(optimizer, ZeroRedundancyOptimizer)
-        self.aliases = tied_aliases(unwrap(model))
+        plain = unwrap(model)
+        self.aliases = tied_aliases(plain)
+        # with LoRA the base is frozen: --path-model (or --seed) gives it back, so a checkpoint holds the adapters
+        self.frozen = {name for name, p in plain.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's state without the aliases of a tied weight (a tied lm_head is the token embedding: DCP would
-        write it twice, a vocabulary's worth of bytes), and the optimizer's (torch keys a tied weight's once)."""
+        """The model's state without frozen parameters and without the aliases of a tied weight (a tied lm_head is
+        the token embedding: DCP would write it twice, a vocabulary's worth of bytes), and the optimizer's (torch
+        keys a tied weight's once)."""
         from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
             get_model_state_dict,
             get_state_dict,
         )
 
+        options = StateDictOptions(ignore_frozen_params=bool(self.frozen))
         if self.partitioned:
-            model_state, optim_state = get_model_state_dict(self.model), None
+            model_state, optim_state = get_model_state_dict(self.model, options=options), None
         else:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         for alias in self.aliases:
-            del model_state[alias]
+            model_state.pop(alias, None)  # (a frozen one is not there)
         return {"model": model_state} if optim_state is None else {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
             set_model_state_dict,
             set_state_dict,
         )
 
+        model_state = state["model"]
         for alias, name in self.aliases.items():  # the loaded tensor is the tied parameter's, under either name
-            state["model"][alias] = state["model"][name]
+            if name in model_state:
+                model_state[alias] = model_state[name]
+        options = StateDictOptions(strict=not self.frozen)  # the frozen base is not in it: only it may be missing
         if self.partitioned:
-            set_model_state_dict(self.model, state["model"])
-            return
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+            loaded = set_model_state_dict(self.model, model_state, options=options)
+        else:
+            loaded = set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
+                                    optim_state_dict=state["optim"], options=options)  # fmt: skip
+        missing = {key.removeprefix("module.") for key in loaded.missing_keys} - self.frozen  # (DDP's prefix)
+        unfit = sorted(missing) + list(loaded.unexpected_keys)
+        if unfit:
+            raise ValueError(f"it does not fit this model: {len(unfit)} parameter(s) missing or unexpected (first: "
+                             f"{unfit[0]})")
 
     def rank_state(self) -> dict[str, Any]:
         """What only this rank holds: its ZeRO-1 partition's AdamW state, and the hyper-parameters of the

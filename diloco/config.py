@@ -318,6 +318,24 @@ class Config(_Strict):
     )
     cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lora_r: int = Field(
+        0,
+        ge=0,
+        description="LoRA: train rank-R adapters (peft) on a frozen base; the rounds, state downloads and checkpoints "
+        "carry the adapters alone, and final/ holds them in peft's format. 0: train every parameter.",
+    )
+    lora_alpha: float | None = Field(
+        None, gt=0, description="LoRA scaling: an adapter's output is multiplied by alpha / R [default: peft's (8)]."
+    )
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the input of each LoRA adapter.")
+    lora_target_modules: Annotated[list[str], Parameter(consume_multiple=True)] = Field(
+        default_factory=lambda: ["all-linear"],
+        description="The modules that get adapters, by name or name suffix (q_proj v_proj ...); all-linear: every "
+        "linear layer of the model but its output head (attention and MLP projections).",
+    )
+    lora_merge: bool = Field(
+        False, description="With --lora-r: also write final/merged, the base with the adapters merged into it."
+    )
     torch_compile: bool = Field(True, description="Compile each decoder layer with torch.compile.")
     metric_logger_type: str = Field(
         "dummy",
@@ -376,6 +394,19 @@ class Config(_Strict):
         if self.epochs is not None and self.fake_data:
             raise ValueError("--epochs needs --dataset: fake data has no end to count passes by (use --max-steps)")
         return self
+
+    @model_validator(mode="after")
+    def _lora_flags_need_lora(self) -> Config:
+        given = sorted({"lora_alpha", "lora_dropout", "lora_target_modules", "lora_merge"} & self.model_fields_set)
+        if given and not self.lora_r:
+            raise ValueError(f"--{given[0].replace('_', '-')} sets up LoRA adapters: pass --lora-r R too")
+        if self.lora_r and not self.lora_target_modules:
+            raise ValueError("--lora-target-modules: name at least one module (or all-linear)")
+        return self
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_r > 0
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> Config:

@@ -109,11 +109,17 @@ def named_blocks(module: torch.nn.Module, names: set[str]) -> list[torch.nn.Modu
     return found
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the inner optimizer steps, in model order: every one, or with LoRA (``diloco.lora``) the
+    adapters alone. They are the group's outer state: what the rounds average and the state downloads carry."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def parameter_layers(model: PreTrainedModel) -> list[int | None]:
-    """For each parameter in model order, the decoder layer it belongs to (None: embeddings, final norm, head):
-    what ``diloco.outer.fragments`` cuts fragments from."""
+    """For each trainable parameter in model order, the decoder layer it belongs to (None: embeddings, final norm,
+    head): what ``diloco.outer.fragments`` cuts fragments from."""
     home = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
-    return [home.get(id(p)) for p in model.parameters()]
+    return [home.get(id(p)) for p in trainable_parameters(model)]
 
 
 def params_sha256(named_tensors: list[tuple[str, torch.Tensor]]) -> str:

@@ -21,7 +21,7 @@ from diloco.config import Precision, ShardingStrategy
 from diloco.distenv import DistEnv
 from diloco.errors import FieldError
 from diloco.galaxy_moment import GalaxyAdamW
-from diloco.model import params_sha256
+from diloco.model import params_sha256, trainable_parameters
 
 
 def pick_device(env: DistEnv) -> torch.device:
@@ -130,13 +130,14 @@ def build_optimizer(
     With `galaxy_batches` k: `GalaxyAdamW`, whose second moment is that of a k times larger batch.
 
     `fused`: torch's fused AdamW kernel instead of the multi-tensor one (see `fused_adamw`)."""
+    params = trainable_parameters(model)  # (with LoRA, the adapters: the base is frozen)
     if galaxy_batches is not None:
-        return GalaxyAdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, galaxy_batches=galaxy_batches)
+        return GalaxyAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, galaxy_batches=galaxy_batches)
     implementation = {"fused": True} if fused else {"foreach": True}
     kwargs = {"lr": lr, "betas": betas, "weight_decay": weight_decay} | implementation
     if strategy == "ZERO1":
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
-    return torch.optim.AdamW(model.parameters(), **kwargs)
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def fused_adamw(device: torch.device, precision: Precision, cpu_offload: bool = False) -> bool:
@@ -203,10 +204,10 @@ def all_reduce_mean(value: float) -> float:
 
 
 def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
-    """This rank's part of every parameter (a view: writing to it writes the parameter). Under NO_SHARD, DDP
-    and ZERO1 that is the whole parameter: every rank averages the full model with its peer rank in the other
+    """This rank's part of every trainable parameter (a view: writing to it writes the parameter). Under NO_SHARD,
+    DDP and ZERO1 that is the whole parameter: every rank averages the full model with its peer rank in the other
     groups, so a group of n ranks sends n times the model per round (each rank's copy, redundantly)."""
-    return [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return [p.to_local() if isinstance(p, DTensor) else p for p in trainable_parameters(model)]
 
 
 def any_rank(flag: bool) -> bool:

@@ -19,7 +19,7 @@ from diloco import parallel
 from diloco.config import Config
 from diloco.distenv import DistEnv
 from diloco.errors import FieldError
-from diloco.model import parameter_layers
+from diloco.model import parameter_layers, trainable_parameters
 from diloco.outer.agreement import schedule
 from diloco.outer.auto import OuterSetting, outer_setting
 from diloco.outer.diloco import DiLoCo
@@ -49,7 +49,8 @@ def build_outer(
     the swarm, its world rank claimed and the other groups met (at most ``--hv.averaging-timeout``); the key that
     signs its records is kept in `run_dir` (a resumed group keeps its records).
 
-    :param model: the sharded model (FSDP2 or DDP); its local shards are what the outer loop averages.
+    :param model: the sharded model (FSDP2 or DDP); the local shards of its trainable parameters (with LoRA, the
+        adapters) are what the outer loop averages.
     :param stop: true once the run was asked to stop.
     :param max_steps: the run's last inner step (it always ends with an outer step).
     :param tokens_per_step: tokens of one inner step of the group (all ranks): its weight under a token budget.
@@ -86,7 +87,7 @@ def _join(config: Config, env: DistEnv, model: torch.nn.Module, device: torch.de
     model_fingerprint = model_id(plain.named_parameters())
     peer = start_peer(
         hv, env, gather=group.gather, broadcast=group.broadcast, side_broadcast=_side_broadcast,
-        model=model_fingerprint, model_shapes=[tuple(p.shape) for p in plain.parameters()],
+        model=model_fingerprint, model_shapes=[tuple(p.shape) for p in trainable_parameters(plain)],
         sharding=config.sharding_strategy, fragments=fragments, owner_key=run_dir / KEY_FILE, final_step=max_steps,
     )  # fmt: skip
     try:

@@ -20,13 +20,13 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from transformers import get_cosine_schedule_with_warmup
 
-from diloco import checkpoint, console, galaxy_moment, parallel, preflight
+from diloco import checkpoint, console, galaxy_moment, lora, parallel, preflight
 from diloco.config import Config
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
 from diloco.errors import FieldError, UsageError
 from diloco.metrics import Metrics, peak_memory_mb, peak_reserved_mb, write_json_atomic
-from diloco.model import decoder_layers, load_model, save_hf
+from diloco.model import decoder_layers, load_model, save_hf, trainable_parameters
 from diloco.outer.auto import galaxy_moment as takes_galaxy_moment
 from diloco.outer.auto import outer_setting
 from diloco.outer.build import build_outer
@@ -230,6 +230,9 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     grad_accum = config.grad_accumulation(env.world_size)
     galaxy = takes_galaxy_moment(config, config.total_batch_size * config.seq_length, grad_accum)  # tokens per step
     model = load_model(config.path_model, config.seed, config.attn_implementation)
+    if config.lora:
+        model = lora.add_adapters(model, config.lora_r, config.lora_alpha, config.lora_dropout,
+                                  config.lora_target_modules, config.seed)  # fmt: skip
     data = build_data(
         dataset=config.dataset,
         dataset_config=config.dataset_config,
@@ -289,7 +292,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         scaler=ShardedGradScaler(device=device.type, enabled=config.precision == "fp16-mixed"),
         data=data,
         grad_accum=grad_accum,
-        halves=galaxy_moment.Halves(model.parameters()) if galaxy else None,
+        halves=galaxy_moment.Halves(trainable_parameters(model)) if galaxy else None,
         max_steps=max_steps,
         steps_per_epoch=steps_per_epoch,
         metrics=metrics,
@@ -381,7 +384,7 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
         summary["peak_reserved_mb_per_rank"] = [round(reserved, 1) for _, reserved in peaks]
     if run.env.is_main:
         summary["params_sha256"] = sha
-        save_hf(parallel.unwrap(run.model), state, run.run_dir / "final")
+        export(run, state)
     summary["wall_s"] = time.perf_counter() - started
     # every rank tears gloo down together: a rank that destroyed its group while rank 0 was still exporting
     # was seen aborting ("terminate called without an active exception")
@@ -389,10 +392,21 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
     return summary
 
 
+def export(run: Run, state: dict[str, torch.Tensor]) -> None:
+    """Rank 0: final/, a model folder; with LoRA the adapters in peft's format (and final/merged with --lora-merge)."""
+    model, final = parallel.unwrap(run.model), run.run_dir / "final"
+    if run.config.lora:
+        lora.save(model, state, final, run.config.lora_merge)
+    else:
+        save_hf(model, state, final)
+
+
 def describe(run: Run) -> dict[str, str]:
     """What the start-up banner says about this group: where it writes, what it trains, how, and with whom."""
     cfg, hv = run.config, run.config.hv
     parameters = sum(p.numel() for p in run.model.parameters())
+    trained = sum(p.numel() for p in trainable_parameters(run.model))
+    adapters = f", LoRA r {cfg.lora_r}: {console.count(trained)} of them train" if cfg.lora else ""
     tokens_per_step = step_tokens(run.data, run.grad_accum, run.env)
     if hv.galaxy_size == 1:
         swarm = "none (galaxy size 1: plain torch.distributed, no DHT)"
@@ -416,7 +430,7 @@ def describe(run: Run) -> dict[str, str]:
         "run dir": str(run.run_dir),
         "ranks": f"{run.env.world_size} ({cfg.sharding_strategy}, {parallel.backend()}, {cfg.precision})",
         "device": parallel.describe_device(run.device),
-        "model": f"{cfg.path_model}: {console.count(parameters)} parameters",
+        "model": f"{cfg.path_model}: {console.count(parameters)} parameters{adapters}",
         "data": run.data.about,
         "batch": (
             f"{cfg.per_device_train_batch_size} × {cfg.seq_length} tokens per rank, {run.grad_accum} accumulation "

@@ -135,6 +135,8 @@ CASES = {
                                  "--hv.local-steps 10 must be a multiple of --hv.fragments 3"),  # fmt: skip
     "overlap as long as a fragment's period": (lambda t: [*SWARM, "--hv.local-steps", "4", "--hv.fragments", "2",
                                                           "--hv.overlap-steps", "2"], "--hv.overlap-steps 2"),
+    "LoRA on a module the model lacks": (lambda t: ["--lora-r", "4", "--lora-target-modules", "c_attn"],
+                                         "--lora-target-modules c_attn: "),  # fmt: skip
     "more fragments than layers": (lambda t: [*SWARM, "--hv.local-steps", "8", "--hv.fragments", "8"],
                                    "--hv.fragments 8: the model has 2 decoder layers"),  # fmt: skip
     "overlap as long as a token budget's round": (

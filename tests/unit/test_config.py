@@ -206,3 +206,21 @@ def test_dht_takes_hivemind_dht_spellings(tmp_path: Path, monkeypatch: pytest.Mo
             "--announce_maddrs", "/ip4/10.0.0.1/tcp/3101"]  # fmt: skip
     assert run_app(build_app(), argv) == 0
     assert served == [(tmp_path / "id.pem", ["/ip4/127.0.0.1/tcp/3101"], ["/ip4/10.0.0.1/tcp/3101"])]
+
+
+def test_lora_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """--lora-r turns LoRA on with peft's defaults (every linear layer but the head); the other --lora-* flags need it;
+    the target modules are a list."""
+    base = ["--path-model", str(TINY_MODEL), "--fake-data"]
+    assert not parse(base).lora
+    config = parse([*base, "--lora-r", "8"])
+    assert config.lora and config.lora_r == 8 and config.lora_target_modules == ["all-linear"]
+    assert config.lora_alpha is None and config.lora_dropout == 0 and not config.lora_merge
+    config = parse([*base, "--lora-r", "4", "--lora-alpha", "16", "--lora-target-modules", "q_proj", "v_proj",
+                    "--lora-dropout", "0.05", "--lora-merge"])  # fmt: skip
+    assert config.lora_target_modules == ["q_proj", "v_proj"] and config.lora_alpha == 16 and config.lora_merge
+    assert config.lora_dropout == 0.05
+    assert "--lora-alpha sets up LoRA adapters: pass --lora-r R too" in usage_error([*base, "--lora-alpha", "16"], capsys)
+    assert "--lora-merge sets up LoRA adapters" in usage_error([*base, "--lora-merge"], capsys)
+    assert "--lora-dropout" in usage_error([*base, "--lora-r", "4", "--lora-dropout", "1"], capsys)
+    assert "--lora-r" in usage_error([*base, "--lora-r", "-1"], capsys)
