@@ -48,9 +48,11 @@ def save(model: torch.nn.Module, state: dict[str, torch.Tensor], out_dir: Path, 
 
     hf_logging.disable_progress_bar()
     model.save_pretrained(out_dir, state_dict=state)  # peft picks the adapters out of the whole state
-    if merge:
-        base = model.get_base_model()
-        fresh = get_peft_model(AutoModelForCausalLM.from_config(base.config, dtype=torch.float32),
-                               copy.deepcopy(model.peft_config["default"]))  # fmt: skip
-        fresh.load_state_dict(state)
-        fresh.merge_and_unload().save_pretrained(out_dir / MERGED)
+    if merge:  # built on the meta device around the tensors of `state`, which the merge copies before it adds to
+        with torch.device("meta"):  # them (safe_merge: `state` may be the live model's own tensors)
+            fresh = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config, dtype=torch.float32),
+                                   copy.deepcopy(model.peft_config["default"]))  # fmt: skip
+        fresh.load_state_dict(state, assign=True)
+        merged = fresh.merge_and_unload(safe_merge=True)
+        merged.tie_weights()
+        merged.save_pretrained(out_dir / MERGED)

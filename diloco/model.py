@@ -131,10 +131,13 @@ def params_sha256(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def save_hf(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
-    """Write a folder that `AutoModelForCausalLM.from_pretrained(out_dir)` loads."""
+    """Write a folder that `AutoModelForCausalLM.from_pretrained(out_dir)` loads. The model written is built on the
+    meta device around the tensors of `state_dict` (no second copy of the model in memory)."""
     from transformers.utils import logging as hf_logging
 
-    fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
-    fresh.load_state_dict(state_dict)
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    fresh.load_state_dict(state_dict, assign=True)
+    fresh.tie_weights()  # (assign gave a tied weight's names two parameters over one tensor: one parameter again)
     hf_logging.disable_progress_bar()  # a progress bar per tiny shard only clutters the run's log
     fresh.save_pretrained(out_dir)
