@@ -35,10 +35,6 @@ def add_adapters(model: PreTrainedModel, r: int, alpha: float | None, dropout: f
         raise FieldError(f"{{lora_target_modules}} {' '.join(targets)}: {first_line(e)}") from None
 
 
-def is_lora(model: torch.nn.Module) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def save(model: torch.nn.Module, state: dict[str, torch.Tensor], out_dir: Path, merge: bool) -> None:
     """Write the adapters of `model` (a peft model) from its full state dict `state` in peft's format to `out_dir`
     (`PeftModel.from_pretrained(base, out_dir)` loads them); with `merge` also `out_dir/merged`, a model folder of the
