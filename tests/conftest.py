@@ -32,6 +32,18 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def one_process_group() -> Iterator[None]:
+    """A gloo process group of this process alone, as `python -m diloco.train` starts one."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def dht_peer(tmp_path: Path) -> Iterator[list[str]]:
     """`diloco dht` on loopback; yields its --hv.initial-peers multiaddrs; stops it with SIGINT."""
     with diloco_dht(tmp_path / "keys" / "id.pem") as peers:

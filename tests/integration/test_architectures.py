@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -47,16 +46,6 @@ def assert_reloads(final: Path, params_sha: str, model_type: str) -> None:
     exported = AutoModelForCausalLM.from_pretrained(final)
     assert sha(exported) == params_sha
     assert tied(exported) == (model_type in TIED)
-
-
-@pytest.fixture
-def one_process_group() -> Iterator[None]:
-    """A gloo process group of this process alone, as `python -m diloco.train` starts one."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)

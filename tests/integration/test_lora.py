@@ -4,12 +4,10 @@ peft's format and reload to the same model; groups of any shape average them bit
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
@@ -31,15 +29,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("lora") / "base"
     load_model(TINY_MODEL, seed=0).save_pretrained(folder)
     return folder
-
-
-@pytest.fixture
-def one_process_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def sharded_lora(folder: Path, seed: int) -> torch.nn.Module:
