@@ -197,7 +197,9 @@ def machine_figures(
         "dht_core_s": dht,
         "bench_core_s": bench,
         "others_core_s": busy - trainers - helpers - dht - bench,  # other processes and the kernel's own work
-        "idle_core_s": usable_cores() * window - busy - counters.between("steal", span),
+        # (/proc/stat's ticks and the window's clock are read apart: a machine busy throughout can come out a few
+        # hundredths of a core-second below zero)
+        "idle_core_s": max(0.0, usable_cores() * window - busy - counters.between("steal", span)),
     }
 
 
