@@ -116,14 +116,17 @@ def swarmed(tmp_path_factory: pytest.TempPathFactory, shared_dht: list[str]) -> 
     architecture one after another in the same torchrun ranks (`tests.support.runs`: a torchrun and three torch
     imports per architecture spared); the two meet in each architecture's rounds. Each waits up to 60 s for the
     other to join (the averaging timeout; 15 s in `SWARM`): under load a torchrun group once joined 24 s after the
-    other, which had started alone. Each architecture's (1-rank run, 2-rank run, the two runs' exit codes)."""
+    other, which had started alone. A round waits up to 30 s for the other group (3 s in `SWARM`): the 2-rank group's
+    steps are slower, and under load a pair was seen to end without a round together. Each architecture's (1-rank
+    run, 2-rank run, the two runs' exit codes)."""
     root = tmp_path_factory.mktemp("architectures-swarm")
     two_ranks = ["--sharding-strategy", "FULL_SHARD", "--per-device-train-batch-size", "1"]
     runs: list[list[list[str]]] = [[], []]
     dirs = {}
     for model_type in ARCHITECTURES:
         own = ["--path-model", str(write_config(model_type, root / model_type / "model")), "--max-steps", "15",
-               "--hv.averaging-timeout", "60", "--hv.run-id", f"architecture-{model_type}"]  # fmt: skip
+               "--hv.averaging-timeout", "60", "--hv.matchmaking-time", "30",
+               "--hv.run-id", f"architecture-{model_type}"]  # fmt: skip
         dirs[model_type] = (root / model_type / "w0", root / model_type / "w1")
         runs[0].append(group_args(0, 2, shared_dht, dirs[model_type][0], *own))
         runs[1].append(group_args(1, 2, shared_dht, dirs[model_type][1], *own, *two_ranks))
