@@ -46,7 +46,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import get_cosine_schedule_with_warmup
 
 from diloco.bench import BenchError
 from diloco.bench.attacks import Attacker
@@ -70,6 +69,7 @@ from diloco.outer.diloco import DiLoCo
 from diloco.outer.fragments import fragment_params, local_runs
 from diloco.outer.links import solo_group
 from diloco.outer.memory import MemorySwarm
+from diloco.schedule import cosine_with_warmup
 
 __all__ = ["ArmSpec", "Workload", "load_corpus", "markdown", "measure", "plot", "run_arm", "stem"]
 
@@ -319,7 +319,7 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
         model = models[g]
         data = BlockBatches(corpus.train, Shard(g % honest, honest), spec.batch, seed)
         opt, halves = inner_optimizer(model, spec, lr)
-        schedule = get_cosine_schedule_with_warmup(opt, warmup, spec.steps)
+        schedule = cosine_with_warmup(opt, warmup, spec.steps)
         outer = None
         if spec.outer is not None:
             outer_lr, momentum = spec.outer

@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import get_cosine_schedule_with_warmup
 
 from diloco.bench import BenchError
 from diloco.bench.convergence import (
@@ -66,6 +65,7 @@ from diloco.model import load_model
 from diloco.outer.diloco import DiLoCo
 from diloco.outer.links import solo_group
 from diloco.outer.memory import Member, MemorySwarm, Report, State
+from diloco.schedule import cosine_with_warmup
 from diloco.swarm.records.progress import Progress
 from diloco.swarm.rounds.group_round import abreast
 
@@ -280,7 +280,7 @@ def run_late_arm(arm: LateArm, w: Workload, corpus: Corpus) -> dict[str, Any]:
         model, outer, peer = models[g], outers[g], f"g{g}"
         data = BlockBatches(corpus.train, Shard(g, arm.k), base.batch, arm.seed)
         opt, halves = inner_optimizer(model, base, w.lr)
-        schedule = get_cosine_schedule_with_warmup(opt, w.warmup_steps, base.steps)
+        schedule = cosine_with_warmup(opt, w.warmup_steps, base.steps)
         step = trained = 0
         late, rows = [], []
         while step < base.steps:

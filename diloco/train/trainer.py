@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from transformers import get_cosine_schedule_with_warmup
 
 from diloco import checkpoint, console, galaxy_moment, lora, parallel, preflight
 from diloco.config import Config
@@ -33,6 +32,7 @@ from diloco.outer.build import build_outer
 from diloco.outer.diloco import JoinError
 from diloco.outer.loop import OuterLoop
 from diloco.profiling import NoProfiler, build_profiler
+from diloco.schedule import cosine_with_warmup
 
 log = logging.getLogger("diloco")
 
@@ -267,7 +267,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     )
     steps_per_epoch = data.steps_per_epoch(grad_accum)
     max_steps = total_steps(config, steps_per_epoch)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, max(max_steps, 1))
+    scheduler = cosine_with_warmup(optimizer, config.warmup_steps, max(max_steps, 1))
     # joining the swarm can fail on bad input: nothing is written before it
     outer = build_outer(config, env, model, device, lambda: stop.requested, max_steps,
                         step_tokens(data, grad_accum, env), run_dir)  # fmt: skip
