@@ -25,6 +25,7 @@ from diloco.swarm.rounds.listener import Listener, listen_socket
 
 MODEL_SHAPES = [(200, 16), (16,), (90, 16), (7,), (1, 4), (3, 5, 2)]  # (1, 4): an empty shard at 2 ranks
 GROUP_ID = b"a test round's secret group id.."
+TIMEOUT_S = 60.0
 
 
 def canonical(group: int) -> torch.Tensor:
@@ -66,7 +67,16 @@ def main(folder: Path, group: int, shape: Shape, groups: list[Shape]) -> None:
     if shape.world_size > 1:
         dist.init_process_group("gloo")
     replicas = Replicas(shape, rank) if shape.world_size > 1 else None
-    listener = Listener(listen_socket("127.0.0.1", 0), 10.0).start()
+    layout = group_layout(MODEL_SHAPES, shape)[rank]
+    full = canonical(group)
+    vector = torch.cat([full[p.start : p.stop] for p in layout.held])
+    if shape.world_size > 1:  # the layout is FSDP2's: the local shards of a module that holds `full`, sharded
+        local = torch.cat([p.to_local().reshape(-1) for p in sharded(full, shape).parameters()])
+        assert torch.equal(local, vector), f"rank {rank}: FSDP2's local shards are not the layout's"
+    out = torch.full_like(vector, float("nan"))
+    # announced only now, ready to run the round: the groups start seconds apart under load (torchrun, FSDP2), and
+    # what is tested here is the round, not its timeouts (generous ones: a groupmate is waited for, not dropped)
+    listener = Listener(listen_socket("127.0.0.1", 0), TIMEOUT_S).start()
     signer = Ed25519PrivateKey.generate()
     mine = folder / f"endpoint-{group}-{rank}.json"
     mine.with_suffix(".tmp").write_text(json.dumps([listener._sock.getsockname()[1], public_bytes(signer).hex()]))
@@ -79,15 +89,8 @@ def main(folder: Path, group: int, shape: Shape, groups: list[Shape]) -> None:
                tuple(bytes.fromhex(key) for _, key in ranks))
         for g, (s, ranks) in enumerate(zip(groups, announced))
     )  # fmt: skip
-    layout = group_layout(MODEL_SHAPES, shape)[rank]
-    full = canonical(group)
-    vector = torch.cat([full[p.start : p.stop] for p in layout.held])
-    if shape.world_size > 1:  # the layout is FSDP2's: the local shards of a module that holds `full`, sharded
-        local = torch.cat([p.to_local().reshape(-1) for p in sharded(full, shape).parameters()])
-        assert torch.equal(local, vector), f"rank {rank}: FSDP2's local shards are not the layout's"
-    out = torch.full_like(vector, float("nan"))
     outcome = run_round(RoundInfo(GROUP_ID, members, group), rank, MODEL_SHAPES, vector, out, listener=listener,
-                        codec=tcp.RAW, timeout=20.0, signer=signer)  # fmt: skip
+                        codec=tcp.RAW, timeout=TIMEOUT_S, signer=signer)  # fmt: skip
     if replicas is not None:
         replicas.fill(out)
     listener.close()
