@@ -2,14 +2,18 @@
 state downloads (``transfer``) travel as libp2p streams through the rank's p2pd daemon, which brings what p2pd is
 chosen for (NAT traversal, relays, encryption) to groups of any shape.
 
-Each stream is bridged to one end of a local socket pair, so those protocols' blocking-socket code runs unchanged:
-the socket of an incoming stream goes to the rank's ``Listener`` as if it had been accepted there, and ``connect``
-returns the socket of an outgoing one. Over p2pd a rank's endpoint is its libp2p peer id: ``((peer id,), 0)``.
+A libp2p stream reaches this process as a Unix socket connected to the p2pd daemon, opened by hivemind's asyncio
+client. Once the stream is set up, that socket is taken off the asyncio loop and handed over as a plain blocking
+socket, so those protocols' socket code runs unchanged and their bytes go straight between their thread and the
+daemon, with no copy through Python on the way: the socket of an incoming stream goes to the rank's ``Listener`` as
+if it had been accepted there, and ``connect`` returns the socket of an outgoing one. Over p2pd a rank's endpoint is
+its libp2p peer id: ``((peer id,), 0)``.
 
-The bridges run on one thread's asyncio loop with a replica of the DHT's libp2p peer (the same daemon, so the same
-peer id). hivemind is pinned to 1.1.12; this relies on ``DHT.run_coroutine``, ``DHTNode.p2p``, and ``P2P``'s
-``replicate``, ``daemon_listen_maddr``, ``add_binary_stream_handler``, ``remove_binary_stream_handler``,
-``call_binary_stream_handler``, ``peer_id`` and ``shutdown``.
+The streams are set up on one thread's asyncio loop with a replica of the DHT's libp2p peer (the same daemon, so
+the same peer id). hivemind is pinned to 1.1.12; this relies on ``DHT.run_coroutine``, ``DHTNode.p2p``, and
+``P2P``'s ``replicate``, ``daemon_listen_maddr``, ``add_binary_stream_handler``, ``remove_binary_stream_handler``,
+``call_binary_stream_handler``, ``peer_id`` and ``shutdown``; and on the streams being asyncio streams over a socket
+(``StreamReader``'s read-ahead buffer is taken over with it).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -29,12 +35,11 @@ from diloco.swarm.rounds.tcp import Endpoint, close_socket
 log = logging.getLogger("diloco")
 
 PROTOCOL = "/diloco/rank/1"  # the libp2p protocol name of a rank's listener
-CHUNK = 2**16  # bytes copied per read, either way
 START_TIMEOUT_S = 30.0
 
 
 class Tunnel:
-    """Bridges libp2p streams to and from this rank's ``listener``; ``close()`` ends every bridge.
+    """Hands the libp2p streams to and from this rank's ``listener`` over as sockets; ``close()`` ends every one.
 
     :param dht: this rank's running ``hivemind.DHT`` (its daemon carries the streams).
     :param listener: gets the socket of every incoming stream (``Listener.handle``).
@@ -47,7 +52,8 @@ class Tunnel:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="tunnel")
         self._thread.start()
-        self._bridges: set[asyncio.Task] = set()
+        self._handed: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # the streams' sockets, to end on close
+        self._handed_lock = threading.Lock()  # added to on the loop, emptied by close() on the caller's thread
         self._p2p: Any = None
         self._registered = False  # the daemon hands this tunnel the streams of PROTOCOL (one tunnel per daemon)
         try:
@@ -68,16 +74,20 @@ class Tunnel:
         return handshake(sock) if handshake is not None else sock
 
     def close(self) -> None:
-        """Stop taking streams, end every bridge, and release the daemon connection; idempotent."""
-        if self._loop.is_closed():
-            return
-        if self._loop.is_running():
-            with contextlib.suppress(Exception):
-                self._call(self._stop(), 5.0)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5.0)
-        if not self._loop.is_running():
-            self._loop.close()
+        """Stop taking streams, end every stream handed out (their users read end-of-file), and release the daemon
+        connection; idempotent."""
+        if not self._loop.is_closed():
+            if self._loop.is_running():
+                with contextlib.suppress(Exception):
+                    self._call(self._stop(), 5.0)
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=5.0)
+            if not self._loop.is_running():
+                self._loop.close()
+        with self._handed_lock:
+            handed = list(self._handed)
+        for sock in handed:  # after the handler was removed: no stream comes in any more
+            close_socket(sock)
 
     # -------------------------------------------------------------------------------- on the tunnel's loop
 
@@ -91,9 +101,6 @@ class Tunnel:
         return self._p2p.peer_id.to_base58()
 
     async def _stop(self) -> None:
-        for task in list(self._bridges):
-            task.cancel()
-        await asyncio.gather(*self._bridges, return_exceptions=True)
         if self._registered:
             with contextlib.suppress(Exception):  # the daemon keeps a handler until told (another tunnel may come)
                 await self._p2p.remove_binary_stream_handler(PROTOCOL)
@@ -101,10 +108,8 @@ class Tunnel:
             await self._p2p.shutdown()  # a replica: closes its client, leaves the DHT's daemon running
 
     async def _accept(self, _info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """An incoming stream: its local socket goes to the listener, which reads the hello as for TCP."""
-        ours, theirs = socket.socketpair()
-        self.listener.handle(theirs)
-        await self._bridge(reader, writer, ours)
+        """An incoming stream: its socket goes to the listener, which reads the hello as for TCP."""
+        self.listener.handle(self._take(reader, writer))
 
     async def _open(self, peer: str, timeout: float) -> socket.socket:
         from hivemind.p2p import PeerID
@@ -115,44 +120,23 @@ class Tunnel:
             )
         except Exception as e:  # the daemon's errors (no route, protocol not supported), a bad id, a timeout
             raise ConnectionError(f"no libp2p stream to {peer}: {type(e).__name__}: {e}") from None
-        ours, theirs = socket.socketpair()
-        asyncio.ensure_future(self._bridge(reader, writer, ours))  # it registers itself in ``_bridges``
-        return theirs
+        return self._take(reader, writer)
 
-    async def _bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ours: socket.socket) -> None:
-        """Copy bytes both ways between a stream and our end of a socket pair. The local side ends the bridge: once
-        it closed its end, the stream is flushed and closed. The remote side closing only ends what comes in (the
-        local side then reads end-of-file, and closes)."""
-        loop = asyncio.get_running_loop()
-        ours.setblocking(False)
-
-        async def inbound() -> None:
-            try:
-                while data := await reader.read(CHUNK):
-                    await loop.sock_sendall(ours, data)
-            except OSError:
-                pass
-            finally:
-                with contextlib.suppress(OSError):
-                    ours.shutdown(socket.SHUT_WR)
-
-        task = asyncio.current_task()
-        if task is not None:
-            self._bridges.add(task)
-            task.add_done_callback(self._bridges.discard)
-        incoming = asyncio.ensure_future(inbound())
-        try:
-            while data := await loop.sock_recv(ours, CHUNK):
-                writer.write(data)
-                await writer.drain()
-        except OSError:
-            pass
-        finally:
-            incoming.cancel()
-            close_socket(ours)
-            writer.close()  # after what is buffered was written
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    def _take(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> socket.socket:
+        """The stream's socket, off the loop: a duplicate of the transport's descriptor (the transport then closes
+        its own), served first with whatever the reader had already read ahead (an incoming stream's hello can
+        arrive with its header)."""
+        transport = writer.transport
+        transport.pause_reading()  # nothing more goes into the reader's buffer
+        fd = os.dup(transport.get_extra_info("socket").fileno())
+        ahead = bytes(reader._buffer)  # noqa: SLF001 (asyncio keeps no public way to take it)
+        reader._buffer.clear()  # noqa: SLF001
+        writer.close()  # the request was drained before the stream was set up: nothing is left to write
+        sock = socket.socket(fileno=fd) if not ahead else ReadAhead(fd, ahead)
+        sock.setblocking(True)
+        with self._handed_lock:
+            self._handed.add(sock)
+        return sock
 
     def _call(self, coroutine: Coroutine, timeout: float) -> Any:
         """Run `coroutine` on the tunnel's loop; ConnectionError when it takes longer than `timeout`."""
@@ -171,3 +155,26 @@ class Tunnel:
 async def _daemon_listen_maddr(_dht: Any, node: Any) -> Any:
     """Runs in the DHT process: where its p2pd daemon takes clients."""
     return node.p2p.daemon_listen_maddr
+
+
+class ReadAhead(socket.socket):
+    """A socket whose first bytes received are `ahead` (read from it before it was handed over), then its own."""
+
+    def __init__(self, fileno: int, ahead: bytes):
+        super().__init__(fileno=fileno)
+        self._ahead = memoryview(ahead)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        if not self._ahead:
+            return super().recv(bufsize, flags)
+        data, self._ahead = bytes(self._ahead[:bufsize]), self._ahead[bufsize:]
+        return data
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        if not self._ahead:
+            return super().recv_into(buffer, nbytes, flags)
+        view = memoryview(buffer).cast("B")
+        n = min(len(self._ahead), nbytes or len(view))
+        view[:n] = self._ahead[:n]
+        self._ahead = self._ahead[n:]
+        return n
