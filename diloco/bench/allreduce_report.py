@@ -34,7 +34,8 @@ def markdown(result: dict[str, Any]) -> str:
         "`SwarmAverager(match_only=True)` only forms the group, the round (`group_round.GroupRounds`) then running "
         "over the TCP listener of the peer's own process, with the same tensor and timeouts",
         *(["- diloco groups p2pd: the same rounds over `--hv.transport p2pd` (since 2026-11-24): every connection a "
-           "libp2p stream through both peers' p2pd daemons, bridged to a socket pair at each end (`swarm.rounds.tunnel`)"]
+           "libp2p stream through both peers' p2pd daemons, whose Unix socket to its daemon each end's round reads "
+           "and writes itself (`swarm.rounds.tunnel`; until 2026-11-28 bridged to a socket pair by an event loop)"]
           if "groups-p2pd" in result["arms"] else []),  # fmt: skip
         *(["- diloco groups keyed: the same rounds over tcp in a keyed swarm (`--hv.swarm-key`, since 2026-11-25): "
            "signed announcements, and every part and average sealed with AES-256-GCM (`swarm.rounds.frames`)"]
