@@ -21,10 +21,13 @@ def has_weights(path: Path) -> bool:
     return any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS)
 
 
-def load_model(name: Path | str, seed: int, attn_implementation: str | None = None) -> PreTrainedModel:
+def load_model(name: Path | str, seed: int, attn_implementation: str | None = None,
+               meta: bool = False) -> PreTrainedModel:  # fmt: skip
     """Load weights when the folder has them; with only config.json, initialise from `seed`. A hub id is its
     snapshot folder in the Hugging Face cache, under the same rule. `attn_implementation`: the attention kernel
-    (transformers' name; None: its default for the model).
+    (transformers' name; None: its default for the model). `meta`: the model's structure alone, on the meta device
+    (no memory, no weights read), for a rank that receives its values from another
+    (``diloco.parallel.receive_from_rank0``).
 
     Master weights are float32 whatever the folder holds: mixed precision is FSDP's job.
     """
@@ -34,8 +37,11 @@ def load_model(name: Path | str, seed: int, attn_implementation: str | None = No
     except (OSError, ValueError) as e:
         raise FieldError(f"{{path_model}} {name}: not a readable Hugging Face model config ({first_line(e)})") from None
     attention = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    weights = has_weights(path)
+    weights = has_weights(path) and not meta
     try:
+        if meta:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention)
         if weights:
             with quiet_transformers():  # its load report is a table; `check_fit` says what matters in one line
                 model, info = AutoModelForCausalLM.from_pretrained(

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -76,14 +77,43 @@ def parallelize(
     device: torch.device,
     precision: Precision,
     cpu_offload: bool,
+    on_meta: bool = False,
 ) -> torch.nn.Module:
-    """The model the loop trains: the same module sharded in place (FSDP2), or a `DataParallel` around it."""
+    """The model the loop trains, on `device`: the same module sharded in place (FSDP2), or a `DataParallel` around
+    it. `on_meta`: this rank built the model on the meta device (``builds_on_meta``) and takes rank 0's values here,
+    its shards only (collective: every rank of a group of several ranks calls it, rank 0 with its real model)."""
     if uses_ddp(strategy):
         assert not cpu_offload, "Config rejects --cpu-offload with DDP and ZERO1"
-        return DataParallel(model, device, precision)
+        model.to_empty(device=device) if on_meta else model.to(device)
+        wrapped = DataParallel(model, device, precision)  # sends rank 0's parameters and buffers to every rank
+        broadcast_buffers(model)
+        return wrapped
+    if not on_meta:
+        model.to(device)
+    full = model.state_dict() if env.world_size > 1 and not on_meta else {}  # rank 0's, kept until it was sent
     mesh = build_mesh(strategy, env, device)
     shard_model(model, layers, mesh, strategy, precision, cpu_offload)
+    if env.world_size > 1:
+        if on_meta:
+            model.to_empty(device=device)  # the shards only
+        # one tensor at a time: a rank holds its shards and one full tensor at most
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        broadcast_buffers(model)
     return model
+
+
+def builds_on_meta(env: DistEnv, cpu_offload: bool) -> bool:
+    """Whether this rank builds its model on the meta device and takes rank 0's values as it is sharded
+    (``parallelize``): every rank but rank 0 of a group of several, so that one rank alone reads the weights and holds
+    the whole model. (Not with CPU offload, whose shards FSDP2 keeps in pinned host memory.)"""
+    return env.world_size > 1 and env.rank != 0 and not cpu_offload
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers on every rank: FSDP2 leaves them whole, and a state dict may leave them out (rotary
+    frequencies are not persistent)."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -7,12 +7,16 @@
   every `POLL_S` while it runs), the store's build rate (from its manifest), the data's start-up (the
   trainer's "ready in" figure);
 - warm: the large corpus again, the store in place: the data's start-up and peak RSS per rank;
+- checkpoint: a model of the quick run's or a billion parameters, its weights written here as safetensors, loaded
+  by a 2-rank FULL_SHARD group that takes no step (load, shard, export ``final/``): each rank's peak RSS. Rank 0
+  reads the weights; the others build the model on the meta device and receive their shards;
 - BPE: a byte-level BPE tokenizer trained here with `tokenizers` on a sample, saved as a Hugging Face tokenizer
   folder; the rate at which this process builds a token store of part of the corpus with it (its threads on every
   core).
 
 Targets (reported, never asserted): the large corpus adds at most `RSS_TARGET_MB` to a rank's peak RSS over the
-small one; a second run's data start-up under `WARM_TARGET_S`.
+small one; a second run's data start-up under `WARM_TARGET_S`; a rank other than 0 holds at most `LOAD_TARGET` of
+the checkpoint's float32 bytes above the small run's peak (its half, and one whole tensor at a time).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ __all__ = ["markdown", "measure"]
 log = logging.getLogger("diloco")
 
 MODEL = "llama-1m-bytes"
-RSS_TARGET_MB, WARM_TARGET_S = 100.0, 5.0
+RSS_TARGET_MB, WARM_TARGET_S, LOAD_TARGET = 100.0, 5.0, 0.6
 POLL_S = 0.2
 BPE_VOCAB, EOS = 8192, "<|endoftext|>"
 READY = re.compile(r"ready in ([\d.]+) s\)")
@@ -62,15 +66,16 @@ class ScaleSetup:
     batch: int
     steps: int
     timeout_s: float
+    checkpoint: str  # the model whose weights the checkpoint run loads
 
 
 def scale_setup(quick: bool) -> ScaleSetup:
-    """Quick: 2 and 20 MB. Full: 10 MB and 2 GB, BPE timed on 200 MB."""
+    """Quick: 2 and 20 MB, a 14M checkpoint. Full: 10 MB and 2 GB, BPE timed on 200 MB, a 1B checkpoint."""
     if quick:
         return ScaleSetup(small_mb=2, large_mb=20, bpe_sample_mb=1, bpe_rate_mb=4, ranks=2, seq_length=128, batch=2,
-                          steps=2, timeout_s=300.0)  # fmt: skip
+                          steps=2, timeout_s=300.0, checkpoint="llama-14m-fresh")  # fmt: skip
     return ScaleSetup(small_mb=10, large_mb=2000, bpe_sample_mb=20, bpe_rate_mb=200, ranks=2, seq_length=256, batch=2,
-                      steps=2, timeout_s=1800.0)  # fmt: skip
+                      steps=2, timeout_s=1800.0, checkpoint="llama-1b-fresh")  # fmt: skip
 
 
 # ---------------------------------------------------------------- inputs
@@ -188,6 +193,43 @@ def group_run(setup: ScaleSetup, model: Path, corpus: Path, cache: Path, work_di
     }  # fmt: skip
 
 
+def write_weights(name: str, folder: Path) -> tuple[Path, int]:
+    """Model `name` with weights (a fresh initialisation, seed 0) as safetensors in `folder/name`, and its number
+    of parameters."""
+    from diloco.model import load_model
+
+    config = write_model(name, folder / "config")
+    model = load_model(config, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder / name)
+    return folder / name, params
+
+
+def checkpoint_run(setup: ScaleSetup, work_dir: Path) -> dict[str, Any]:
+    """A 2-rank FULL_SHARD group loads the weights of `setup.checkpoint` and takes no step: each rank's peak RSS
+    (rank 0's the larger: it reads the weights and holds them whole until every rank has its shard)."""
+    model, params = write_weights(setup.checkpoint, work_dir / "checkpoint")
+    run_dir, log_path = work_dir / "checkpoint-run", work_dir / "checkpoint-run.log"
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={setup.ranks}",
+               "-m", "diloco.train", "--path-model", str(model), "--fake-data", "--seq-length", "64",
+               "--per-device-train-batch-size", "1", "--total-batch-size", str(setup.ranks), "--max-steps", "0",
+               "--sharding-strategy", "FULL_SHARD", "--precision", "32-true", "--no-torch-compile",
+               "--metric-logger-type", "dummy", "--run-dir", str(run_dir)]  # fmt: skip
+    log.info("bench scale checkpoint: %s", shlex.join(command))
+    began = time.monotonic()
+    with ExitStack() as stack:
+        proc = started(stack, command, log_path, procs.child_env())
+        with PeakRss(proc.pid) as rss:
+            wait_all([("checkpoint", proc, log_path)], setup.timeout_s)
+    summary(run_dir)
+    if len(rss.peaks) != setup.ranks:
+        raise BenchError(f"checkpoint: {len(rss.peaks)} ranks' memory read in {log_path}")
+    weights_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e6
+    return {"model": setup.checkpoint, "params": params, "float32_mb": 4 * params / 1e6, "weights_mb": weights_mb,
+            "peak_rss_mb": sorted(rss.peaks.values(), reverse=True), "wall_s": time.monotonic() - began,
+            "command": shlex.join(command)}  # fmt: skip
+
+
 def bpe_rate(corpus: Path, tokenizer: Path, cache: Path) -> dict[str, Any]:
     """This process builds a token store of `corpus` with the tokenizer in `tokenizer`: MB/s and tokens per MB."""
     began = time.monotonic()
@@ -209,10 +251,15 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
     runs = [group_run(setup, model, small, cache, work_dir, "small"),
             group_run(setup, model, large, cache, work_dir, "large-cold"),
             group_run(setup, model, large, cache, work_dir, "large-warm")]  # fmt: skip
+    loaded = checkpoint_run(setup, work_dir)
     tokenizer = train_bpe(head(large, work_dir / "bpe-sample.txt", setup.bpe_sample_mb), work_dir / "bpe")
     bpe = bpe_rate(head(large, work_dir / "bpe-rate.txt", setup.bpe_rate_mb), tokenizer, cache)
     small_run, cold, warm = runs
     added = max(max(r["peak_rss_mb"]) for r in (cold, warm)) - max(small_run["peak_rss_mb"])
+    floor = max(small_run["peak_rss_mb"])  # a rank with a tiny model: torch, transformers, the data
+    others = [(peak - floor) / loaded["float32_mb"] for peak in loaded["peak_rss_mb"][1:]]  # ranks but rank 0
+    loaded |= {"floor_mb": floor, "others_share": max(others), "rank0_share": (loaded["peak_rss_mb"][0] - floor)
+               / loaded["float32_mb"]}  # fmt: skip
     return {
         "setup": dataclasses.asdict(setup),
         "model": MODEL,
@@ -222,6 +269,8 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
         "rss_added_mb": added,
         "rss_met": added <= RSS_TARGET_MB,
         "warm_ready_met": warm["data_ready_s"] < WARM_TARGET_S,
+        "checkpoint": loaded,
+        "load_met": loaded["others_share"] <= LOAD_TARGET,
         "store_mb": (cache / store_key(large, None, ByteTokenizer()) / "tokens.bin").stat().st_size / 1e6,
     }
 
@@ -262,6 +311,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"≤ {RSS_TARGET_MB:.0f} MB: {met[result['rss_met']]}",
         f"- data start-up of a second run on the large corpus: {warm['data_ready_s']:.1f} s; target under "
         f"{WARM_TARGET_S:.0f} s: {met[result['warm_ready_met']]}",
-        "- not measured here yet: loading a 1B-parameter checkpoint and the outer path at ~300M parameters",
+    ]
+    ck = result["checkpoint"]
+    peaks = ", ".join(f"{m:,.0f}" for m in ck["peak_rss_mb"])
+    lines += [
+        f"- checkpoint: {ck['model']} ({ck['params'] / 1e6:,.0f}M parameters, {ck['float32_mb']:,.0f} MB in "
+        f"float32, {ck['weights_mb']:,.0f} MB of safetensors written here), loaded by a 2-rank FULL_SHARD group that "
+        f"takes no step (load, shard, export `final/`) in {ck['wall_s']:.0f} s: peak RSS rank 0 first {peaks} MB; "
+        f"above the small run's {ck['floor_mb']:,.0f} MB, rank 0 holds {ck['rank0_share']:.2f} of the model and the "
+        f"other rank {ck['others_share']:.2f}; target ≤ {LOAD_TARGET}: {met[result['load_met']]}",
+        "- not measured here yet: the outer path (outer copy, momentum, digests, a state download) at this size",
     ]
     return "\n".join(lines) + "\n"

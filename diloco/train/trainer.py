@@ -226,13 +226,33 @@ def log_eval(run: Run) -> None:
 # ---------------------------------------------------------------- building
 
 
+def build_model(config: Config, env: DistEnv, on_meta: bool) -> torch.nn.Module:
+    """The model to train, adapters included: loaded by rank 0, and by the others on the meta device when
+    `on_meta` (they take rank 0's values as it is sharded). Collective in a group of several ranks: a model rank 0
+    cannot load is the same error on every rank."""
+    error: FieldError | None = None
+    try:
+        model = load_model(config.path_model, config.seed, config.attn_implementation, meta=on_meta)
+        if config.lora:
+            model = lora.add_adapters(model, config.lora_r, config.lora_alpha, config.lora_dropout,
+                                      config.lora_target_modules, config.seed)  # fmt: skip
+    except FieldError as e:
+        error = e
+    if env.world_size > 1:
+        errors = parallel.all_gather_object(error)
+        error = next((e for e in errors if e is not None), None)
+        # every rank draws from rank 0's generator from here on, as when each rank built the model alike
+        torch.set_rng_state(parallel.broadcast_object(torch.get_rng_state()))
+    if error is not None:
+        raise error
+    return model
+
+
 def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path, stop: StopRequest) -> Run:
     grad_accum = config.grad_accumulation(env.world_size)
     galaxy = takes_galaxy_moment(config, config.total_batch_size * config.seq_length, grad_accum)  # tokens per step
-    model = load_model(config.path_model, config.seed, config.attn_implementation)
-    if config.lora:
-        model = lora.add_adapters(model, config.lora_r, config.lora_alpha, config.lora_dropout,
-                                  config.lora_target_modules, config.seed)  # fmt: skip
+    on_meta = parallel.builds_on_meta(env, config.cpu_offload)
+    model = build_model(config, env, on_meta)
     data = build_data(
         dataset=config.dataset,
         dataset_config=config.dataset_config,
@@ -252,9 +272,8 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
     if config.torch_compile:
         for layer in layers:
             layer.compile()
-    model.to(device)
     model = parallel.parallelize(
-        model, layers, config.sharding_strategy, env, device, config.precision, config.cpu_offload
+        model, layers, config.sharding_strategy, env, device, config.precision, config.cpu_offload, on_meta
     )
     optimizer = parallel.build_optimizer(
         model,

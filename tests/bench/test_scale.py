@@ -1,5 +1,6 @@
 """`diloco bench scale --quick`: a 2-rank group on a small and a large generated corpus (the large one's token store
-built by the first run, reused by the second), each rank's peak RSS, and a BPE tokenizer trained and timed."""
+built by the first run, reused by the second), each rank's peak RSS, a 2-rank group loading a checkpoint, and a BPE
+tokenizer trained and timed."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert warm["data_ready_s"] < cold["data_ready_s"]  # nothing to tokenize the second time
     assert data["rss_added_mb"] == pytest.approx(
         max(max(cold["peak_rss_mb"]), max(warm["peak_rss_mb"])) - max(small["peak_rss_mb"]))
+    ck = data["checkpoint"]
+    assert ck["model"] == "llama-14m-fresh" and ck["params"] > 10e6 and ck["weights_mb"] >= ck["float32_mb"] * 0.99
+    assert len(ck["peak_rss_mb"]) == 2 and ck["peak_rss_mb"][0] >= ck["peak_rss_mb"][1]  # rank 0's first
+    assert ck["others_share"] == pytest.approx((ck["peak_rss_mb"][1] - ck["floor_mb"]) / ck["float32_mb"])
+    assert data["load_met"] == (ck["others_share"] <= 0.6)
     bpe = data["bpe"]
     assert bpe["vocab"] == 8192 and bpe["dtype"] == "uint16" and bpe["mb_per_s"] > 0
     assert 1e5 < bpe["tokens_per_mb"] < 1e6  # BPE: fewer ids than bytes
@@ -36,3 +42,4 @@ def test_scale_quick(tmp_path: Path) -> None:
     section = doc.read_text()
     assert "## scale (quick): " in section and "| large-warm | 20 | no (reused) | – |" in section
     assert "- BPE (byte-level, 8192 ids, trained here with `tokenizers`" in section
+    assert "- checkpoint: llama-14m-fresh (" in section and "loaded by a 2-rank FULL_SHARD group" in section

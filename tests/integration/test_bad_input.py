@@ -230,6 +230,19 @@ def test_under_torchrun_only_rank_zero_reports(tmp_path: Path) -> None:
     assert ours == [expected], (result.returncode, result.output[-3000:])
 
 
+def test_under_torchrun_weights_only_rank_zero_reads_are_one_line_from_every_rank(tmp_path: Path) -> None:
+    """Rank 0 alone reads the weights (the others build the model on the meta device): corrupt weights are its
+    error, which every rank then raises alike, so the line appears once and no rank waits on the others."""
+    model = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, model)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    result = torchrun([*FAKE, "--path-model", str(model), "--total-batch-size", "4"])
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith(f"error: --path-model {model}: could not load the weights"), (
+        result.returncode, result.output[-3000:])  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------- joining a swarm, `diloco dht`
 
 # (args given the test's tmp_path and a port in use, expected part of the line, where {port} is that port)

@@ -85,6 +85,17 @@ def test_corrupt_weights_are_a_usage_error(tmp_path: Path) -> None:
         load_model(tmp_path, seed=0)
 
 
+def test_on_the_meta_device_the_weights_are_not_read(tmp_path: Path) -> None:
+    """What every rank of a group but rank 0 builds (it takes rank 0's values as the model is sharded): the same
+    parameters, holding no memory, from the config alone (corrupt weights beside it go unread)."""
+    shutil.copy(TINY_MODEL / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    meta = load_model(tmp_path, seed=0, meta=True)
+    real = load_model(TINY_MODEL, seed=0)
+    assert all(p.is_meta for p in meta.parameters())
+    assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in real.named_parameters()]
+
+
 @pytest.mark.parametrize(("key", "value"), [("num_hidden_layers", 3), ("intermediate_size", 128)])
 def test_weights_that_do_not_fit_the_config_are_a_usage_error(tmp_path: Path, key: str, value: int) -> None:
     """A config.json with a layer more than the weights (transformers would initialise it at random), or with
