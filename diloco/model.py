@@ -27,7 +27,7 @@ def load_model(name: Path | str, seed: int, attn_implementation: str | None = No
     snapshot folder in the Hugging Face cache, under the same rule. `attn_implementation`: the attention kernel
     (transformers' name; None: its default for the model). `meta`: the model's structure alone, on the meta device
     (no memory, no weights read), for a rank that receives its values from another
-    (``diloco.parallel.receive_from_rank0``).
+    (``diloco.parallel.parallelize``).
 
     Master weights are float32 whatever the folder holds: mixed precision is FSDP's job.
     """

@@ -84,13 +84,16 @@ def parallelize(
     its shards only (collective: every rank of a group of several ranks calls it, rank 0 with its real model)."""
     if uses_ddp(strategy):
         assert not cpu_offload, "Config rejects --cpu-offload with DDP and ZERO1"
-        model.to_empty(device=device) if on_meta else model.to(device)
+        if on_meta:
+            model.to_empty(device=device)
+        else:
+            model.to(device)
         wrapped = DataParallel(model, device, precision)  # sends rank 0's parameters and buffers to every rank
         broadcast_buffers(model)
         return wrapped
     if not on_meta:
         model.to(device)
-    full = model.state_dict() if env.world_size > 1 and not on_meta else {}  # rank 0's, kept until it was sent
+    full = model.state_dict() if env.world_size > 1 and env.rank == 0 else {}  # kept until every rank has its shards
     mesh = build_mesh(strategy, env, device)
     shard_model(model, layers, mesh, strategy, precision, cpu_offload)
     if env.world_size > 1:
