@@ -88,9 +88,7 @@ def parallelize(
             model.to_empty(device=device)
         else:
             model.to(device)
-        wrapped = DataParallel(model, device, precision)  # sends rank 0's parameters and buffers to every rank
-        broadcast_buffers(model)
-        return wrapped
+        return DataParallel(model, device, precision)  # sends rank 0's parameters and buffers to every rank
     if not on_meta:
         model.to(device)
     full = model.state_dict() if env.world_size > 1 and env.rank == 0 else {}  # kept until every rank has its shards

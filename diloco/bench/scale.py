@@ -158,6 +158,19 @@ def vm_hwm_mb(pid: int) -> float | None:
     return int(found.group(1)) / 1024 if found else None
 
 
+def ranks_peak_rss(command: list[str], name: str, log_path: Path, run_dir: Path, setup: ScaleSetup) -> list[float]:
+    """Run the torchrun `command` (a group writing to `run_dir`) to its end: each rank's peak RSS in MB. A
+    `BenchError` unless the run ended ok and every rank's memory was read."""
+    with ExitStack() as stack:
+        proc = started(stack, command, log_path, procs.child_env())
+        with PeakRss(proc.pid) as rss:
+            wait_all([(name, proc, log_path)], setup.timeout_s)
+    summary(run_dir)  # (BenchError unless it ended ok)
+    if len(rss.peaks) != setup.ranks:
+        raise BenchError(f"{name}: {len(rss.peaks)} ranks' memory read in {log_path}")
+    return list(rss.peaks.values())
+
+
 def group_run(setup: ScaleSetup, model: Path, corpus: Path, cache: Path, work_dir: Path, name: str) -> dict[str, Any]:
     """A 2-rank group (galaxy size 1) training `setup.steps` steps on `corpus` with the token cache `cache`: each
     rank's peak RSS, the data's start-up and (when it built the store) the build's figures, from its log."""
@@ -171,20 +184,16 @@ def group_run(setup: ScaleSetup, model: Path, corpus: Path, cache: Path, work_di
     log.info("bench scale %s: %s", name, shlex.join(command))
     store = cache / store_key(corpus, None, ByteTokenizer())
     existed, began = store.exists(), time.monotonic()
-    with ExitStack() as stack:
-        proc = started(stack, command, log_path, procs.child_env())
-        with PeakRss(proc.pid) as rss:
-            wait_all([(name, proc, log_path)], setup.timeout_s)
-    summary(run_dir)  # (BenchError unless it ended ok)
+    peaks = ranks_peak_rss(command, name, log_path, run_dir, setup)
     text = log_path.read_text(errors="replace")
     ready = [float(s) for s in READY.findall(text)]
     manifest = json.loads((store / "manifest.json").read_text())
-    if len(rss.peaks) != setup.ranks or not ready:
-        raise BenchError(f"{name}: {len(rss.peaks)} ranks' memory read, {len(ready)} data start-ups in {log_path}")
+    if not ready:
+        raise BenchError(f"{name}: no data start-up in {log_path}")
     return {
         "name": name,
         "corpus_mb": corpus.stat().st_size / 1e6,
-        "peak_rss_mb": sorted(rss.peaks.values()),
+        "peak_rss_mb": sorted(peaks),
         "data_ready_s": max(ready),  # the slower rank's (the one that waited for the store, if one was built)
         "wall_s": time.monotonic() - began,
         "built": None if existed else {"tokens": manifest["tokens"], "seconds": manifest["build_seconds"],
@@ -217,16 +226,10 @@ def checkpoint_run(setup: ScaleSetup, work_dir: Path) -> dict[str, Any]:
                "--metric-logger-type", "dummy", "--run-dir", str(run_dir)]  # fmt: skip
     log.info("bench scale checkpoint: %s", shlex.join(command))
     began = time.monotonic()
-    with ExitStack() as stack:
-        proc = started(stack, command, log_path, procs.child_env())
-        with PeakRss(proc.pid) as rss:
-            wait_all([("checkpoint", proc, log_path)], setup.timeout_s)
-    summary(run_dir)
-    if len(rss.peaks) != setup.ranks:
-        raise BenchError(f"checkpoint: {len(rss.peaks)} ranks' memory read in {log_path}")
+    peaks = ranks_peak_rss(command, "checkpoint", log_path, run_dir, setup)
     weights_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e6
     return {"model": setup.checkpoint, "params": params, "float32_mb": 4 * params / 1e6, "weights_mb": weights_mb,
-            "peak_rss_mb": sorted(rss.peaks.values(), reverse=True), "wall_s": time.monotonic() - began,
+            "peak_rss_mb": sorted(peaks, reverse=True), "wall_s": time.monotonic() - began,
             "command": shlex.join(command)}  # fmt: skip
 
 
@@ -255,8 +258,8 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
     tokenizer = train_bpe(head(large, work_dir / "bpe-sample.txt", setup.bpe_sample_mb), work_dir / "bpe")
     bpe = bpe_rate(head(large, work_dir / "bpe-rate.txt", setup.bpe_rate_mb), tokenizer, cache)
     small_run, cold, warm = runs
-    added = max(max(r["peak_rss_mb"]) for r in (cold, warm)) - max(small_run["peak_rss_mb"])
     floor = max(small_run["peak_rss_mb"])  # a rank with a tiny model: torch, transformers, the data
+    added = max(max(r["peak_rss_mb"]) for r in (cold, warm)) - floor
     others = [(peak - floor) / loaded["float32_mb"] for peak in loaded["peak_rss_mb"][1:]]  # ranks but rank 0
     loaded |= {"floor_mb": floor, "others_share": max(others), "rank0_share": (loaded["peak_rss_mb"][0] - floor)
                / loaded["float32_mb"]}  # fmt: skip

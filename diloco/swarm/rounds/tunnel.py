@@ -53,7 +53,7 @@ class Tunnel:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="tunnel")
         self._thread.start()
         self._handed: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # the streams' sockets, to end on close
-        self._handed_lock = threading.Lock()  # added to on the loop, emptied by close() on the caller's thread
+        self._handed_lock = threading.Lock()  # added to on the loop, read by close() on the caller's thread
         self._p2p: Any = None
         self._registered = False  # the daemon hands this tunnel the streams of PROTOCOL (one tunnel per daemon)
         try:
