@@ -117,7 +117,9 @@ def swarmed(tmp_path_factory: pytest.TempPathFactory, shared_dht: list[str]) -> 
     imports per architecture spared); the two meet in each architecture's rounds. Each waits up to 60 s for the
     other to join (the averaging timeout; 15 s in `SWARM`): under load a torchrun group once joined 24 s after the
     other, which had started alone. A round waits up to 30 s for the other group (3 s in `SWARM`): the 2-rank group's
-    steps are slower, and under load a pair was seen to end without a round together. Each architecture's (1-rank
+    steps are slower, and under load a pair was seen to end without a round together. And the two start each
+    architecture together (`tests.support.runs` with a meeting folder): a 2-rank torchrun starts slower. Each
+    architecture's (1-rank
     run, 2-rank run, the two runs' exit codes)."""
     root = tmp_path_factory.mktemp("architectures-swarm")
     two_ranks = ["--sharding-strategy", "FULL_SHARD", "--per-device-train-batch-size", "1"]
@@ -132,10 +134,11 @@ def swarmed(tmp_path_factory: pytest.TempPathFactory, shared_dht: list[str]) -> 
         runs[1].append(group_args(1, 2, shared_dht, dirs[model_type][1], *own, *two_ranks))
     logs = [root / "w0.log", root / "w1.log"]
     procs = []
+    (root / "meet").mkdir()  # the two groups start each architecture together: a 2-rank torchrun starts slower
     for i, ranks in enumerate((1, 2)):
         (root / f"runs-{i}.json").write_text(json.dumps(runs[i]))
-        procs.append(start_group([str(root / f"runs-{i}.json")], logs[i], torchrun=True, ranks=ranks,
-                                 module="tests.support.runs"))  # fmt: skip
+        procs.append(start_group([str(root / f"runs-{i}.json"), str(root / "meet"), "2"], logs[i], torchrun=True,
+                                 ranks=ranks, module="tests.support.runs"))  # fmt: skip
     with contextlib.suppress(AssertionError):  # a failed run is its architecture's test's failure, not every one's
         finish(procs, logs, timeout=900)
     ended = r"^RUN (\d+) EXIT (-?\d+)$"
@@ -159,7 +162,8 @@ def test_a_one_rank_and_a_two_rank_group_train_it_together_bit_identically(
     assert finals[0]["params_sha256"] == finals[1]["params_sha256"]
     together = [{r["outer_step"]: r["params_sha256"] for r in outer_rows(d) if r.get("num_peers") == 2} for d in dirs]
     shared = together[0].keys() & together[1].keys()
-    assert shared and all(together[0][step] == together[1][step] for step in shared), together  # a round of both
+    rounds = [[(r["outer_step"], r.get("num_peers")) for r in outer_rows(d)] for d in dirs]
+    assert shared and all(together[0][step] == together[1][step] for step in shared), rounds  # a round of both
     for d in dirs:
         assert_reloads(d / "final", finals[0]["params_sha256"], model_type)
 
