@@ -36,6 +36,27 @@ def wait_for(predicate, timeout: float, what: str, procs: list[subprocess.Popen]
         time.sleep(0.05)
 
 
+def hold_until_joined(held: list[subprocess.Popen], held_logs: list[Path], log: Path, procs: list[subprocess.Popen],
+                      logs: list[Path]) -> None:  # fmt: skip
+    """Pause each of `held` (SIGSTOP: its DHT peer goes on) once it joined the swarm, until the group logging to `log`
+    joined too. A torchrun group starts slower than a plain one: under load, the plain groups once trained all their
+    steps before it reached its third round."""
+    stopped: set[int] = set()
+
+    def joined() -> bool:
+        for i, (proc, held_log) in enumerate(zip(held, held_logs)):
+            if i not in stopped and "joined the swarm" in held_log.read_text():
+                os.kill(proc.pid, signal.SIGSTOP)
+                stopped.add(i)
+        return "joined the swarm" in log.read_text()
+
+    try:
+        wait_for(joined, 120, f"{log.stem}'s start", procs, logs)
+    finally:
+        for proc in held:
+            os.kill(proc.pid, signal.SIGCONT)
+
+
 def start_hostile(args: list[str], peers: list[str], log: Path) -> subprocess.Popen[str]:
     """A `tests.support.hostile_peer` process (ATTACK RUN_ID GALAXY_SIZE WORLD_RANK ROUNDS AGGREGATION, model
     FAST's) in its own session, output to `log`."""
@@ -96,6 +117,7 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
     victim = start_group(victim_args, logs[2], torchrun=True)
     procs = [*survivors, victim]
     try:
+        hold_until_joined(survivors, logs[:2], logs[2], procs, logs)
         wait_for(lambda: "outer step 3: averaging" in logs[2].read_text(), 120, "the victim's third round", procs, logs)
         children = descendants(victim.pid)
         assert any(c.name() == "p2pd" for c in children)
