@@ -133,6 +133,11 @@ def peak_memory_mb(device: torch.device) -> float:
     """Peak accelerator memory allocated by torch, or the process's peak resident set size on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return host_peak_mb()
+
+
+def host_peak_mb() -> float:
+    """The process's peak resident set size so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from diloco import hub
 from diloco.errors import FieldError, UsageError, first_line
+from diloco.shards import Checkpoint
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -25,9 +26,9 @@ def load_model(name: Path | str, seed: int, attn_implementation: str | None = No
                meta: bool = False) -> PreTrainedModel:  # fmt: skip
     """Load weights when the folder has them; with only config.json, initialise from `seed`. A hub id is its
     snapshot folder in the Hugging Face cache, under the same rule. `attn_implementation`: the attention kernel
-    (transformers' name; None: its default for the model). `meta`: the model's structure alone, on the meta device
-    (no memory, no weights read), for a rank that receives its values from another
-    (``diloco.parallel.parallelize``).
+    (transformers' name; None: its default for the model). `meta`: the model's structure, its parameters on the
+    meta device (no memory, no weights read, the generator untouched) and its buffers computed, for a rank that
+    receives its values from another or reads its shards alone (``diloco.parallel.parallelize``).
 
     Master weights are float32 whatever the folder holds: mixed precision is FSDP's job.
     """
@@ -40,7 +41,7 @@ def load_model(name: Path | str, seed: int, attn_implementation: str | None = No
     weights = has_weights(path) and not meta
     try:
         if meta:
-            with torch.device("meta"):
+            with parameters_on_meta():
                 return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention)
         if weights:
             with quiet_transformers():  # its load report is a table; `check_fit` says what matters in one line
@@ -59,6 +60,37 @@ def load_model(name: Path | str, seed: int, attn_implementation: str | None = No
             raise FieldError(f"{{attn_implementation}} {attn_implementation}: {first_line(e)}") from None
         what = "could not load the weights" if weights else "could not build the model from its config.json"
         raise FieldError(f"{{path_model}} {name}: {what} ({first_line(e)})") from None
+
+
+def checkpoint_of(name: Path | str) -> Checkpoint | None:
+    """The safetensors weights of model `name` (a folder or a hub id, as ``load_model`` finds it), when its folder
+    holds them by the names ``save_pretrained`` writes; None otherwise."""
+    path = hub.local_folder("path_model", str(name), hub.MODEL_FILES)
+    try:
+        return Checkpoint.find(path)
+    except Exception as e:  # safetensors raises its own type for a damaged header
+        raise FieldError(f"{{path_model}} {name}: could not load the weights ({first_line(e)})") from None
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Parameters created in the block go to the meta device as they are registered, so no memory holds them and
+    the initialisation that follows touches nothing; buffers stay real (rotary frequencies are computed, never
+    loaded). The random generator is left as it was. (``Module.register_parameter`` is patched for the block: the
+    model is built before the process starts any thread that could build modules meanwhile.)"""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.nn.Module.register_parameter = register
 
 
 @contextlib.contextmanager
@@ -81,6 +113,11 @@ def check_fit(name: Path | str, info: dict[str, list]) -> None:
     """Refuse weights that leave parameters of config.json without a value or of another shape: transformers would
     initialise those at random with a warning, and a run would train from a half-loaded checkpoint."""
     missing = list(info.get("missing_keys") or []) + [str(m[0]) for m in info.get("mismatched_keys") or []]
+    refuse_misfits(name, missing)
+
+
+def refuse_misfits(name: Path | str, missing: list[str]) -> None:
+    """A FieldError naming `name` when some parameters of its config.json have no value of their shape."""
     if missing:
         raise FieldError(
             f"{{path_model}} {name}: the weights do not fit its config.json: {len(missing)} parameter(s) missing or "

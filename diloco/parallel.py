@@ -23,6 +23,7 @@ from diloco.distenv import DistEnv
 from diloco.errors import FieldError
 from diloco.galaxy_moment import GalaxyAdamW
 from diloco.model import params_sha256, trainable_parameters
+from diloco.shards import Checkpoint
 
 
 def pick_device(env: DistEnv) -> torch.device:
@@ -78,10 +79,12 @@ def parallelize(
     precision: Precision,
     cpu_offload: bool,
     on_meta: bool = False,
+    checkpoint: Checkpoint | None = None,
 ) -> torch.nn.Module:
     """The model the loop trains, on `device`: the same module sharded in place (FSDP2), or a `DataParallel` around
     it. `on_meta`: this rank built the model on the meta device (``builds_on_meta``) and takes rank 0's values here,
-    its shards only (collective: every rank of a group of several ranks calls it, rank 0 with its real model)."""
+    its shards only (collective: every rank of a group of several ranks calls it, rank 0 with its real model).
+    `checkpoint` (``reads_shards``): every rank built it on the meta device and reads its own shards from there."""
     if uses_ddp(strategy):
         assert not cpu_offload, "Config rejects --cpu-offload with DDP and ZERO1"
         if on_meta:
@@ -91,10 +94,13 @@ def parallelize(
         return DataParallel(model, device, precision)  # sends rank 0's parameters and buffers to every rank
     if not on_meta:
         model.to(device)
-    full = model.state_dict() if env.world_size > 1 and env.rank == 0 else {}  # kept until every rank has its shards
+    broadcast = env.world_size > 1 and checkpoint is None
+    full = model.state_dict() if broadcast and env.rank == 0 else {}  # kept until every rank has its shards
     mesh = build_mesh(strategy, env, device)
     shard_model(model, layers, mesh, strategy, precision, cpu_offload)
-    if env.world_size > 1:
+    if checkpoint is not None:
+        checkpoint.load_into(model, device)
+    elif broadcast:
         if on_meta:
             model.to_empty(device=device)  # the shards only
         # one tensor at a time: a rank holds its shards and one full tensor at most
@@ -108,6 +114,14 @@ def builds_on_meta(env: DistEnv, cpu_offload: bool) -> bool:
     (``parallelize``): every rank but rank 0 of a group of several, so that one rank alone reads the weights and holds
     the whole model. (Not with CPU offload, whose shards FSDP2 keeps in pinned host memory.)"""
     return env.world_size > 1 and env.rank != 0 and not cpu_offload
+
+
+def reads_shards(env: DistEnv, strategy: ShardingStrategy, cpu_offload: bool, lora: bool) -> bool:
+    """Whether each rank reads its own shards of a checkpoint's safetensors files (``diloco.shards``), so no rank
+    holds the whole model: in an FSDP group of several ranks (DDP keeps the whole model on every rank), for a base
+    model alone (LoRA's adapters are drawn by rank 0), and not under CPU offload (its shards live in pinned host
+    memory)."""
+    return env.world_size > 1 and not uses_ddp(strategy) and not cpu_offload and not lora
 
 
 def broadcast_buffers(model: torch.nn.Module) -> None:

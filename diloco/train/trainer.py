@@ -12,7 +12,7 @@ import math
 import signal
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,15 @@ from diloco.config import Config
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
 from diloco.errors import FieldError, UsageError
-from diloco.metrics import Metrics, peak_memory_mb, peak_reserved_mb, write_json_atomic
-from diloco.model import decoder_layers, load_model, save_hf, trainable_parameters
+from diloco.metrics import Metrics, host_peak_mb, peak_memory_mb, peak_reserved_mb, write_json_atomic
+from diloco.model import (
+    checkpoint_of,
+    decoder_layers,
+    load_model,
+    refuse_misfits,
+    save_hf,
+    trainable_parameters,
+)
 from diloco.outer.auto import galaxy_moment as takes_galaxy_moment
 from diloco.outer.auto import outer_setting
 from diloco.outer.build import build_outer
@@ -33,6 +40,7 @@ from diloco.outer.diloco import JoinError
 from diloco.outer.loop import OuterLoop
 from diloco.profiling import NoProfiler, build_profiler
 from diloco.schedule import cosine_with_warmup
+from diloco.shards import Checkpoint
 
 log = logging.getLogger("diloco")
 
@@ -87,6 +95,7 @@ class Run:
     last_loss: float | None = None
     last_eval_loss: float | None = None
     scheduled_eval_at: int = 0  # where the run stood (`OuterLoop.position`) at the last --eval-interval check
+    startup_host_peak_mb: list[float] = field(default_factory=list)  # per rank, once built and resumed
 
 
 # ---------------------------------------------------------------- the hot loop
@@ -226,13 +235,21 @@ def log_eval(run: Run) -> None:
 # ---------------------------------------------------------------- building
 
 
-def build_model(config: Config, env: DistEnv, on_meta: bool) -> torch.nn.Module:
-    """The model to train, adapters included: loaded by rank 0, and by the others on the meta device when
-    `on_meta` (they take rank 0's values as it is sharded). Collective in a group of several ranks: a model rank 0
-    cannot load is the same error on every rank."""
+def build_model(config: Config, env: DistEnv) -> tuple[torch.nn.Module, bool, Checkpoint | None]:
+    """The model to train, adapters included; whether this rank built it on the meta device; and the checkpoint
+    each rank reads its own shards from (``parallel.parallelize`` gives the model its values). In an FSDP group of
+    several ranks, a checkpoint's safetensors files are read that way; otherwise rank 0 loads the model (or draws a
+    fresh one) and the others build it on the meta device and take rank 0's values. Collective in a group of several
+    ranks: a model one rank cannot load is the same error on every rank."""
     error: FieldError | None = None
+    on_meta, weights = parallel.builds_on_meta(env, config.cpu_offload), None
     try:
+        if parallel.reads_shards(env, config.sharding_strategy, config.cpu_offload, bool(config.lora)):
+            weights = checkpoint_of(config.path_model)
+        on_meta = on_meta or weights is not None
         model = load_model(config.path_model, config.seed, config.attn_implementation, meta=on_meta)
+        if weights is not None:  # what from_pretrained checks on rank 0 otherwise
+            refuse_misfits(config.path_model, weights.misfits(model))
         if config.lora:
             model = lora.add_adapters(model, config.lora_r, config.lora_alpha, config.lora_dropout,
                                       config.lora_target_modules, config.seed)  # fmt: skip
@@ -245,14 +262,13 @@ def build_model(config: Config, env: DistEnv, on_meta: bool) -> torch.nn.Module:
         torch.set_rng_state(parallel.broadcast_object(torch.get_rng_state()))
     if error is not None:
         raise error
-    return model
+    return model, on_meta, weights
 
 
 def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path, stop: StopRequest) -> Run:
     grad_accum = config.grad_accumulation(env.world_size)
     galaxy = takes_galaxy_moment(config, config.total_batch_size * config.seq_length, grad_accum)  # tokens per step
-    on_meta = parallel.builds_on_meta(env, config.cpu_offload)
-    model = build_model(config, env, on_meta)
+    model, on_meta, weights = build_model(config, env)
     data = build_data(
         dataset=config.dataset,
         dataset_config=config.dataset_config,
@@ -273,7 +289,7 @@ def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path,
         for layer in layers:
             layer.compile()
     model = parallel.parallelize(
-        model, layers, config.sharding_strategy, env, device, config.precision, config.cpu_offload, on_meta
+        model, layers, config.sharding_strategy, env, device, config.precision, config.cpu_offload, on_meta, weights
     )
     optimizer = parallel.build_optimizer(
         model,
@@ -398,6 +414,8 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
         **run.outer.summary(),
         # per rank: peak allocated accelerator memory (peak RSS on CPU), and on a GPU the allocator's peak reserve
         "peak_memory_mb_per_rank": [round(allocated, 1) for allocated, _ in peaks],
+        # per rank: the process's peak resident memory once the model was built, sharded and resumed (before a step)
+        "startup_host_peak_mb_per_rank": [round(peak, 1) for peak in run.startup_host_peak_mb],
     }
     if peaks[0][1] is not None:
         summary["peak_reserved_mb_per_rank"] = [round(reserved, 1) for _, reserved in peaks]
@@ -450,6 +468,8 @@ def describe(run: Run) -> dict[str, str]:
         "ranks": f"{run.env.world_size} ({cfg.sharding_strategy}, {parallel.backend()}, {cfg.precision})",
         "device": parallel.describe_device(run.device),
         "model": f"{cfg.path_model}: {console.count(parameters)} parameters{adapters}",
+        "memory": "host peak after loading " + " / ".join(f"{peak / 1024:.2f}" for peak in run.startup_host_peak_mb)
+        + " GB (per rank)",
         "data": run.data.about,
         "batch": (
             f"{cfg.per_device_train_batch_size} × {cfg.seq_length} tokens per rank, {run.grad_accum} accumulation "
@@ -493,6 +513,7 @@ def main(config: Config, env: DistEnv) -> int:
         run = build_run(config, env, device, run_dir, stop)
         if resume_path is not None:
             resume(run, resume_path)
+        run.startup_host_peak_mb = parallel.all_gather_object(host_peak_mb())  # what loading the model took
         if env.is_main:
             log.info("worker group %d starting:\n%s", config.hv.world_rank, console.banner(describe(run)))
         joined = run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers)

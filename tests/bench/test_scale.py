@@ -30,11 +30,15 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert warm["data_ready_s"] < cold["data_ready_s"]  # nothing to tokenize the second time
     assert data["rss_added_mb"] == pytest.approx(
         max(max(cold["peak_rss_mb"]), max(warm["peak_rss_mb"])) - max(small["peak_rss_mb"]))
-    ck = data["checkpoint"]
-    assert ck["model"] == "llama-14m-fresh" and ck["params"] > 10e6 and ck["weights_mb"] >= ck["float32_mb"] * 0.99
-    assert len(ck["peak_rss_mb"]) == 2 and ck["peak_rss_mb"][0] >= ck["peak_rss_mb"][1]  # rank 0's first
-    assert ck["others_share"] == pytest.approx((ck["peak_rss_mb"][1] - ck["floor_mb"]) / ck["float32_mb"])
-    assert data["load_met"] == (ck["others_share"] <= 0.6)
+    ld = data["load"]
+    assert ld["model"] == "llama-14m-fresh" and ld["params"] > 10e6 and ld["weights_mb"] >= ld["float32_mb"] * 0.99
+    assert ld["target_mb"] == pytest.approx(0.6 * ld["float32_mb"] + 1000)
+    assert [run["name"] for run in ld["runs"]] == ["fresh", "checkpoint"]
+    for run in ld["runs"]:
+        assert len(run["loaded_peak_mb"]) == len(run["run_peak_mb"]) == 2 and min(run["loaded_peak_mb"]) > 50, run
+        assert max(run["loaded_peak_mb"]) <= max(run["run_peak_mb"]) + 1, run  # the whole run includes the load
+        assert run["shares"] == pytest.approx([(m - ld["floor_mb"]) / ld["float32_mb"] for m in run["loaded_peak_mb"]])
+        assert run["met"] == (max(run["loaded_peak_mb"]) <= ld["target_mb"])
     bpe = data["bpe"]
     assert bpe["vocab"] == 8192 and bpe["dtype"] == "uint16" and bpe["mb_per_s"] > 0
     assert 1e5 < bpe["tokens_per_mb"] < 1e6  # BPE: fewer ids than bytes
@@ -42,4 +46,4 @@ def test_scale_quick(tmp_path: Path) -> None:
     section = doc.read_text()
     assert "## scale (quick): " in section and "| large-warm | 20 | no (reused) | – |" in section
     assert "- BPE (byte-level, 8192 ids, trained here with `tokenizers`" in section
-    assert "- checkpoint: llama-14m-fresh (" in section and "loaded by a 2-rank FULL_SHARD group" in section
+    assert "Loading a model: llama-14m-fresh (" in section and "| checkpoint | " in section

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from diloco.model import load_model
 from tests.support.paths import DILOCO, TINY_MODEL, TORCHRUN
 from tests.support.procs import FAST, Result, child_env, python_train, run_cmd, torchrun
 
@@ -230,16 +231,25 @@ def test_under_torchrun_only_rank_zero_reports(tmp_path: Path) -> None:
     assert ours == [expected], (result.returncode, result.output[-3000:])
 
 
-def test_under_torchrun_weights_only_rank_zero_reads_are_one_line_from_every_rank(tmp_path: Path) -> None:
-    """Rank 0 alone reads the weights (the others build the model on the meta device): corrupt weights are its
-    error, which every rank then raises alike, so the line appears once and no rank waits on the others."""
+@pytest.mark.parametrize("damage", ["corrupt", "a layer short"])
+def test_under_torchrun_weights_that_cannot_load_are_one_line_from_every_rank(tmp_path: Path, damage: str) -> None:
+    """In an FSDP group each rank reads its own shards of the weights: a file that is not safetensors, or a
+    config.json asking for a layer the files lack, is the same error on every rank, so the line appears once and no
+    rank waits on the others."""
     model = tmp_path / "model"
     shutil.copytree(TINY_MODEL, model)
-    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    if damage == "corrupt":
+        (model / "model.safetensors").write_bytes(b"not a safetensors file")
+        said = "could not load the weights"
+    else:
+        load_model(TINY_MODEL, seed=0).save_pretrained(model)
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps(config | {"num_hidden_layers": config["num_hidden_layers"] + 1}))
+        said = "the weights do not fit its config.json"
     result = torchrun([*FAKE, "--path-model", str(model), "--total-batch-size", "4"])
-    assert result.returncode != 0
+    assert result.returncode != 0  # (torchrun's own code: 1 when a rank exits with 2)
     ours = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 1 and ours[0].startswith(f"error: --path-model {model}: could not load the weights"), (
+    assert len(ours) == 1 and ours[0].startswith(f"error: --path-model {model}: {said}"), (
         result.returncode, result.output[-3000:])  # fmt: skip
 
 

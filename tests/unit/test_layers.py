@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("diloco.errors", "diloco.config", "diloco.procs", "diloco.console", "diloco.corpus", "diloco.hub",
      "diloco.distenv"),  # fmt: skip
     ("diloco.galaxy_moment", "diloco.model", "diloco.lora", "diloco.parallel", "diloco.data", "diloco.checkpoint",
-     "diloco.schedule",
+     "diloco.schedule", "diloco.shards",
      "diloco.metrics", "diloco.plot", "diloco.profiling"),  # the inner training's parts  # fmt: skip
     ("diloco.swarm",),  # the transport: records, rounds, the peer
     ("diloco.outer",),  # DiLoCo itself

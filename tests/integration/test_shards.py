@@ -1,0 +1,46 @@
+"""A 2-rank FSDP group loads a checkpoint with each rank reading only its own shards from the safetensors files
+(``diloco.shards``): the group's model is the one ``from_pretrained`` gives, under each sharded strategy."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.model import load_model, params_sha256
+from tests.support.architectures import write_config
+from tests.support.paths import TORCHRUN
+from tests.support.procs import FAST, run_cmd, summary
+
+# (model type, weights' dtype, max_shard_size or None for one file, strategy)
+CASES = [
+    ("llama", torch.float32, None, "FULL_SHARD"),
+    ("qwen2", torch.bfloat16, "20KB", "HYBRID_SHARD"),  # tied; several files and their index; a 2-D mesh
+    ("gpt2", torch.float32, "20KB", "SHARD_GRAD_OP"),  # tied Conv1D
+]
+
+
+@pytest.mark.slow
+def test_each_rank_reads_its_shards_and_the_group_holds_what_from_pretrained_gives(tmp_path: Path) -> None:
+    runs, expected = [], []
+    for i, (model_type, dtype, shard_size, strategy) in enumerate(CASES):
+        model = load_model(write_config(model_type, tmp_path / f"config-{i}"), seed=5)
+        folder = tmp_path / f"weights-{i}"
+        model.to(dtype).save_pretrained(folder, **({"max_shard_size": shard_size} if shard_size else {}))
+        reloaded = load_model(folder, seed=0)  # the float32 model from_pretrained makes of the files
+        expected.append(params_sha256(list(reloaded.named_parameters())))
+        runs.append([*FAST, "--path-model", str(folder), "--fake-data", "--total-batch-size", "4",
+                     "--max-steps", "0", "--eval-steps", "1", "--sharding-strategy", strategy,
+                     "--run-dir", str(tmp_path / f"run-{i}")])  # fmt: skip
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    result = run_cmd([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "tests.support.runs",
+                      str(tmp_path / "runs.json")], timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.output[-3000:]
+    assert re.findall(r"^RUN (\d+) EXIT (\d+)$", result.stdout, re.M) == [(str(i), "0") for i in range(len(CASES))]
+    for i, sha in enumerate(expected):
+        ran = summary(tmp_path / f"run-{i}")
+        assert ran["params_sha256"] == sha, CASES[i]
+        assert len(ran["startup_host_peak_mb_per_rank"]) == 2
