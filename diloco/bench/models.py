@@ -58,6 +58,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "llama-0.1m-bytes": _llama(64, 192, 2, 2, 32, max_position_embeddings=512, vocab_size=260),
     # the full runs of strategies and overhead
     "llama-14m-fresh": _llama(384, 1024, 7, 6, 64),
+    # 207M: the outer part of the full scale run (three groups of it train together in 24 GB)
+    "llama-200m-fresh": _llama(1024, 2816, 16, 16, 64),
     # 1.08B, tied embeddings: the checkpoint part of the full scale run (its config names no architectures class)
     "llama-1b-fresh": {key: value for key, value in _llama(
         2048, 8192, 16, 32, 64, num_key_value_heads=8, vocab_size=50304, bos_token_id=1, eos_token_id=2,

@@ -1,4 +1,5 @@
-"""`diloco bench scale`: what a corpus of gigabytes costs a worker group on this machine (its data part).
+"""`diloco bench scale`: what a corpus of gigabytes, a model of a billion parameters and the outer path of a real
+model's size cost a worker group on this machine (the outer part: ``diloco.bench.scale_outer``).
 
 - corpus: text generated here (the lines of tinyshakespeare.txt, shuffled by a seeded generator, numbered), a small
   one and a large one (`ScaleSetup`);
@@ -40,6 +41,7 @@ import psutil
 from diloco import procs
 from diloco.bench import BenchError, section_head
 from diloco.bench.models import write_model
+from diloco.bench.scale_outer import markdown_lines, measure_outer
 from diloco.bench.wire import started, summary, wait_all
 from diloco.corpus import TINYSHAKESPEARE
 from diloco.data import ByteTokenizer, HFTokenizer
@@ -271,6 +273,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
             group_run(setup, model, large, cache, work_dir, "large-cold"),
             group_run(setup, model, large, cache, work_dir, "large-warm")]  # fmt: skip
     loaded = load_runs(setup, work_dir, floor_mb=max(runs[0]["peak_rss_mb"]))  # a rank with a tiny model
+    outer = measure_outer(quick, work_dir / "outer")
     tokenizer = train_bpe(head(large, work_dir / "bpe-sample.txt", setup.bpe_sample_mb), work_dir / "bpe")
     bpe = bpe_rate(head(large, work_dir / "bpe-rate.txt", setup.bpe_rate_mb), tokenizer, cache)
     small_run, cold, warm = runs
@@ -286,6 +289,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
         "rss_met": added <= RSS_TARGET_MB,
         "warm_ready_met": warm["data_ready_s"] < WARM_TARGET_S,
         "load": loaded,
+        "outer": outer,
         "store_mb": (cache / store_key(large, None, ByteTokenizer()) / "tokens.bin").stat().st_size / 1e6,
     }
 
@@ -350,6 +354,6 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "- fresh: rank 0 draws the whole model and sends each rank its shards; from a checkpoint, each rank reads its "
         "own shards from the files",
-        "- not measured here yet: the outer path (outer copy, momentum, digests, a state download) at this size",
     ]
+    lines += markdown_lines(result["outer"])
     return "\n".join(lines) + "\n"

@@ -142,6 +142,7 @@ class DiLoCo:
         self.done = False
         self.loaded_from_peers = False
         self.downloads = 0
+        self.download: dict[str, float] = {}  # the last state download's seconds and MB (all ranks), for its row
         self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
         self.token = group.broadcast(uuid.uuid4().hex)
         self.claims = Claims(swarm, world_rank, self.token)
@@ -475,7 +476,7 @@ class DiLoCo:
         """Collective: the metrics row of this group's outer state at `step` (``rows.round_row``), with the inner
         steps (tokens) thrown away since the last row, and those kept through a load (``carried_steps``)."""
         row = round_row(self.group, step, self.outer_step, self.digest, source=source, **round_fields)
-        return row | self.ledger.row_fields()
+        return row | self.ledger.row_fields() | (self.download if source is not None else {})
 
     def _discard(self, steps: int) -> None:
         """`steps` inner steps of this group were thrown away (its model reset without them)."""
@@ -488,9 +489,11 @@ class DiLoCo:
 
     def _update_digest(self) -> None:
         """Collective: the group's digest of its outer state (parameters and momentum: what a download loads)."""
+        started = time.monotonic()
         with self.params.lock:
             self.digest = self.digester.combine(self.group.gather(self.digester.partial(*self.params.tensors())))
             self.served.changed()  # (every change of the outer state ends here)
+        self.params.timings["digest_s"] = time.monotonic() - started
 
     def _record(self) -> Progress:
         return Progress(
@@ -531,11 +534,13 @@ class DiLoCo:
     def _load_from(self, plan: list[list[Progress]]) -> int | None:
         """Collective: load the outer state of the first group of `plan` that sends every rank the same state
         (``CatchUp.fetch``). Returns the inner step to continue from, or None when no group could."""
-        outer_before = self.outer_step
+        outer_before, started = self.outer_step, time.monotonic()
         found = self.catchup.fetch(plan)
         if found is None:
             return None
         record, meta, tensors = found
+        self.download = {"download_s": time.monotonic() - started,  # refused sources included; the digest checked
+                         "download_mb": self.group.sum(sum(t.nbytes for t in tensors) / 1e6)}  # fmt: skip
         trained = self.ledger.trained(self.step)
         keep = self.keep_late and trained > 0  # (nothing trained: the model is reset to the state exactly)
         if self.tainted:  # the round it applied alone is not in the state it loads

@@ -96,6 +96,8 @@ class Run:
     last_eval_loss: float | None = None
     scheduled_eval_at: int = 0  # where the run stood (`OuterLoop.position`) at the last --eval-interval check
     startup_host_peak_mb: list[float] = field(default_factory=list)  # per rank, once built and resumed
+    checkpoint_s: list[float] = field(default_factory=list)  # seconds of each checkpoint written
+    resume_s: float | None = None  # seconds of the load of the checkpoint resumed from
 
 
 # ---------------------------------------------------------------- the hot loop
@@ -367,6 +369,7 @@ def local_state(run: Run) -> dict[str, Any]:
 
 
 def save_checkpoint(run: Run) -> None:
+    started = time.perf_counter()
     folder = checkpoint.save(
         preflight.ckpt_folder(run.config, run.run_dir),
         run.step,
@@ -375,13 +378,15 @@ def save_checkpoint(run: Run) -> None:
         run.env.rank,
         run.env.world_size,
     )
-    log.info("checkpoint written to %s", folder)
+    run.checkpoint_s.append(time.perf_counter() - started)
+    log.info("checkpoint written to %s in %.1f s", folder, run.checkpoint_s[-1])
     if run.config.ckpt.topk and run.env.is_main:  # the other ranks' files are in the same folders
         for gone in checkpoint.prune(folder.parent, run.config.ckpt.topk):
             log.info("removed %s (--ckpt.topk %d)", gone, run.config.ckpt.topk)
 
 
 def resume(run: Run, path: Path) -> None:
+    started = time.perf_counter()
     state = checkpoint.load(path, checkpoint.ModelAndOptimizer(run.model, run.optimizer), run.env.rank)
     run.step = state["step"]
     run.scheduler.load_state_dict(state["scheduler"])
@@ -389,7 +394,8 @@ def resume(run: Run, path: Path) -> None:
     run.data.train.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"])
     run.outer.load_state_dict(state["outer"])
-    log.info("resumed from %s at step %d", path, run.step)
+    run.resume_s = time.perf_counter() - started
+    log.info("resumed from %s at step %d in %.1f s", path, run.step, run.resume_s)
 
 
 # ---------------------------------------------------------------- finishing
@@ -416,6 +422,8 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
         "peak_memory_mb_per_rank": [round(allocated, 1) for allocated, _ in peaks],
         # per rank: the process's peak resident memory once the model was built, sharded and resumed (before a step)
         "startup_host_peak_mb_per_rank": [round(peak, 1) for peak in run.startup_host_peak_mb],
+        "checkpoint_s": [round(seconds, 3) for seconds in run.checkpoint_s],  # (rank 0's clock)
+        "resume_s": run.resume_s,
     }
     if peaks[0][1] is not None:
         summary["peak_reserved_mb_per_rank"] = [round(reserved, 1) for _, reserved in peaks]

@@ -1,6 +1,6 @@
 """`diloco bench scale --quick`: a 2-rank group on a small and a large generated corpus (the large one's token store
-built by the first run, reused by the second), each rank's peak RSS, a 2-rank group loading a checkpoint, and a BPE
-tokenizer trained and timed."""
+built by the first run, reused by the second), each rank's peak RSS, a 2-rank group loading a model fresh and from a
+checkpoint, the outer path of three groups (one late), and a BPE tokenizer trained and timed."""
 
 from __future__ import annotations
 
@@ -39,6 +39,14 @@ def test_scale_quick(tmp_path: Path) -> None:
         assert max(run["loaded_peak_mb"]) <= max(run["run_peak_mb"]) + 1, run  # the whole run includes the load
         assert run["shares"] == pytest.approx([(m - ld["floor_mb"]) / ld["float32_mb"] for m in run["loaded_peak_mb"]])
         assert run["met"] == (max(run["loaded_peak_mb"]) <= ld["target_mb"])
+    outer = data["outer"]
+    assert outer["setup"]["model"] == "llama-2m-fresh" and len(outer["groups"]) == 3
+    assert all(g["rounds"] >= 2 for g in outer["groups"]), outer["groups"]  # the late one too, after its download
+    assert outer["groups"][2]["download_mb"] > 0 and outer["resumed"]["resume_s"] > 0
+    for key, seconds in outer["seconds"].items():
+        assert seconds is not None and seconds >= 0, key
+        assert outer["seconds_per_gb"][key] == pytest.approx(seconds / outer["float32_gb"])
+    assert outer["held_met"] == (max(g["held_ratio"] for g in outer["groups"]) <= 1.25)
     bpe = data["bpe"]
     assert bpe["vocab"] == 8192 and bpe["dtype"] == "uint16" and bpe["mb_per_s"] > 0
     assert 1e5 < bpe["tokens_per_mb"] < 1e6  # BPE: fewer ids than bytes
@@ -47,3 +55,4 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert "## scale (quick): " in section and "| large-warm | 20 | no (reused) | – |" in section
     assert "- BPE (byte-level, 8192 ids, trained here with `tokenizers`" in section
     assert "Loading a model: llama-14m-fresh (" in section and "| checkpoint | " in section
+    assert "The outer path: llama-2m-fresh (" in section and "| 2 (late) | " in section
