@@ -18,6 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from diloco import shards
 from diloco.config import Precision, ShardingStrategy
 from diloco.distenv import DistEnv
 from diloco.errors import FieldError
@@ -82,9 +83,10 @@ def parallelize(
     checkpoint: Checkpoint | None = None,
 ) -> torch.nn.Module:
     """The model the loop trains, on `device`: the same module sharded in place (FSDP2), or a `DataParallel` around
-    it. `on_meta`: this rank built the model on the meta device (``builds_on_meta``) and takes rank 0's values here,
-    its shards only (collective: every rank of a group of several ranks calls it, rank 0 with its real model).
-    `checkpoint` (``reads_shards``): every rank built it on the meta device and reads its own shards from there."""
+    it. Collective in a group of several ranks. `checkpoint` (``reads_shards``): every rank built the model on the
+    meta device and reads its own shards from there. Otherwise `on_meta` (``builds_on_meta``): this rank built it on
+    the meta device and takes rank 0's values, its shards only; rank 0 sends its model one tensor at a time and lets
+    go of each once sent, so no rank holds the model twice."""
     if uses_ddp(strategy):
         assert not cpu_offload, "Config rejects --cpu-offload with DDP and ZERO1"
         if on_meta:
@@ -92,27 +94,44 @@ def parallelize(
         else:
             model.to(device)
         return DataParallel(model, device, precision)  # sends rank 0's parameters and buffers to every rank
-    if not on_meta:
-        model.to(device)
-    broadcast = env.world_size > 1 and checkpoint is None
-    full = model.state_dict() if broadcast and env.rank == 0 else {}  # kept until every rank has its shards
     mesh = build_mesh(strategy, env, device)
-    shard_model(model, layers, mesh, strategy, precision, cpu_offload)
     if checkpoint is not None:
+        shard_model(model, layers, mesh, strategy, precision, cpu_offload)
         checkpoint.load_into(model, device)
-    elif broadcast:
-        if on_meta:
-            model.to_empty(device=device)  # the shards only
-        # one tensor at a time: a rank holds its shards and one full tensor at most
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        broadcast_buffers(model)
+    elif env.world_size > 1 and not cpu_offload:
+        full = shards.parameters_to_meta(model) if env.rank == 0 else {}
+        shard_model(model, layers, mesh, strategy, precision, cpu_offload)
+        take_from_rank0(model, full, device)
+    else:  # a group of one, or CPU offload (every rank built the whole model: FSDP2 pins the shards it keeps)
+        model.to(device)
+        full = model.state_dict() if env.world_size > 1 and env.rank == 0 else {}
+        shard_model(model, layers, mesh, strategy, precision, cpu_offload)
+        if env.world_size > 1:  # rank 0's values everywhere, copied into the shards one tensor at a time
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            broadcast_buffers(model)
     return model
+
+
+def take_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Collective: every rank's shards of rank 0's state dict `full` (empty elsewhere), into the sharded meta-device
+    `model`. Each whole tensor travels over the CPU group (gloo) and rank 0 drops it once sent: it holds its whole model
+    at first and its shards at the end, never both. Buffers outside the state dict keep the values each rank computed
+    (rotary frequencies)."""
+    sender = dist.get_rank() == 0
+
+    def local_part(name: str, value: torch.Tensor) -> torch.Tensor:
+        whole = full.pop(name) if sender else torch.empty(value.shape, dtype=value.dtype)
+        dist.broadcast(whole, src=0)
+        part = whole[shards.local_index(value)] if isinstance(value, DTensor) else whole
+        return part.clone()  # (a view would keep the whole tensor)
+
+    shards.assign(model, local_part, device)
 
 
 def builds_on_meta(env: DistEnv, cpu_offload: bool) -> bool:
     """Whether this rank builds its model on the meta device and takes rank 0's values as it is sharded
-    (``parallelize``): every rank but rank 0 of a group of several, so that one rank alone reads the weights and holds
-    the whole model. (Not with CPU offload, whose shards FSDP2 keeps in pinned host memory.)"""
+    (``parallelize``): every rank but rank 0 of a group of several, so that one rank alone reads the weights or draws
+    the fresh model. (Not with CPU offload: there every rank builds the whole model.)"""
     return env.world_size > 1 and env.rank != 0 and not cpu_offload
 
 

@@ -3,7 +3,8 @@ loads a model of any size with no rank ever holding the whole of it.
 
 Every rank builds the model with its parameters on the meta device (``diloco.model.load_model(meta=True)``), shards
 it, then reads from the files only the rows its shards hold, one tensor at a time, and the sharded tensors become the
-parameters (``load_state_dict(assign=True)``, which FSDP2 follows). No broadcast: every rank reads the same files, so
+parameters (``assign``: ``load_state_dict(assign=True)``, which FSDP2 follows). ``assign`` also serves the ranks of a
+group that take rank 0's model (``diloco.parallel``). No broadcast: every rank reads the same files, so
 the model is the one ``from_pretrained`` gives, bit for bit, whatever the number of ranks.
 
 Used for the checkpoints whose tensor names are the model's own (what ``save_pretrained`` writes, ``final/`` among
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,24 +62,12 @@ class Checkpoint:
     def load_into(self, model: torch.nn.Module, device: torch.device) -> None:
         """Give the sharded, meta-device `model` its values: each parameter's local shard, as float32 on `device`;
         persistent buffers whole, in their own dtype (those the files lack keep the value the model computed)."""
-        aliases = tied_aliases(model)
-        state = {}
-        for name, value in model.state_dict().items():
-            if name in aliases or name not in self.files:
-                continue
-            if isinstance(value, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-                rows = tuple(slice(start, start + size) for size, start in zip(shape, offset))
-                local = self.read(name, rows, torch.float32).to(device)
-                state[name] = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                                 shape=value.shape, stride=value.stride())  # fmt: skip
-            else:
-                state[name] = self.read(name, (), value.dtype).to(device)
-        model.load_state_dict(state, strict=False, assign=True)
-        for alias, name in aliases.items():  # the tie again: assign gave the first name a new parameter
-            owner, _, leaf = alias.rpartition(".")
-            source, _, source_leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(source), source_leaf))
+
+        def local_part(name: str, value: torch.Tensor) -> torch.Tensor:
+            sharded = isinstance(value, DTensor)
+            return self.read(name, local_index(value) if sharded else (), torch.float32 if sharded else value.dtype)
+
+        assign(model, local_part, device, names=self.files.keys())
 
     def read(self, name: str, index: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
         """`index` of tensor `name` as `dtype`, copied out of its file. The file is mapped for this one read (its
@@ -86,6 +76,50 @@ class Checkpoint:
         with safe_open(self.files[name], "pt") as f:
             part = f.get_slice(name)[index] if index else f.get_tensor(name)
             return part.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def assign(model: torch.nn.Module, local_part: Callable[[str, torch.Tensor], torch.Tensor], device: torch.device,
+           names: Collection[str] | None = None) -> None:  # fmt: skip
+    """Give the sharded, meta-device `model` its values, one tensor at a time in state-dict order (the same on every
+    rank): ``local_part(name, value)`` is this rank's part of tensor `name` (`value`: the model's own, a DTensor for a
+    sharded parameter), which becomes the parameter or buffer (``load_state_dict(assign=True)``, which FSDP2
+    follows). A tied weight is given once, under its first name; with `names`, only the tensors it holds."""
+    aliases = tied_aliases(model)
+    state = {}
+    for name, value in model.state_dict().items():
+        if name in aliases or (names is not None and name not in names):
+            continue
+        local = local_part(name, value).to(device)
+        if isinstance(value, DTensor):
+            local = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                       stride=value.stride())  # fmt: skip
+        state[name] = local
+    model.load_state_dict(state, strict=False, assign=True)
+    for alias, name in aliases.items():  # the tie again: assign gave the first name a new parameter
+        owner, _, leaf = alias.rpartition(".")
+        source, _, source_leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(source), source_leaf))
+
+
+def local_index(value: DTensor) -> tuple[slice, ...]:
+    """The part of the whole tensor that this rank's shard of `value` holds."""
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return tuple(slice(start, start + size) for size, start in zip(shape, offset))
+
+
+def parameters_to_meta(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict, after which its parameters are swapped for meta-device ones (a tied one stays one),
+    so the state dict holds the only reference to each: a whole tensor is freed as soon as it is dropped from it.
+    Buffers stay as they are."""
+    state = model.state_dict()
+    on_meta: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):  # noqa: SLF001 (what register_parameter fills)
+            if param is not None:
+                if id(param) not in on_meta:
+                    on_meta[id(param)] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                module._parameters[name] = on_meta[id(param)]  # noqa: SLF001
+    return state
 
 
 def expected(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:

@@ -1,7 +1,7 @@
 """`diloco bench scale`'s outer part: the DiLoCo path at the size of a real model.
 
 Two 1-rank groups of `OuterSetup.model` (fresh, float32, seq 64, one sequence per step) train rounds at H = 2 against a
-bootstrap peer on loopback (galaxy size 3, fixed pace); once they took their first round, a third group starts and
+bootstrap peer on loopback (galaxy size 3, the default pace and matchmaking); once they took their first round, a third group starts and
 downloads the swarm's state, then trains the remaining rounds with them. Group 0 writes checkpoints, and
 a run of galaxy size 1 resumes from its last one (and takes no step).
 
@@ -27,7 +27,14 @@ from typing import Any
 from diloco import procs
 from diloco.bench import BenchError
 from diloco.bench.models import write_model
-from diloco.bench.wire import count_parameters, dht_peers, outer_rows, started, summary, wait_all
+from diloco.bench.wire import (
+    count_parameters,
+    dht_peers,
+    outer_rows,
+    started,
+    summary,
+    wait_all,
+)
 
 HELD_TARGET = 1.25  # a group's peak RSS ÷ 6 × its float32 parameters
 HELD_COPIES = 6  # parameters, gradients, AdamW's exp_avg and exp_avg_sq, the outer copy, the outer momentum
@@ -45,12 +52,12 @@ class OuterSetup:
 
 
 def outer_setup(quick: bool) -> OuterSetup:
-    """Quick: a 0.26M model, 50 rounds. Full: a 207M model (three groups of it fit in 24 GB, of 300M would not), 4
+    """Quick: a 0.26M model, 30 rounds. Full: a 207M model (three groups of it fit in 24 GB, of 300M would not), 4
     rounds."""
     if quick:
         # a tiny model's rounds take a tenth of a second: enough of them that the two are still training when the
         # late group (a new interpreter, several seconds) joins
-        return OuterSetup(model="llama-2m-fresh", steps=100, checkpoint_every=40, timeout_s=300.0,
+        return OuterSetup(model="llama-2m-fresh", steps=60, checkpoint_every=20, timeout_s=300.0,
                           averaging_timeout="15")  # fmt: skip
     return OuterSetup(model="llama-200m-fresh", steps=8, checkpoint_every=LOCAL_STEPS, timeout_s=1800.0,
                       averaging_timeout="auto")  # fmt: skip
@@ -58,8 +65,9 @@ def outer_setup(quick: bool) -> OuterSetup:
 
 def group_command(setup: OuterSetup, model: Path, rank: int, peers: list[str], run_dir: Path,
                   *extra: str) -> list[str]:  # fmt: skip
+    # the default pace and matchmaking (a checkpoint's seconds made group 0 late to fixed-H rounds of 5 s)
     swarm = ["--hv.galaxy-size", str(GROUPS), "--hv.world-rank", str(rank), "--hv.local-steps", str(LOCAL_STEPS),
-             "--hv.pace", "fixed", "--hv.matchmaking-time", "5", "--hv.averaging-timeout", setup.averaging_timeout,
+             "--hv.averaging-timeout", setup.averaging_timeout,
              "--hv.run-id", "scale-outer", "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--hv.initial-peers", *peers]
     return [*train_command(setup, model, run_dir), *swarm, *extra]  # fmt: skip
 

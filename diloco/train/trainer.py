@@ -24,7 +24,13 @@ from diloco.config import Config
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
 from diloco.errors import FieldError, UsageError
-from diloco.metrics import Metrics, host_peak_mb, peak_memory_mb, peak_reserved_mb, write_json_atomic
+from diloco.metrics import (
+    Metrics,
+    host_peak_mb,
+    peak_memory_mb,
+    peak_reserved_mb,
+    write_json_atomic,
+)
 from diloco.model import (
     checkpoint_of,
     decoder_layers,

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from diloco.cli.app import build_app, run_app
 
-
 MEET_TIMEOUT_S = 600.0
 
 

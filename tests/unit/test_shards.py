@@ -4,6 +4,7 @@ of two ranks, where each reads half: ``tests/integration/test_shards.py``.)"""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from diloco.model import (
     params_sha256,
     refuse_misfits,
 )
-from diloco.shards import Checkpoint, tied_aliases
+from diloco.shards import Checkpoint, parameters_to_meta, tied_aliases
 from tests.support.architectures import ARCHITECTURES, write_config
 
 
@@ -117,3 +118,24 @@ def test_a_meta_build_leaves_the_generator_alone_and_computes_the_buffers(tmp_pa
     model = load_model(path, seed=0, meta=True)
     assert torch.equal(torch.get_rng_state(), state)
     assert all(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+
+
+def test_parameters_to_meta_leaves_the_state_dict_the_only_holder_of_each_tensor(tmp_path: Path) -> None:
+    """What rank 0 does before sending its model: its parameters go to the meta device (a tie stays one parameter),
+    and the state dict it returns holds the values, so dropping a tensor from it frees that tensor."""
+    model = load_model(write_config("qwen2", tmp_path / "config"), seed=3)  # tied
+    expected = {name: value.clone() for name, value in model.state_dict().items()}
+    state = parameters_to_meta(model)
+    assert all(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    assert tied_aliases(model) == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert all(torch.equal(state[name], value) for name, value in expected.items())
+    layer = state.pop("model.layers.0.mlp.up_proj.weight")
+    address = layer.untyped_storage().data_ptr()
+
+    def holds(o: object) -> bool:
+        try:
+            return isinstance(o, torch.Tensor) and not o.is_meta and o.untyped_storage().data_ptr() == address
+        except RuntimeError:  # a tensor whose storage is gone (another test's)
+            return False
+
+    assert [o for o in gc.get_objects() if holds(o)] == [layer]  # no parameter of the model holds its memory any more
