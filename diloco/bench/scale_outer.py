@@ -2,7 +2,8 @@
 
 Two 1-rank groups of `OuterSetup.model` (fresh, float32, seq 64, one sequence per step) train rounds at H = 2
 against a bootstrap peer on loopback (galaxy size 3, the default pace and matchmaking); once the first of them took
-its first round, a third group starts and downloads the swarm's state, then trains the remaining rounds with them.
+its first round, a third group starts (their training paused until it has joined) and downloads the swarm's state,
+then trains the remaining rounds with them.
 Group 0 writes a checkpoint at its last step, and a run of galaxy size 1 resumes from it (and takes no step).
 
 Per group: peak RSS (the trainer's own ``ru_maxrss``: the whole run, its export of ``final/`` included) ÷ what a group
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -51,12 +54,10 @@ class OuterSetup:
 
 
 def outer_setup(quick: bool) -> OuterSetup:
-    """Quick: a 0.26M model, 100 rounds. Full: a 207M model (three groups of it fit in 24 GB, of 300M would not), 6
+    """Quick: a 0.26M model, 30 rounds. Full: a 207M model (three groups of it fit in 24 GB, of 300M would not), 6
     rounds."""
     if quick:
-        # a tiny model's rounds take a tenth of a second: enough of them that the two are still training when the
-        # late group (a new interpreter, several seconds) joins
-        return OuterSetup(model="llama-2m-fresh", steps=200, timeout_s=300.0,
+        return OuterSetup(model="llama-2m-fresh", steps=60, timeout_s=300.0,
                           averaging_timeout="15")  # fmt: skip
     return OuterSetup(model="llama-200m-fresh", steps=12, timeout_s=1800.0,
                       averaging_timeout="auto")  # fmt: skip
@@ -90,6 +91,23 @@ def wait_for_round(run_dir: Path, proc: Any, log_path: Path, timeout_s: float) -
     raise BenchError(f"{run_dir.name} took no round within {timeout_s:.0f} s ({log_path})")
 
 
+def hold_until_joined(held: list[Any], proc: Any, log_path: Path, timeout_s: float) -> None:
+    """Pause the training of `held` (SIGSTOP; their DHT peers go on) until the late group logging to `log_path` has
+    joined the swarm, so that they are still training when it looks for the state (a new interpreter takes seconds,
+    in which a small model's groups could end their run)."""
+    for group in held:
+        os.kill(group.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while "joined the swarm" not in log_path.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"the late group did not join the swarm ({log_path})")
+            time.sleep(POLL_S)
+    finally:
+        for group in held:
+            os.kill(group.pid, signal.SIGCONT)
+
+
 def swarm_runs(setup: OuterSetup, model: Path, work_dir: Path) -> list[Path]:
     """The three groups (the third late) against a bootstrap peer; their run folders."""
     dirs = [work_dir / f"group-{i}" for i in range(GROUPS)]
@@ -107,6 +125,7 @@ def swarm_runs(setup: OuterSetup, model: Path, work_dir: Path) -> list[Path]:
         jobs = [(f"group {i}", started(stack, commands[i], logs[i], procs.child_env()), logs[i]) for i in (0, 1)]
         wait_for_round(dirs[0], jobs[0][1], logs[0], setup.timeout_s)
         jobs.append(("group 2 (late)", started(stack, commands[2], logs[2], procs.child_env()), logs[2]))
+        hold_until_joined([proc for _, proc, _ in jobs[:2]], jobs[2][1], logs[2], setup.timeout_s)
         wait_all(jobs, setup.timeout_s)
     return dirs
 
@@ -131,7 +150,7 @@ def group_figures(run_dir: Path, params: int) -> dict[str, Any]:
     done = summary(run_dir)
     rows = outer_rows(run_dir)
     rounds = [r for r in rows if r.get("num_peers", 0) >= 2]
-    joined = [r for r in [*rows, *join_rows(run_dir)] if "download_s" in r]
+    joined = done.get("state_downloads") or [r for r in join_rows(run_dir) if "download_s" in r]
     peak = max(done["peak_memory_mb_per_rank"])
     return {
         "peak_rss_mb": peak,

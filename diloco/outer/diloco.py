@@ -143,6 +143,7 @@ class DiLoCo:
         self.loaded_from_peers = False
         self.downloads = 0
         self.download: dict[str, float] = {}  # the last state download's seconds and MB (all ranks), for its row
+        self.downloaded: list[dict[str, float]] = []  # every one of them, for the summary
         self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
         self.token = group.broadcast(uuid.uuid4().hex)
         self.claims = Claims(swarm, world_rank, self.token)
@@ -541,6 +542,7 @@ class DiLoCo:
         record, meta, tensors = found
         self.download = {"download_s": time.monotonic() - started,  # refused sources included; the digest checked
                          "download_mb": self.group.sum(sum(t.nbytes for t in tensors) / 1e6)}  # fmt: skip
+        self.downloaded.append(self.download)  # (a load at the join has no row of its own)
         trained = self.ledger.trained(self.step)
         keep = self.keep_late and trained > 0  # (nothing trained: the model is reset to the state exactly)
         if self.tainted:  # the round it applied alone is not in the state it loads
@@ -629,6 +631,7 @@ class DiLoCo:
         downloads, connections at their hello."""
         refused, claims = self.catchup.refusals_here, self.claims.rejected
         return {"outer_steps": self.outer_step, "loaded_state_from_peers": self.loaded_from_peers,
+                "state_downloads": self.downloaded,
                 "discarded_steps": self.ledger.discarded_steps, "discarded_tokens": self.ledger.discarded_tokens,
                 "rejected_records": self.swarm.rejected_records, "rejected_claims": int(self.group.sum(float(claims))),
                 "rejected_states": int(self.group.sum(float(refused))),
