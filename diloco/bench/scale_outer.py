@@ -16,7 +16,6 @@ joiner's state download, and of a checkpoint's save and load.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shlex
 import signal
@@ -150,7 +149,7 @@ def group_figures(run_dir: Path, params: int) -> dict[str, Any]:
     done = summary(run_dir)
     rows = outer_rows(run_dir)
     rounds = [r for r in rows if r.get("num_peers", 0) >= 2]
-    joined = done.get("state_downloads") or [r for r in join_rows(run_dir) if "download_s" in r]
+    joined = done.get("state_downloads") or []  # every download, the one at the join included
     peak = max(done["peak_memory_mb_per_rank"])
     return {
         "peak_rss_mb": peak,
@@ -163,12 +162,6 @@ def group_figures(run_dir: Path, params: int) -> dict[str, Any]:
         "download_mb": joined[0]["download_mb"] if joined else None,
         "checkpoint_s": median(done.get("checkpoint_s") or []),
     }
-
-
-def join_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """Rows of a state download at the join (no bytes of a round in them)."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [row for row in map(json.loads, filter(str.strip, lines)) if "loaded_state_from" in row]
 
 
 def measure_outer(quick: bool, work_dir: Path) -> dict[str, Any]:
