@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.groups import SWARM, finish, group_args, outer_rows, start_group
+from tests.support.groups import SWARM, finish, group_args, outer_rows, renice_threads, start_group
 from tests.support.paths import DILOCO, ROOT, TORCHRUN
 from tests.support.procs import FAST, child_env, metrics, summary
 from tests.support.swarm import descendants, kill_group, left_running
@@ -369,7 +369,9 @@ def test_a_stranger_claiming_a_running_groups_world_rank_changes_nothing(tmp_pat
     attacker = logs[2].read_text()
     assert "tried to replace group 0's record" in attacker and "answered state download" not in attacker
     assert len({s["params_sha256"] for s in finals}) == 1
-    assert {s["outer_steps"] for s in finals} == {len(outer_rows(dirs[0]))}
+    # every round of the schedule (60 steps, H 5), nothing of the stranger's 10**6; a group that loaded the other's
+    # state at the start has fewer rows of its own
+    assert {s["outer_steps"] for s in finals} == {60 // 5} == {max(len(outer_rows(d)) for d in dirs)}
 
 
 @pytest.mark.slow
@@ -423,9 +425,10 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(
         newcomers = [(0, "second", []), (1, "other", ["--path-model", str(other_model), "--max-steps", "7"])]
     try:
         wait_for(lambda: "worker group 0 joined the swarm" in log.read_text(), 120, "the first group", [first], [log])
-        # its training process pauses (SIGSTOP) so the newcomers start up without it taking the CPU; its DHT peer,
-        # averager and p2pd, which they meet, go on answering
-        os.kill(first.pid, signal.SIGSTOP)
+        # its training process yields the CPU so the newcomers start up without it (it used to pause, SIGSTOP, but
+        # a paused group's status record, which the newcomers check, expired after 180 s under CI's load); its DHT
+        # peer and p2pd, which they meet, are other processes at full priority
+        renice_threads(first.pid, 19)
         results = {
             name: subprocess.run(
                 [sys.executable, "-m", "diloco.train", *group_args(rank, 2, dht_peer, tmp_path / name), *extra, *key],
@@ -440,7 +443,7 @@ def test_a_newcomer_with_a_taken_world_rank_or_another_model_is_refused(
                  *group_args(0, 2, dht_peer, tmp_path / "wide"), "--per-device-train-batch-size", "1"],
                 cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
             )  # fmt: skip
-        os.kill(first.pid, signal.SIGCONT)
+        renice_threads(first.pid, 0)
         assert first.poll() is None  # the running group is left alone
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=30) == 130

@@ -4,6 +4,7 @@ flags against a bootstrap peer, starting it with its output in a log, waiting fo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -32,6 +33,17 @@ def start_group(args: list[str], log: Path, torchrun: bool = False, ranks: int =
             [*entry, "-m", module, *args], cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
         )  # fmt: skip
+
+
+def renice_threads(pid: int, niceness: int) -> None:
+    """Every thread of process `pid` (not its child processes) at `niceness`: a group's training process can yield
+    the CPU to others (19) while its heartbeat keeps its status record fresh and its DHT peer and p2pd, which are
+    child processes, answer at their own priority. Threads it starts later inherit it."""
+    for task in (Path("/proc") / str(pid) / "task").iterdir():
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
