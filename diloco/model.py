@@ -167,10 +167,26 @@ def parameter_layers(model: PreTrainedModel) -> list[int | None]:
 
 def params_sha256(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     """SHA-256 over full parameters in name order, as float32 bytes: equal hashes mean equal models."""
-    digest = hashlib.sha256()
+    digest = Sha256Stream()
     for _, tensor in sorted(named_tensors, key=lambda item: item[0]):
-        digest.update(tensor.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+        digest.update(tensor)
     return digest.hexdigest()
+
+
+class Sha256Stream:
+    """`params_sha256` fed one whole parameter at a time, in name order (``parallel.params_sha``)."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+
+    def update(self, tensor: torch.Tensor | None) -> None:
+        """Hash `tensor`'s float32 bytes (its own memory when it is float32 already); None: nothing (a rank that
+        holds no whole tensors)."""
+        if tensor is not None:
+            self._digest.update(tensor.detach().to(torch.float32).contiguous().cpu().reshape(-1).numpy())
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 def save_hf(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:

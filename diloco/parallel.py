@@ -3,6 +3,7 @@ torch DDP with an optional ZeRO-1 optimizer): the only module that knows about m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -23,7 +24,7 @@ from diloco.config import Precision, ShardingStrategy
 from diloco.distenv import DistEnv
 from diloco.errors import FieldError
 from diloco.galaxy_moment import GalaxyAdamW
-from diloco.model import params_sha256, trainable_parameters
+from diloco.model import Sha256Stream, params_sha256, trainable_parameters
 from diloco.shards import Checkpoint
 
 
@@ -306,3 +307,44 @@ def sha_of(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None
     if not state:
         return None
     return params_sha256([(name, state[name]) for name, _ in unwrap(model).named_parameters()])
+
+
+def saved_names(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s state dict, sorted, but for the second name of a tensor held twice (a tied weight: the
+    name registered first stays, as ``save_pretrained`` keeps it)."""
+    seen: set[int] = set()
+    names = []
+    for name, tensor in unwrap(model).state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            names.append(name)
+    return sorted(names)
+
+
+def full_tensors(model: torch.nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Collective, one tensor at a time: each of `names` (of the state dict) whole on the CPU of rank 0, None on the
+    other ranks. Every rank iterates to the end together (a sharded tensor is gathered by all), and nothing holds
+    more than one whole tensor: exporting or hashing a model of any size needs one tensor's memory beside the shards.
+    A parameter FSDP left unsharded (after a forward that keeps it so) is whole on every rank already."""
+    tensors = unwrap(model).state_dict(keep_vars=True)
+    sender = is_rank0()
+    for name in names:
+        tensor = tensors[name].detach()
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, tensor.cpu() if sender else None
+        del tensor  # (a gathered tensor lives until the next is gathered otherwise)
+
+
+def params_sha(model: torch.nn.Module) -> str | None:
+    """Collective: params_sha256 of the whole model on rank 0 (None elsewhere), gathered one tensor at a time."""
+    names = sorted(name for name, _ in unwrap(model).named_parameters())
+    digest = Sha256Stream()
+    for _, tensor in full_tensors(model, names):
+        digest.update(tensor)
+    return digest.hexdigest() if is_rank0() else None
+
+
+def is_rank0() -> bool:
+    """Rank 0 of the group, or a process without one."""
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -80,7 +80,7 @@ def _join(config: Config, env: DistEnv, model: torch.nn.Module, device: torch.de
         sum=parallel.all_reduce_sum,
         gather=parallel.all_gather_object,
         broadcast=parallel.broadcast_object,
-        sha=lambda: parallel.sha_of(model, parallel.full_state_dict(model)),
+        sha=lambda: parallel.params_sha(model),
     )
     plain = parallel.unwrap(model)
     fragments = _fragments(config, plain)

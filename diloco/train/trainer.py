@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from diloco import checkpoint, console, galaxy_moment, lora, parallel, preflight
+from diloco import checkpoint, console, export, galaxy_moment, lora, parallel, preflight
 from diloco.config import Config
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
@@ -36,7 +36,6 @@ from diloco.model import (
     decoder_layers,
     load_model,
     refuse_misfits,
-    save_hf,
     trainable_parameters,
 )
 from diloco.outer.auto import galaxy_moment as takes_galaxy_moment
@@ -415,8 +414,6 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
         log_eval(run)
     if status == "interrupted" and (run.config.ckpt.path or run.config.ckpt.interval):
         save_checkpoint(run)
-    state = parallel.full_state_dict(run.model)
-    sha = parallel.sha_of(run.model, state)
     peaks = parallel.all_gather_object((peak_memory_mb(run.device), peak_reserved_mb(run.device)))
     summary: dict[str, Any] = {
         "status": status,
@@ -433,23 +430,14 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
     }
     if peaks[0][1] is not None:
         summary["peak_reserved_mb_per_rank"] = [round(reserved, 1) for _, reserved in peaks]
+    sha = export.write_final(run.model, run.run_dir / "final", run.config.lora, run.config.lora_merge)
     if run.env.is_main:
         summary["params_sha256"] = sha
-        export(run, state)
     summary["wall_s"] = time.perf_counter() - started
     # every rank tears gloo down together: a rank that destroyed its group while rank 0 was still exporting
     # was seen aborting ("terminate called without an active exception")
     parallel.barrier()
     return summary
-
-
-def export(run: Run, state: dict[str, torch.Tensor]) -> None:
-    """Rank 0: final/, a model folder; with LoRA the adapters in peft's format (and final/merged with --lora-merge)."""
-    model, final = parallel.unwrap(run.model), run.run_dir / "final"
-    if run.config.lora:
-        lora.save(model, state, final, run.config.lora_merge)
-    else:
-        save_hf(model, state, final)
 
 
 def describe(run: Run) -> dict[str, str]:

@@ -16,8 +16,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("diloco.errors", "diloco.config", "diloco.procs", "diloco.console", "diloco.corpus", "diloco.hub",
      "diloco.distenv"),  # fmt: skip
     ("diloco.galaxy_moment", "diloco.model", "diloco.lora", "diloco.parallel", "diloco.data", "diloco.checkpoint",
-     "diloco.schedule", "diloco.shards",
+     "diloco.schedule", "diloco.shards", "diloco.weight_files",
      "diloco.metrics", "diloco.plot", "diloco.profiling"),  # the inner training's parts  # fmt: skip
+    ("diloco.export",),  # final/: the model, gathered a tensor at a time
     ("diloco.swarm",),  # the transport: records, rounds, the peer
     ("diloco.outer",),  # DiLoCo itself
     ("diloco.train", "diloco.preflight", "diloco.launch", "diloco.slurm"),
