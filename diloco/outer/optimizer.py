@@ -175,15 +175,16 @@ class OuterOptimizer:
         move the model's shard by as much as the outer parameters moved instead, so that it keeps the inner steps
         taken since its last round: every fragment's pseudo-gradient is what it was (up to rounding)."""
         with self.lock:
-            if keep:
-                moved = tensors[0].reshape(-1) - self.outer
+            loaded = tensors[0].reshape(-1)
+            if keep:  # piece by piece: no temporary of the whole shard's size
                 for view, a, b in self._pieces(self.whole):
-                    view.add_(moved[a:b].to(view.device, view.dtype))
-                del moved
-            self.outer.copy_(tensors[0].reshape(-1))
+                    view.add_((loaded[a:b] - self.outer[a:b]).to(view.device, view.dtype))
+            self.outer.copy_(loaded)
             state = self.optimizer.state[self.outer]
-            if len(tensors) > 1:
-                state["momentum_buffer"] = tensors[1].reshape(-1).clone()
+            if len(tensors) > 1:  # into the buffer there is: no second one beside it (`tensors` may be shared)
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.empty_like(self.outer)
+                state["momentum_buffer"].copy_(tensors[1].reshape(-1))
             else:
                 state.pop("momentum_buffer", None)
             self.steps = steps
@@ -193,7 +194,9 @@ class OuterOptimizer:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        return {"outer": self.outer.clone(), "optimizer": self.optimizer.state_dict(), "outer_step": self.steps}
+        """The outer parameters and momentum themselves, not copies (a copy would cost a shard of the model while a
+        checkpoint is written): save them before the next outer step or load."""
+        return {"outer": self.outer, "optimizer": self.optimizer.state_dict(), "outer_step": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A checkpoint's outer state; an empty one (from a galaxy-size-1 run) starts from the model's weights."""

@@ -3,6 +3,7 @@ up, settling), with the in-memory swarm across threads."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -124,8 +125,8 @@ def test_outer_lr_warmup_by_hand_and_after_a_state_download() -> None:
         outer.after_inner_step(step)
         theta -= lr * 0.2
         assert net.weight.item() == approx(theta), step
-        if step == 2:
-            state = outer.params.state_dict()
+        if step == 2:  # (the state's tensors are the live ones: a checkpoint writes them at once)
+            state = copy.deepcopy(outer.params.state_dict())
     late = torch.nn.Linear(1, 1, bias=False)
     joiner = diloco(late, Alone(), lr=1.5, momentum=0.0, outer_warmup=3)
     joiner.params.load_state_dict(state)
