@@ -85,11 +85,26 @@ def test_the_heartbeat_resends_the_last_record_while_nothing_newer_goes_out() ->
     time.sleep(0.1)
     assert len(published) == before  # the group's own record just went out
     until(lambda: published[-1].step == 9)
-    beat.sent(record(0, heard_at=time.time(), state="joining"))  # its time orders rival claims: never refreshed
-    joining = len(published)
-    time.sleep(0.5)
-    assert len(published) == joining
     beat.stop()
     stopped = len(published)
     time.sleep(0.4)
     assert len(published) == stopped and beat.beats == stopped
+
+
+def test_a_joining_record_is_resent_as_it_is_so_it_outlives_its_expiry() -> None:
+    """A join can outlast a status record's life (a large state download). Its record's time orders rival claims
+    (``agreement.rival_model``), so it goes out again unchanged, at its own slower period; a record of a group that
+    left is never re-sent."""
+    published: list[Status] = []
+    beat = Heartbeat(published.append, period=0.05, joining_period=0.3)
+    joining = record(0, heard_at=time.time() - 100, state="joining")
+    beat.sent(joining)
+    time.sleep(0.2)
+    assert published == []  # not at the training period
+    until(lambda: len(published) >= 2)
+    assert all(r == joining for r in published)  # its time kept
+    beat.sent(record(0, heard_at=time.time(), state="stopped"))
+    left = len(published)
+    time.sleep(0.5)
+    beat.stop()
+    assert len(published) == left

@@ -6,7 +6,8 @@ checkpoint, a state download, its first compiled steps. Other groups must still 
 one rule ``arrivals.stale_after``, both to wait for it and to count it (``SwarmPeer.expected_groups``). `Heartbeat`
 re-sends the last record with a fresh ``heard_at`` whenever none went out for ``HEARTBEAT_S``, from a thread of its
 own, until `stop`. The record keeps its inner step: a group that sits somewhere keeps its place, so its arrival at a
-later boundary moves later with each beat (``arrivals.arrival``). A process that died sends nothing.
+later boundary moves later with each beat (``arrivals.arrival``). A joining record is re-sent unchanged, less
+often, so that it does not expire however long the join takes. A process that died sends nothing.
 """
 
 from __future__ import annotations
@@ -16,19 +17,22 @@ import threading
 import time
 from collections.abc import Callable
 
-from diloco.swarm.records.status import HEARTBEAT_S, LEFT, Status
+from diloco.swarm.records.status import HEARTBEAT_S, LEFT, STATUS_TTL, Status
 
-# records not re-sent: a joining record's time orders two groups that claim at once (``agreement.rival_model``: the
-# older stays), and a group that left is gone
-QUIET = ("joining", *LEFT)
+# a joining record's time orders two groups that claim at once (``agreement.rival_model``: the older stays), so it
+# is re-sent as it is, only to outlive its expiry: a join that takes longer (a large state download) stays in the
+# status table and in a newcomer's check of the run's model. A group that left is gone: never re-sent
+JOINING = "joining"
+JOINING_RESEND_S = STATUS_TTL / 3
 
 
 class Heartbeat:
     """Re-sends the last `sent` record every `period` seconds without another one (rank 0 of a group only: the others
     send no status record, so it never starts there)."""
 
-    def __init__(self, publish: Callable[[Status], None], period: float = HEARTBEAT_S) -> None:
-        self.publish, self.period = publish, period
+    def __init__(self, publish: Callable[[Status], None], period: float = HEARTBEAT_S,
+                 joining_period: float = JOINING_RESEND_S) -> None:  # fmt: skip
+        self.publish, self.period, self.joining_period = publish, period, joining_period
         self.last: Status | None = None
         self.sent_at = 0.0
         self.beats = 0  # records re-sent
@@ -57,9 +61,12 @@ class Heartbeat:
 
     def _due(self) -> Status | None:
         with self._lock:
-            if self.last is None or self.last.state in QUIET or time.monotonic() - self.sent_at < self.period:
+            joining = self.last is not None and self.last.state == JOINING
+            period = self.joining_period if joining else self.period
+            if self.last is None or self.last.state in LEFT or time.monotonic() - self.sent_at < period:
                 return None
-            self.last = dataclasses.replace(self.last, heard_at=time.time())
+            if not joining:
+                self.last = dataclasses.replace(self.last, heard_at=time.time())
             self.sent_at = time.monotonic()
             self.beats += 1
             return self.last
