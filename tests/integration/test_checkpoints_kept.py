@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.support.procs import FAST, assert_ok, python_train, summary
 
 
+@pytest.mark.slow
 def test_ckpt_topk_keeps_the_newest_checkpoints_and_attn_implementation_builds_the_model(tmp_path: Path) -> None:
     run_dir, ckpts = tmp_path / "run", tmp_path / "ckpt"
     result = python_train([*FAST, "--fake-data", "--total-batch-size", "2", "--max-steps", "6", "--ckpt.interval",

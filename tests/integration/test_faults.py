@@ -102,6 +102,7 @@ def trainers(proc: subprocess.Popen, torchrun: bool) -> list[int]:
     return [proc.pid] + ([child.pid for child in psutil.Process(proc.pid).children()] if torchrun else [])
 
 
+@pytest.mark.slow
 def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer: list[str]) -> None:
     """Three groups; SIGKILL one (torchrun and its rank) while it averages. The other two finish that round
     in bounded time, keep training in step, and stay bit-identical; the killed group restarts from its
@@ -189,6 +190,7 @@ def test_group_killed_mid_round_then_resumed_catches_up(tmp_path: Path, dht_peer
     ("transport", "early_ranks", "joiner_ranks"),
     [pytest.param("tcp", (1, 1), 2, id="tcp"), pytest.param("p2pd", (2, 1), 1, id="p2pd", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow
 def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(
     tmp_path: Path, dht_peer: list[str], transport: str, early_ranks: tuple[int, int], joiner_ranks: int
 ) -> None:
@@ -239,6 +241,7 @@ def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(
     assert all(by_step[r["step"]]["params_sha256"] == r["params_sha256"] for r in together), (first_rows, by_step)
 
 
+@pytest.mark.slow
 def test_nan_pseudo_gradient_of_one_peer_is_rejected(tmp_path: Path, dht_peer: list[str]) -> None:
     """A third peer sends NaN in every round: the two honest groups reject it, complete their rounds and stay
     finite and bit-identical."""

@@ -128,6 +128,7 @@ def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Pa
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
     """A 1-rank group, a 2-rank FULL_SHARD group and a 2-rank NO_SHARD group: whole groups meet in one round (rank 0
     matchmakes for its group), each rank sends its shard's parts to their reducers, the NO_SHARD replicas split
@@ -139,6 +140,7 @@ def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_pa
     assert_trained_together(train_groups(tmp_path, dht_peer, 12, groups), groups=3, outer_steps=3)
 
 
+@pytest.mark.slow
 def test_over_p2pd_a_one_rank_and_a_two_rank_group_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
     """The same whole-group rounds with every byte on libp2p streams through the ranks' p2pd daemons (no TCP
     listener at all), int4 on the wire."""
@@ -149,7 +151,8 @@ def test_over_p2pd_a_one_rank_and_a_two_rank_group_average_together(tmp_path: Pa
     assert rows and all(r["transport"] == "p2pd" for r in rows), rows
 
 
-@pytest.mark.parametrize("transport", ["tcp", pytest.param("p2pd", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "p2pd"])
 def test_fragments_overlapping_the_inner_steps_keep_one_outer_state(
     tmp_path: Path, dht_peer: list[str], transport: str
 ) -> None:
@@ -223,6 +226,7 @@ def test_launch_three_groups_with_fp16(tmp_path: Path) -> None:
     assert f"loss plot: {run_dir / 'loss.png'}" in output and (run_dir / "loss.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_launch_ctrl_c_stops_everything(tmp_path: Path) -> None:
     run_dir = tmp_path / "stopped"
     proc = spawn([str(DILOCO), "launch", "--workers", "2", "--", *TEXT, "--total-batch-size", "4",
@@ -243,6 +247,7 @@ def test_launch_ctrl_c_stops_everything(tmp_path: Path) -> None:
         assert (tmp_path / "ckpt" / f"worker-{i}" / f"step-{done['steps']}" / "meta.json").is_file()
 
 
+@pytest.mark.slow
 def test_bootstrap_from_stock_hivemind_dht(tmp_path: Path) -> None:
     stock = spawn([str(Path(sys.executable).parent / "hivemind-dht"), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"])
     procs = []
@@ -280,6 +285,7 @@ def test_galaxy_size_one_never_imports_hivemind(tmp_path: Path) -> None:
     assert len(warnings) == 1 and "--hv.local-steps, --hv.compression ignored" in warnings[0], warnings
 
 
+@pytest.mark.slow
 def test_demo_learns_shakespeare_and_ends_with_a_verdict_and_a_plot(tmp_path: Path) -> None:
     """`bin/demo` as a newcomer runs it, shortened (a repeated trainer flag's last value wins): the held-out loss
     starts near ln(256) and falls well below it (2.79 at step 50 here when every round has both groups; the full

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.support.paths import CORPUS, ROOT, TORCHRUN
 from tests.support.procs import assert_ok, run_cmd
 
 
+@pytest.mark.slow
 def test_every_sharding_strategy_takes_the_same_galaxy_moment_steps(tmp_path) -> None:
     """Two torchrun ranks, a small llama, 3 inner steps of `train.inner_step` with the galaxy's second moment:
     FULL_SHARD (each rank holds shards, the first part's gradient reduce-scattered mid-step), NO_SHARD and DDP

@@ -65,6 +65,7 @@ def online_env(hf_home: Path, endpoint: str) -> dict[str, str]:
     return env | {name: "" for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")}
 
 
+@pytest.mark.slow
 def test_ids_missing_from_the_cache_are_downloaded_once_per_machine(tmp_path: Path) -> None:
     """Online, with an empty cache: both ranks of a group need the model, the tokenizer and the dataset; the first
     downloads the model and tokenizer under a lock in the cache, the other finds the files, and the weights are the

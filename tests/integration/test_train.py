@@ -174,6 +174,7 @@ def test_hybrid_shard_across_two_nodes(tmp_path: Path, reference: Reference) -> 
     assert summary(run_dir)["params_sha256"] == reference.sha
 
 
+@pytest.mark.slow
 def test_seed_000s_torchrun_line_trains_one_group_over_three_nodes(run_dir: Path) -> None:
     """Seed 000's launch, three machines with one GPU each, as three torchrun 'nodes' on loopback: they must meet
     in one rendezvous and train one group of 3 ranks, not three groups of one. Every node's endpoint address is
@@ -212,6 +213,7 @@ def test_mixed_precision_trains(reference: Reference, variants: dict) -> None:
         assert done["status"] == "ok" and done["final_loss"] < 8, name
 
 
+@pytest.mark.slow
 def test_torch_compile_single_process(run_dir: Path) -> None:
     result = python_train([*FAKE, "--torch-compile", "--max-steps", "2", "--run-dir", str(run_dir)], timeout=300)
     assert_ok(result)
@@ -245,6 +247,7 @@ def test_ddp_and_zero1_resume_is_bit_exact(tmp_path: Path, variants: dict, strat
     assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
 
 
+@pytest.mark.slow
 def test_real_text_loss_falls_and_is_evaluated(run_dir: Path) -> None:
     args = [*FAST, "--dataset", str(CORPUS), "--seq-length", "64", "--per-device-train-batch-size", "8",
             "--total-batch-size", "16", "--lr", "3e-3", "--max-steps", "30", "--eval-interval", "15",
@@ -278,6 +281,7 @@ def test_tensorboard_and_wandb_offline_together(run_dir: Path) -> None:
     assert {"train/lr", "train/tokens_per_s", "train/peak_memory_mb", "eval/perplexity"} <= tags
 
 
+@pytest.mark.slow
 def test_sigterm_stops_with_checkpoint_and_summary(run_dir: Path) -> None:
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "diloco.train", *FAKE, "--max-steps", "100000",
            "--run-dir", str(run_dir), "--ckpt.path", str(run_dir / "ckpt")]  # fmt: skip

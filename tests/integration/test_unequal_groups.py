@@ -94,6 +94,7 @@ def test_a_group_too_slow_to_wait_for_still_lands_its_inner_steps(tmp_path: Path
     assert any(r["num_peers"] == 2 and r["weight"] >= 1.0 for r in rounds), slow
 
 
+@pytest.mark.slow
 def test_groups_of_another_batch_and_length_share_one_token_budget(tmp_path: Path, dht_peer: list[str]) -> None:
     """--hv.pace tokens: group 0 trains 8 sequences per inner step for 32 steps, group 1 4 sequences for 48 steps,
     started together. N follows H of the group that set it first, with the run's length in rounds: the other takes
