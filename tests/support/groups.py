@@ -39,7 +39,8 @@ def renice_threads(pid: int, niceness: int) -> None:
     """Every thread of process `pid` (not its child processes) at `niceness`: a group's training process can yield
     the CPU to others (19) while its heartbeat keeps its status record fresh and its DHT peer and p2pd, which are
     child processes, answer at their own priority. Threads it starts later inherit it."""
-    for task in (Path("/proc") / str(pid) / "task").iterdir():
+    tasks = Path("/proc") / str(pid) / "task"
+    for task in tasks.iterdir() if tasks.exists() else ():  # (a process that ended: the caller's checks say so)
         try:
             os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
         except ProcessLookupError:  # a thread that ended meanwhile
