@@ -5,12 +5,10 @@ safetensors and ``from_pretrained`` read, split as planned, and the folder holds
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -124,16 +122,9 @@ def test_final_is_what_save_pretrained_writes_and_loads_bit_for_bit(tmp_path: Pa
     assert sha == params_sha256(list(model.named_parameters())) == params_sha256(list(back.named_parameters()))
 
 
-@pytest.fixture
-def group_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_sharded_model_is_gathered_a_tensor_at_a_time_into_the_same_final(tmp_path: Path, group_of_one: None) -> None:
+def test_a_sharded_model_is_gathered_a_tensor_at_a_time_into_the_same_final(
+    tmp_path: Path, one_process_group: None
+) -> None:
     """FSDP2's DTensor parameters: the export and the hash are those of the same model unsharded."""
     config = AutoConfig.from_pretrained(write_config("qwen2", tmp_path / "config"))  # tied
     torch.manual_seed(0)
