@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from diloco import hub
 from diloco.errors import FieldError, UsageError, first_line
+from diloco.fresh import Fresh
 from diloco.shards import Checkpoint
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -30,7 +31,8 @@ def load_model(name: Path | str, seed: int, attn_implementation: str | None = No
     meta device (no memory, no weights read, the generator untouched) and its buffers computed, for a rank that
     receives its values from another or reads its shards alone (``diloco.parallel.parallelize``).
 
-    Master weights are float32 whatever the folder holds: mixed precision is FSDP's job.
+    A fresh model is drawn a unit at a time (``diloco.fresh``): the same values whatever the group's shape. Master
+    weights are float32 whatever the folder holds: mixed precision is FSDP's job.
     """
     path = hub.local_folder("path_model", str(name), hub.MODEL_FILES)
     try:
@@ -51,9 +53,11 @@ def load_model(name: Path | str, seed: int, attn_implementation: str | None = No
                 )  # fmt: skip
             check_fit(name, info)
             return model
-        torch.manual_seed(seed)  # every rank builds the same initial model, so no broadcast is needed
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention)
-    except FieldError:
+        with parameters_on_meta():  # drawn a unit at a time, as the ranks of a sharded group draw it
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention)
+        Fresh(model, decoder_layers(model), seed).load_into(model, torch.device("cpu"))
+        return model
+    except (FieldError, UsageError):
         raise
     except Exception as e:  # safetensors, torch and transformers each raise their own types
         if attn_implementation is not None and attn_implementation in str(e):  # an unknown or unusable kernel
@@ -70,6 +74,11 @@ def checkpoint_of(name: Path | str) -> Checkpoint | None:
         return Checkpoint.find(path)
     except Exception as e:  # safetensors raises its own type for a damaged header
         raise FieldError(f"{{path_model}} {name}: could not load the weights ({first_line(e)})") from None
+
+
+def is_fresh(name: Path | str) -> bool:
+    """Whether model `name` (a folder or a hub id, as ``load_model`` finds it) has no weights: a fresh model."""
+    return not has_weights(hub.local_folder("path_model", str(name), hub.MODEL_FILES))
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from diloco import shards
 from diloco.config import Precision, ShardingStrategy
 from diloco.distenv import DistEnv
 from diloco.errors import FieldError
+from diloco.fresh import Fresh
 from diloco.galaxy_moment import GalaxyAdamW
 from diloco.model import Sha256Stream, params_sha256, trainable_parameters
 from diloco.shards import Checkpoint
@@ -81,13 +82,13 @@ def parallelize(
     precision: Precision,
     cpu_offload: bool,
     on_meta: bool = False,
-    checkpoint: Checkpoint | None = None,
+    source: Checkpoint | Fresh | None = None,
 ) -> torch.nn.Module:
     """The model the loop trains, on `device`: the same module sharded in place (FSDP2), or a `DataParallel` around
-    it. Collective in a group of several ranks. `checkpoint` (``reads_shards``): every rank built the model on the
-    meta device and reads its own shards from there. Otherwise `on_meta` (``builds_on_meta``): this rank built it on
-    the meta device and takes rank 0's values, its shards only; rank 0 sends its model one tensor at a time and lets
-    go of each once sent, so no rank holds the model twice."""
+    it. Collective in a group of several ranks. `source` (``reads_shards``): every rank built the model on the
+    meta device and takes its own shards from there, a checkpoint's files or a fresh draw. Otherwise `on_meta`
+    (``builds_on_meta``): this rank built it on the meta device and takes rank 0's values, its shards only; rank 0
+    sends its model one tensor at a time and lets go of each once sent, so no rank holds the model twice."""
     if uses_ddp(strategy):
         assert not cpu_offload, "Config rejects --cpu-offload with DDP and ZERO1"
         if on_meta:
@@ -96,9 +97,9 @@ def parallelize(
             model.to(device)
         return DataParallel(model, device, precision)  # sends rank 0's parameters and buffers to every rank
     mesh = build_mesh(strategy, env, device)
-    if checkpoint is not None:
+    if source is not None:
         shard_model(model, layers, mesh, strategy, precision, cpu_offload)
-        checkpoint.load_into(model, device)
+        source.load_into(model, device)
     elif env.world_size > 1 and not cpu_offload:
         full = shards.parameters_to_meta(model) if env.rank == 0 else {}
         shard_model(model, layers, mesh, strategy, precision, cpu_offload)
@@ -137,10 +138,10 @@ def builds_on_meta(env: DistEnv, cpu_offload: bool) -> bool:
 
 
 def reads_shards(env: DistEnv, strategy: ShardingStrategy, cpu_offload: bool, lora: bool) -> bool:
-    """Whether each rank reads its own shards of a checkpoint's safetensors files (``diloco.shards``), so no rank
-    holds the whole model: in an FSDP group of several ranks (DDP keeps the whole model on every rank), for a base
-    model alone (LoRA's adapters are drawn by rank 0), and not under CPU offload (its shards live in pinned host
-    memory)."""
+    """Whether each rank reads its own shards of a checkpoint's safetensors files (``diloco.shards``), or draws its
+    own shards of a fresh model (``diloco.fresh``), so no rank holds the whole model: in an FSDP group of several
+    ranks (DDP keeps the whole model on every rank), for a base model alone (LoRA's adapters are drawn by rank 0),
+    and not under CPU offload (its shards live in pinned host memory)."""
     return env.world_size > 1 and not uses_ddp(strategy) and not cpu_offload and not lora
 
 

@@ -9,7 +9,7 @@ model's size cost a worker group on this machine (the outer part: ``diloco.bench
   trainer's "ready in" figure);
 - warm: the large corpus again, the store in place: the data's start-up and peak RSS per rank;
 - load: a model of the quick run's or a billion parameters, built by a 2-rank FULL_SHARD group that takes no step,
-  fresh from its config (rank 0 draws it and sends each rank its shards), then from its weights written here as
+  fresh from its config (each rank draws its own shards, a unit at a time), then from its weights written here as
   safetensors (each rank reads its own shards): each rank's peak RSS once the model is built (the trainer's summary)
   and over the whole run;
 - BPE: a byte-level BPE tokenizer trained here with `tokenizers` on a sample, saved as a Hugging Face tokenizer
@@ -352,8 +352,8 @@ def markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "- fresh: rank 0 draws the whole model and sends each rank its shards; from a checkpoint, each rank reads its "
-        "own shards from the files",
+        "- fresh: each rank draws its own shards, one decoder block (or embedding, norm, head) at a time "
+        "(`diloco.fresh`); from a checkpoint, each rank reads its own shards from the files",
     ]
     lines += markdown_lines(result["outer"])
     return "\n".join(lines) + "\n"

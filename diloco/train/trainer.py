@@ -24,6 +24,7 @@ from diloco.config import Config
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
 from diloco.errors import FieldError, UsageError
+from diloco.fresh import Fresh
 from diloco.metrics import (
     Metrics,
     host_peak_mb,
@@ -34,6 +35,7 @@ from diloco.metrics import (
 from diloco.model import (
     checkpoint_of,
     decoder_layers,
+    is_fresh,
     load_model,
     refuse_misfits,
     trainable_parameters,
@@ -242,21 +244,24 @@ def log_eval(run: Run) -> None:
 # ---------------------------------------------------------------- building
 
 
-def build_model(config: Config, env: DistEnv) -> tuple[torch.nn.Module, bool, Checkpoint | None]:
-    """The model to train, adapters included; whether this rank built it on the meta device; and the checkpoint
-    each rank reads its own shards from (``parallel.parallelize`` gives the model its values). In an FSDP group of
-    several ranks, a checkpoint's safetensors files are read that way; otherwise rank 0 loads the model (or draws a
-    fresh one) and the others build it on the meta device and take rank 0's values. Collective in a group of several
-    ranks: a model one rank cannot load is the same error on every rank."""
+def build_model(config: Config, env: DistEnv) -> tuple[torch.nn.Module, bool, Checkpoint | Fresh | None]:
+    """The model to train, adapters included; whether this rank built it on the meta device; and where each rank
+    takes its own shards from, a checkpoint or a fresh draw (``parallel.parallelize`` gives the model its values). In
+    an FSDP group of several ranks, a checkpoint's safetensors files are read and a fresh model is drawn that way;
+    otherwise rank 0 loads or draws the model and the others build it on the meta device and take rank 0's values.
+    Collective in a group of several ranks: a model one rank cannot load is the same error on every rank."""
     error: FieldError | None = None
-    on_meta, weights = parallel.builds_on_meta(env, config.cpu_offload), None
+    on_meta, weights, fresh = parallel.builds_on_meta(env, config.cpu_offload), None, False
     try:
         if parallel.reads_shards(env, config.sharding_strategy, config.cpu_offload, bool(config.lora)):
             weights = checkpoint_of(config.path_model)
-        on_meta = on_meta or weights is not None
+            fresh = weights is None and is_fresh(config.path_model)
+        on_meta = on_meta or weights is not None or fresh
         model = load_model(config.path_model, config.seed, config.attn_implementation, meta=on_meta)
         if weights is not None:  # what from_pretrained checks on rank 0 otherwise
             refuse_misfits(config.path_model, weights.misfits(model))
+        if fresh:  # each rank draws its own shards, a unit at a time
+            weights = Fresh(model, decoder_layers(model), config.seed)
         if config.lora:
             model = lora.add_adapters(model, config.lora_r, config.lora_alpha, config.lora_dropout,
                                       config.lora_target_modules, config.seed)  # fmt: skip

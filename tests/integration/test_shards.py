@@ -1,6 +1,7 @@
 """A 2-rank FSDP group loads a checkpoint with each rank reading only its own shards from the safetensors files
 (``diloco.shards``): the group's model is the one ``from_pretrained`` gives, under each sharded strategy. A fresh
-model, which rank 0 draws and sends, is the one a single process draws from the same seed."""
+model, of which each rank draws its own shards a unit at a time (``diloco.fresh``), is the one a single process draws
+from the same seed."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tests.support.procs import FAST, run_cmd, summary
 
 # (model type, weights' dtype or None for no weights (fresh), max_shard_size or None for one file, strategy)
 CASES = [
-    ("qwen2", None, None, "FULL_SHARD"),  # fresh, tied: rank 0 draws it and sends each rank its shards
+    ("qwen2", None, None, "FULL_SHARD"),  # fresh, tied: each rank draws its own shards
+    ("gpt2", None, None, "HYBRID_SHARD"),  # fresh, with GPT-2's residual projections redrawn by their parent modules
     ("llama", torch.float32, None, "FULL_SHARD"),
     ("qwen2", torch.bfloat16, "20KB", "HYBRID_SHARD"),  # tied; several files and their index; a 2-D mesh
     ("gpt2", torch.float32, "20KB", "SHARD_GRAD_OP"),  # tied Conv1D
