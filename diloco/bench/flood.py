@@ -84,12 +84,13 @@ def rank_main(numel: int) -> None:
     ``stats`` prints its counters, ``quit`` ends it. Each answer is one JSON line on stdout."""
     raise_file_limit()
     torch.set_num_threads(1)
-    tensors, lock, shared = state_tensors(numel), threading.Lock(), transfer.SharedCopies()
+    tensors, lock = state_tensors(numel), threading.RLock()
+    shared = transfer.SharedCopies(lock)
     layout = group_layout([(numel,)], Shape("FULL_SHARD", 1))[0]
 
-    def provider() -> transfer.State:  # as the trainer's: the metadata of now, a copy shared while in use
+    def provider() -> transfer.Served:  # as the trainer's: the metadata of now, the live state as answers read it
         with lock:
-            return {"outer_step": 1}, shared.get(lambda: [t.clone() for t in tensors])
+            return {"outer_step": 1}, shared.get(tensors)
 
     listener = Listener(listen_socket("0.0.0.0", 0), HELLO_S, registration_timeout=TIMEOUT_S).start()
     service = transfer.StateService(layout, provider, TIMEOUT_S)

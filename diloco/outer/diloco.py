@@ -149,7 +149,8 @@ class DiLoCo:
         self.claims = Claims(swarm, world_rank, self.token)
         self.peers = tuple(group.gather(swarm.peer_id))
         self.digester = digest or ShardDigest()
-        self.served = SharedCopies()  # the copy of the outer state that concurrent downloads share
+        self.served = SharedCopies(self.params.lock)  # the outer state as the answers to downloads read it
+        self.params.before_change = self.served.changing
         self.digest = ""
         self._update_digest()
         self.catchup = CatchUp(swarm, group, self.params, self.digester)
@@ -493,7 +494,6 @@ class DiLoCo:
         started = time.monotonic()
         with self.params.lock:
             self.digest = self.digester.combine(self.group.gather(self.digester.partial(*self.params.tensors())))
-            self.served.changed()  # (every change of the outer state ends here)
         self.params.timings["digest_s"] = time.monotonic() - started
 
     def _record(self) -> Progress:
@@ -530,7 +530,7 @@ class DiLoCo:
                 "tainted": self.tainted,
                 "world_rank": self.world_rank,
             }
-            return meta, self.served.get(self.params.export)
+            return meta, self.served.get(self.params.tensors())
 
     def _load_from(self, plan: list[list[Progress]]) -> int | None:
         """Collective: load the outer state of the first group of `plan` that sends every rank the same state

@@ -13,8 +13,9 @@ import torch
 from diloco.swarm.records.budget import RoundTokens
 from diloco.swarm.records.progress import Progress
 from diloco.swarm.records.status import Status
+from diloco.swarm.rounds.transfer import Frozen
 
-__all__ = ["Group", "RoundResult", "State", "Swarm", "solo_group"]
+__all__ = ["Group", "RoundResult", "Served", "State", "Swarm", "solo_group"]
 
 
 class RoundResult(Protocol):
@@ -34,6 +35,8 @@ class RoundResult(Protocol):
 
 
 State = tuple[dict[str, Any], list[torch.Tensor]]  # (small metadata, tensors) of one rank's outer state
+# a state as this rank serves it: its live tensors as the answers read them (``Frozen``), or tensors nothing changes
+Served = tuple[dict[str, Any], "list[torch.Tensor] | Frozen"]
 
 
 class Swarm(Protocol):
@@ -107,7 +110,7 @@ class Swarm(Protocol):
         """Connections this rank's listener dropped at their hello (strangers, bad MACs, replays, late senders)."""
         ...
 
-    def serve_state(self, provider: Callable[[], State]) -> None:
+    def serve_state(self, provider: Callable[[], Served]) -> None:
         """Start answering state downloads of other groups with `provider()`."""
         ...
 

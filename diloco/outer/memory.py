@@ -29,6 +29,7 @@ from diloco.swarm.rounds.aggregation import aggregate
 from diloco.swarm.rounds.group_round import abreast
 from diloco.swarm.rounds.screening import capped_weights
 from diloco.swarm.rounds.tcp import RAW
+from diloco.swarm.rounds.transfer import Frozen, Served
 
 State = tuple[dict[str, Any], list[torch.Tensor]]
 PART_NUMEL = RAW.part_numel  # values per part of a robust aggregation: as the TCP transport cuts them
@@ -70,7 +71,7 @@ class MemorySwarm:
         self.records: dict[tuple[str, int], Progress] = {}  # by (owner, world rank): only its owner replaces one
         self.statuses: dict[int, Status] = {}
         self.tokens: dict[int, RoundTokens] = {}
-        self.providers: dict[str, Callable[[], State]] = {}
+        self.providers: dict[str, Callable[[], Served]] = {}
         self.failed: list[str] = []  # errors of group threads (see `guard`)
 
     def wire(self, tensor: torch.Tensor, count: bool = False) -> torch.Tensor:
@@ -188,12 +189,15 @@ class Member:
     rejected_states = 0  # states are handed over in memory, never refused
     refused_connections = 0  # no sockets
 
-    def serve_state(self, provider: Callable[[], State]) -> None:
+    def serve_state(self, provider: Callable[[], Served]) -> None:
         self.swarm.providers[self.peer_id] = provider
 
     def download_state(self, record: Progress, rank: int) -> State | None:
         provider = self.swarm.providers.get(record.peers[rank]) if rank < len(record.peers) else None
-        return None if provider is None else provider()
+        if provider is None:
+            return None
+        meta, tensors = provider()
+        return meta, tensors.whole() if isinstance(tensors, Frozen) else [tensor.clone() for tensor in tensors]
 
     def shutdown(self) -> None:
         self.swarm.providers.pop(self.peer_id, None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +51,8 @@ class OuterOptimizer:
         self.lr, self.momentum, self.warmup = lr, momentum, warmup
         self.steps = 0  # outer steps applied to `outer` (with fragments: fragment rounds)
         self.lock = threading.RLock()
+        # called under `lock` just before the outer state changes in place (answers to downloads reading it copy it)
+        self.before_change: Callable[[], None] = lambda: None
         ends = list(itertools.accumulate(s.numel() for s in self.shards))
         self._spans = list(zip([0, *ends[:-1]], ends))  # each shard's [start, stop) in the flat shard
         self.whole: Runs = [(0, self.outer.numel())] if self.outer.numel() else []
@@ -97,6 +99,7 @@ class OuterOptimizer:
         shard there to the result; with `mix` > 0 (overlapped rounds) to mix × the model's values + (1 − mix) ×
         the result instead, keeping a share of the inner steps taken while the round was on the wire."""
         with self.lock:
+            self.before_change()
             started = time.perf_counter()
             lr = self.lr_at(self.steps // len(self.fragments))  # the warm-up counts whole passes over the model
             if fragment is None:
@@ -157,13 +160,8 @@ class OuterOptimizer:
         momentum = self.optimizer.state.get(self.outer, {}).get("momentum_buffer")
         return [self.outer] if momentum is None else [self.outer, momentum]
 
-    def export(self) -> list[torch.Tensor]:
-        """Copies of `tensors`."""
-        with self.lock:
-            return [tensor.clone() for tensor in self.tensors()]
-
     def fits(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether `export()` of another group's same rank could have made `tensors`: one or two float32
+        """Whether `tensors()` of another group's same rank could be `tensors`: one or two float32
         tensors of this shard's size."""
         outer = tensors[0]
         fits = outer.dtype == torch.float32 and outer.numel() == self.outer.numel() and len(tensors) <= 2
@@ -171,10 +169,11 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def load(self, steps: int, tensors: list[torch.Tensor], keep: bool = False) -> None:
-        """Take over another group's exported state (see `fits`) and reset the model's shard to it; with `keep`,
+        """Take over another group's downloaded state (see `fits`) and reset the model's shard to it; with `keep`,
         move the model's shard by as much as the outer parameters moved instead, so that it keeps the inner steps
         taken since its last round: every fragment's pseudo-gradient is what it was (up to rounding)."""
         with self.lock:
+            self.before_change()
             loaded = tensors[0].reshape(-1)
             if keep:  # piece by piece: no temporary of the whole shard's size
                 for view, a, b in self._pieces(self.whole):
@@ -201,6 +200,7 @@ class OuterOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A checkpoint's outer state; an empty one (from a galaxy-size-1 run) starts from the model's weights."""
         with self.lock:
+            self.before_change()
             if not state:
                 self.outer.copy_(self.flat_shards())
             else:

@@ -267,7 +267,7 @@ class SwarmPeer:
         except Exception:  # a malformed peer id, a DHT that is shutting down
             return False
 
-    def serve_state(self, provider: Callable[[], State]) -> None:
+    def serve_state(self, provider: Callable[[], transfer.Served]) -> None:
         service = transfer.StateService(self.rounds.layout, provider, self.request_timeout, self.rounds.key)
         self.rounds.listener.serve(service.magic, service)
 

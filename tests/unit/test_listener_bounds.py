@@ -136,12 +136,20 @@ class CountedCopies:
 
     def __init__(self) -> None:
         self.tensors = [torch.randn(LAYOUT[0].local_numel), torch.randn(LAYOUT[0].local_numel)]
-        self.shared, self.lock, self.calls = transfer.SharedCopies(), threading.Lock(), 0
+        self.lock, self.calls = threading.RLock(), 0
+        self.shared = transfer.SharedCopies(self.lock)
 
-    def __call__(self) -> transfer.State:
+    def __call__(self) -> transfer.Served:
         with self.lock:
             self.calls += 1
-            return {"outer_step": 1}, self.shared.get(lambda: [t.clone() for t in self.tensors])
+            return {"outer_step": self.calls}, self.shared.get(self.tensors)
+
+    def change(self) -> None:
+        """An outer step: the state changes in place, as ``OuterOptimizer`` changes it."""
+        with self.lock:
+            self.shared.changing()
+            for tensor in self.tensors:
+                tensor.add_(1.0)
 
 
 def ask(port: int, runs: list[tuple[int, int]]) -> socket.socket:
@@ -158,24 +166,37 @@ def test_concurrent_slow_readers_of_the_state_share_one_copy() -> None:
         listener.serve(transfer.MAGIC, transfer.StateService(LAYOUT[0], state, timeout=10.0))
         readers = [ask(port, whole) for _ in range(8)] + [ask(port, []) for _ in range(4)]  # (0 runs: meta only)
         assert wait_for(lambda: state.calls == 12)
-        assert state.shared.copies == 1  # 12 requests, 8 of them stuck mid-answer: one copy of the state
+        assert state.shared.copies == 0  # 12 requests, 8 of them stuck mid-answer: they read the live state
+        state.change()
+        assert state.shared.copies == 1  # the stuck answers now read one copy of the state as it was
         for sock in readers:
             sock.close()
         assert wait_for(lambda: listener.open_connections == 0)
         honest = transfer.download(LAYOUT[0], LAYOUT, [(["127.0.0.1"], port)], timeout=10.0)
         assert honest is not None and all(map(torch.equal, honest[1], state.tensors))
-        assert state.shared.copies == 2  # the first copy was freed with its last reader
+        state.change()
+        assert state.shared.copies == 1  # nobody was reading: no copy
 
 
-def test_a_shared_copy_is_taken_again_once_the_state_changed_or_nobody_holds_it() -> None:
-    shared, tensor = transfer.SharedCopies(), torch.zeros(4)
-    first = shared.get(lambda: [tensor.clone()])
-    assert shared.get(lambda: [tensor.clone()])[0] is first[0]
-    shared.changed()
-    second = shared.get(lambda: [tensor.clone()])
-    assert second[0] is not first[0] and shared.copies == 2
-    del first, second
-    assert shared.get(lambda: [tensor.clone()]) and shared.copies == 3
+def test_an_answer_reads_the_state_of_its_moment_whatever_changes_after() -> None:
+    """Two answers under way when the state changes get one copy of it as it was; an answer begun after the change
+    reads the new state, live; an answer nobody holds any more costs nothing."""
+    lock, tensors = threading.RLock(), [torch.arange(8.0), torch.zeros(8)]
+    shared = transfer.SharedCopies(lock)
+    first, second = shared.get(tensors), shared.get(tensors)
+    dropped = shared.get(tensors)
+    assert torch.equal(first.read(0, 2, 5), torch.tensor([2.0, 3.0, 4.0]))
+    del dropped
+    with lock:
+        shared.changing()
+        tensors[0].add_(10.0)
+    assert shared.copies == 1 and first.tensors[0] is second.tensors[0] is not tensors[0]
+    assert torch.equal(first.read(0, 0, 8), torch.arange(8.0)) and torch.equal(second.whole()[1], torch.zeros(8))
+    after = shared.get(tensors)
+    assert torch.equal(after.read(0, 0, 2), torch.tensor([10.0, 11.0]))
+    with lock:
+        shared.changing()  # `after` moves to a copy; `first` and `second` already hold theirs
+    assert shared.copies == 2 and after.tensors[0] is not tensors[0]
 
 
 def test_a_state_answer_to_a_slow_reader_is_cut_at_its_deadline() -> None:

@@ -27,23 +27,25 @@ tensors, and the values in messages of at most ``CHUNK`` bytes. So only key hold
 holders, nobody on the path reads or alters the state, a recorded request fails the next source nonce, a stranger
 gets no more than 56 bytes read, and the caller's digest check still proves the ranks got one state whole.
 
-What a request costs the source is bounded: the copy of the state it answers from is shared by every request
-served while it is in use and the state has not changed (``SharedCopies``), and every request ends by a deadline
-(``StateService``), as does every download.
+What a request costs the source is bounded: an answer reads the live state a chunk at a time, and only when the
+state is about to change while answers are still reading it do they get a copy, one shared by all of them
+(``SharedCopies``); every request ends by a deadline (``StateService``), as does every download.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import os
 import socket
 import struct
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
@@ -70,6 +72,7 @@ MAX_META_BYTES = 2**16
 MIN_RATE = 2**20  # bytes/s: a reader or sender slower than this over a whole answer is cut off at its deadline
 
 State = tuple[dict[str, Any], list[torch.Tensor]]  # (metadata, [outer parameters, momentum?]) of one rank
+Served = tuple[dict[str, Any], "list[torch.Tensor] | Frozen"]  # a state as a provider gives it to `StateService`
 Run = tuple[int, int, int]  # canonical start, stop, and where the values go in the downloader's buffer
 
 
@@ -89,42 +92,71 @@ def requests(me: RankLayout, source: Sequence[RankLayout]) -> dict[int, list[Run
     return asked
 
 
+class Frozen:
+    """A state's tensors as of one moment, as an answer reads them (``SharedCopies``): the live tensors, read a chunk
+    at a time under the state's `lock`, until the state is about to change; from then on a copy taken just before."""
+
+    def __init__(self, tensors: list[torch.Tensor], lock: ContextManager[Any]) -> None:
+        self.tensors, self.lock, self.live = tensors, lock, True
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def whole(self) -> list[torch.Tensor]:
+        """Copies of the tensors, whole."""
+        with self.lock:
+            return [tensor.clone() for tensor in self.tensors]
+
+    def read(self, index: int, start: int, stop: int) -> torch.Tensor:
+        """Values ``[start, stop)`` of flat tensor `index`, copied out (so the state may change once it returns)."""
+        with self.lock:
+            return self.tensors[index].reshape(-1)[start:stop].clone()
+
+
 class SharedCopies:
-    """Copies of a rank's state tensors, taken once and shared by every request served while any of them still
-    holds the copy and the state has not changed since (``changed``): N concurrent downloads, however slow their
-    readers, cost one copy, not N. A copy nobody holds is freed at once. Call under the state's lock."""
+    """What the answers to state downloads read, at no copy while the state holds still: each request gets the live
+    tensors (``get``, under the state's lock, with the metadata of the same moment). Just before the state changes in
+    place (``changing``, under the lock), the answers still reading get one copy of it, taken then and shared by all
+    of them, so N slow readers cost one copy at most, and none when no change comes during their answers. A copy
+    nobody reads any more is freed at once."""
 
-    def __init__(self) -> None:
-        self.version, self.copies = 0, 0  # changes seen; copies taken (how many copies the requests cost)
-        self._of, self._held = -1, []  # the version of the last copy, weak references to its tensors
+    def __init__(self, lock: ContextManager[Any] | None = None) -> None:
+        self.lock = lock if lock is not None else threading.RLock()  # the state's own: its changes hold it
+        self.copies = 0  # copies taken (what the requests cost)
+        self._readers: weakref.WeakSet[Frozen] = weakref.WeakSet()
 
-    def changed(self) -> None:
-        """The state changed: the next request takes a new copy."""
-        self.version += 1
+    def get(self, tensors: list[torch.Tensor]) -> Frozen:
+        """The state `tensors` (live: not copies) for one answer. Call under the lock."""
+        frozen = Frozen(list(tensors), self.lock)
+        self._readers.add(frozen)
+        return frozen
 
-    def get(self, copy: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
-        """The current copy, taken with `copy()` unless one of this version is still held."""
-        held = [ref() for ref in self._held]
-        if self._of == self.version and held and all(tensor is not None for tensor in held):
-            return held
-        tensors = copy()
-        self._of, self._held, self.copies = self.version, [weakref.ref(tensor) for tensor in tensors], self.copies + 1
-        return tensors
+    def changing(self) -> None:
+        """The state is about to change in place: the answers still reading it move to a copy. Call under the
+        lock, before the change."""
+        copies: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for frozen in [f for f in self._readers if f.live]:
+            key = tuple(id(tensor) for tensor in frozen.tensors)
+            if key not in copies:
+                copies[key] = [tensor.clone() for tensor in frozen.tensors]
+                self.copies += 1
+            frozen.tensors, frozen.live = copies[key], False
 
 
 class StateService:
     """Answers state downloads on this rank's ``listener.Listener`` (``listener.serve(MAGIC, service)``).
 
     :param layout: this rank's; a run is served when it lies inside one of the runs this rank holds.
-    :param provider: this rank's current state (taken at one moment); a provider that copies a large state should
-        share its copies (``SharedCopies``): it is called once per request.
+    :param provider: this rank's current state (the metadata and tensors of one moment), called once per request:
+        its live tensors through ``SharedCopies.get`` (no copy unless the state changes mid-answer), or tensors
+        nothing changes.
     :param timeout: seconds any single read or write of a connection may take, and the whole request.
     :param key: the swarm key; None: an open swarm (serve under ``MAGIC``, else under ``KEYED_MAGIC``: ``magic``).
     :param min_rate: bytes/s: each answer ends by `timeout` + its bytes / `min_rate` after it starts, and a
         downloader reading slower is cut off (its download fails: "PastDeadline" at debug level).
     """
 
-    def __init__(self, layout: RankLayout, provider: Callable[[], State], timeout: float, key: SwarmKey | None = None,
+    def __init__(self, layout: RankLayout, provider: Callable[[], Served], timeout: float, key: SwarmKey | None = None,
                  min_rate: float = MIN_RATE):  # fmt: skip
         self.held, self.provider, self.timeout, self.key, self.min_rate = layout.held, provider, timeout, key, min_rate
         self.magic = MAGIC if key is None else KEYED_MAGIC
@@ -146,22 +178,24 @@ class StateService:
             nonces, data = self._keyed_request(conn, deadline)
         places = [(self.local(start, stop), stop - start) for start, stop in _runs(data)]
         meta, tensors = self.provider()
+        state = tensors if isinstance(tensors, Frozen) else Frozen(list(tensors), contextlib.nullcontext())
         header = json.dumps(meta).encode()
-        nbytes = sum(numel for _, numel in places) * 4 * len(tensors)
+        nbytes = sum(numel for _, numel in places) * 4 * len(state)
         deadline = time.monotonic() + self.timeout + nbytes / self.min_rate  # a slow reader is cut off here
-        values = (bytes_of(tensor.reshape(-1)[local : local + numel]) for tensor in tensors for local, numel in places)
+        step = CHUNK // 4  # values per piece read (and per sealed message)
+        values = (bytes_of(state.read(i, local + at, local + min(at + step, numel)))
+                  for i in range(len(state)) for local, numel in places for at in range(0, numel, step))  # fmt: skip
         if self.key is None:
-            send_all(conn, COUNT.pack(len(header)) + header + TENSORS.pack(len(tensors)), deadline)
+            send_all(conn, COUNT.pack(len(header)) + header + TENSORS.pack(len(state)), deadline)
             for view in values:
                 send_all(conn, view, deadline)
         else:
             frames = Frames(conn, send_key=_answer_key(self.key, *nonces), deadline=deadline)
             frames.send(header)
-            frames.send(TENSORS.pack(len(tensors)))
+            frames.send(TENSORS.pack(len(state)))
             for view in values:
-                for at in range(0, view.nbytes, CHUNK):
-                    frames.send(view[at : at + CHUNK])
-        del tensors, values  # (a copy nobody holds is freed: see ``SharedCopies``)
+                frames.send(view)
+        del tensors, state, values  # (a copy nobody reads is freed: see ``SharedCopies``)
         tcp.await_close(conn, max(0.0, min(self.timeout, deadline - time.monotonic())))
 
     def _keyed_request(self, conn: socket.socket, deadline: float) -> tuple[tuple[bytes, bytes], bytes]:
