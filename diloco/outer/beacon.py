@@ -47,6 +47,7 @@ class Beacon:
     rates: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_ROWS))
     last_round: tuple[int, float] | None = None  # (num_peers, wall-clock end) of the last round
     discarded_steps: int = 0  # inner steps this group threw away so far (``DiLoCo._discard``)
+    paused_until: float | None = None  # wall-clock end of the pause under way (``DiLoCo.pause``)
     sent_at: float = -math.inf  # monotonic time of the last record
 
     def measured(self, tokens_per_s: float) -> None:
@@ -97,6 +98,7 @@ class Beacon:
             peer=self.peer,
             batch=self.batch,
             discarded_steps=self.discarded_steps,
+            paused_until=self.paused_until,
         )
 
 

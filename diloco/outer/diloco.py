@@ -585,6 +585,14 @@ class DiLoCo:
         if self.beacon.heartbeat_due():
             self._publish_status("training", step=row.get("step", self.step))
 
+    def pause(self, seconds: float | None) -> None:
+        """Rank 0 says the group is away from its inner steps for about `seconds` (None: back); see ``OuterLoop``."""
+        announced, now = self.beacon.paused_until, time.time()
+        self.beacon.paused_until = None if seconds is None else now + seconds
+        back_early = announced is not None and announced > now  # the others expect it later than it comes: tell them
+        if (seconds is not None or back_early) and self.beacon.sent and not self.done:
+            self._publish_status("training")
+
     def _publish_status(self, state: str, step: int | None = None) -> Status | None:
         """Rank 0: this group's status record as of inner step `step` (default: the last one the outer loop saw)."""
         at = self.position(self.step if step is None else step)

@@ -55,6 +55,11 @@ class OuterLoop(Protocol):
         tell others about this group's training; must return at once (no network waits)."""
         ...
 
+    def pause(self, seconds: float | None) -> None:
+        """This group is leaving its inner steps for about `seconds` (a checkpoint, an evaluation; None: back, or
+        no estimate): the other groups' rounds expect it that much later. Must return at once."""
+        ...
+
     def finish(self) -> dict[str, Any] | None:
         """After the last inner step of a run that was not stopped: end with the swarm's final state; return a
         metrics row when that changed the model, else None."""
@@ -85,6 +90,9 @@ class NoOuter:
         return None
 
     def progress(self, row: dict[str, Any]) -> None:
+        pass
+
+    def pause(self, seconds: float | None) -> None:
         pass
 
     def finish(self) -> dict[str, Any] | None:

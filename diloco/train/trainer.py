@@ -6,12 +6,14 @@ Run it with `torchrun --nproc_per_node=N -m diloco.train --path-model ... --fake
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import math
 import signal
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,7 @@ class Run:
     scheduled_eval_at: int = 0  # where the run stood (`OuterLoop.position`) at the last --eval-interval check
     startup_host_peak_mb: list[float] = field(default_factory=list)  # per rank, once built and resumed
     checkpoint_s: list[float] = field(default_factory=list)  # seconds of each checkpoint written
+    eval_s: list[float] = field(default_factory=list)  # seconds of each evaluation
     resume_s: float | None = None  # seconds of the load of the checkpoint resumed from
 
 
@@ -201,9 +204,11 @@ def train_loop(run: Run) -> str:
         follow_schedule(run)
         evaluated = eval_due(run)
         if evaluated and run.outer.position(run.step) < run.max_steps:  # the last step: evaluated at the end
-            log_eval(run)
+            with away(run, run.eval_s):
+                log_eval(run)
         if cfg.ckpt.interval and run.step % cfg.ckpt.interval == 0:
-            save_checkpoint(run)
+            with away(run, run.checkpoint_s):
+                save_checkpoint(run)
         if outer is not None or evaluated:
             tick = time.perf_counter()  # keep outer steps and evals out of the inner throughput
     return "ok"
@@ -232,8 +237,21 @@ def follow_schedule(run: Run) -> None:
         run.scheduler.step()
 
 
+@contextlib.contextmanager
+def away(run: Run, took: list[float]) -> Iterator[None]:
+    """The block leaves the inner steps for as long as the last of its kind `took` (none yet: no estimate): the other
+    groups' rounds expect this group that much later, rather than averaging without it."""
+    run.outer.pause(took[-1] if took else None)
+    try:
+        yield
+    finally:
+        run.outer.pause(None)
+
+
 def log_eval(run: Run) -> None:
+    started = time.perf_counter()
     run.last_eval_loss = evaluate(run)
+    run.eval_s.append(time.perf_counter() - started)
     if run.last_eval_loss is not None:
         row = {"step": run.step, "eval_loss": run.last_eval_loss, "eval_perplexity": math.exp(run.last_eval_loss)}
         if run.config.hv.token_paced():

@@ -112,3 +112,25 @@ def test_the_last_round_waits_far_past_the_latest_arrival() -> None:
     assert last == pytest.approx(arrival + max(LAST_SLACK_S, LAST_SLACK * arrival))
     assert last >= 2 * arrival and last >= arrival + 30
     assert plan_wait([], me="g0", boundary=100, now=NOW, bound=3600, cap=3600, last=True) == FLOOR_S  # nobody coming
+
+
+def test_a_group_away_on_a_checkpoint_is_expected_after_it() -> None:
+    """A group that announced a pause (``paused_until``: a checkpoint or an evaluation as long as its last one)
+    resumes its inner steps when the pause ends: its arrival moves by the pause, and the wait with it; a pause that
+    ended changes nothing, and one beyond the bound (or a stranger's far-future one) is not waited for."""
+    assert arrival(coming(1, 90, 1.0, heard_ago=2, paused_until=NOW + 8), 100, NOW) == pytest.approx(18.0)
+    assert arrival(coming(1, 90, 1.0, heard_ago=2, paused_until=NOW - 30), 100, NOW) == pytest.approx(8.0)
+    assert wait([coming(1, 90, 1.0, heard_ago=2, paused_until=NOW + 8)]) == pytest.approx(18 + SLACK_S)
+    assert wait([coming(1, 90, 1.0, paused_until=NOW + 1e9)]) == FLOOR_S
+
+
+def test_a_beacon_announces_a_pause_and_clears_it() -> None:
+    from diloco.outer.beacon import Beacon
+
+    beacon = Beacon(None, True, 0, 1, "FULL_SHARD", "tcp", "", "", None, None, "g0")  # type: ignore[arg-type]
+    assert beacon.record("training", 5, 0, "").paused_until is None
+    beacon.paused_until = NOW + 8
+    sent = beacon.record("training", 5, 0, "")
+    assert sent.paused_until == NOW + 8
+    assert type(sent).from_dict(sent.to_dict()) == sent
+    assert type(sent).from_dict(sent.to_dict() | {"paused_until": "soon"}) is None

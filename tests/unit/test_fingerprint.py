@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import Any
 
 import pytest
@@ -258,3 +259,18 @@ def test_a_joining_group_takes_the_budget_of_the_first_live_group_within_bounds(
     far = status(0, "aaa", schedule=schedule(60, 20, (1600, 1000)))
     assert budget_to_adopt(ours, True, mine, [far], live) is None  # 1000 rounds against 3: not one run's
     assert budget_to_adopt(ours, True, mine, [status(0, "bbb", schedule=first.schedule)], live) is None  # a model
+
+
+def test_a_group_away_on_a_checkpoint_says_until_when_and_clears_it_once_back() -> None:
+    """``DiLoCo.pause``: rank 0's status record names the end of the pause at once (the other groups' rounds expect
+    it after it, ``arrivals.arrival``); back earlier, it says so at once."""
+    hub = MemorySwarm(1)
+    first = group(hub, 0, net())
+    first.claim_world_rank()
+    first.join(0)
+    assert hub.statuses[0].paused_until is None
+    before = time.time()
+    first.pause(8.0)
+    assert before + 8.0 <= hub.statuses[0].paused_until <= time.time() + 8.0
+    first.pause(None)  # back before the pause it announced ended: said at once
+    assert hub.statuses[0].paused_until is None

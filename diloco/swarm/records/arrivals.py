@@ -68,14 +68,16 @@ def live(record: Status, now: float) -> bool:
 
 def arrival(record: Status, boundary: int, now: float) -> float | None:
     """Seconds from `now` until the group of `record` reaches inner step `boundary` (0: there or past it); None when
-    its record gives no rate (no metrics row yet, or a record without a batch)."""
+    its record gives no rate (no metrics row yet, or a record without a batch). A group away from its inner steps
+    (a checkpoint, an evaluation: ``Status.paused_until``) resumes them at the end of its pause."""
     if record.step >= boundary:
         return 0.0
     per_step = tokens_per_step(record.batch)
     if not per_step or not record.tokens_per_s or record.tokens_per_s <= 0:
         return None
     steps_per_s = record.tokens_per_s / per_step
-    return max(0.0, record.heard_at + (boundary - record.step) / steps_per_s - now)
+    resumes = record.heard_at if record.paused_until is None else max(record.heard_at, record.paused_until)
+    return max(0.0, resumes + (boundary - record.step) / steps_per_s - now)
 
 
 def plan_wait(

@@ -57,6 +57,8 @@ class Status:
         trainers.
     :param discarded_steps: inner steps this group discarded so far (loaded over by another group's state, or a last
         round that applied nothing); 0 from earlier trainers.
+    :param paused_until: wall-clock time until which the group expects to be away from its inner steps (a checkpoint
+        or an evaluation under way, expected to take as long as its last one); None: not away, or no estimate.
     """
 
     world_rank: int
@@ -79,6 +81,7 @@ class Status:
     schedule: str = ""
     batch: str = ""
     discarded_steps: int = 0
+    paused_until: float | None = None
 
     @property
     def round(self) -> str | None:
@@ -106,7 +109,8 @@ class Status:
 def _well_typed(record: Status) -> bool:
     """Whether the values have the types the table formats (a peer may run anything)."""
     ints = (record.world_rank, record.ranks, record.step, record.outer_step)
-    optional_numbers = (record.max_steps, record.tokens_per_s, record.round_peers, record.round_at)
+    optional_numbers = (record.max_steps, record.tokens_per_s, record.round_peers, record.round_at,
+                        record.paused_until)  # fmt: skip
     return (
         all(isinstance(v, int) for v in ints)
         and all(v is None or isinstance(v, (int, float)) for v in optional_numbers)
