@@ -23,6 +23,7 @@ served metadata change under one lock there.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter, defaultdict
@@ -74,8 +75,9 @@ class CatchUp:
         for holders in plan:
             for record in holders:
                 before = self.refusals_here
-                got = self.swarm.download_state(record, self.group.rank)
-                meta = self._valid(got)
+                # an answer of another state than the signed one is cut after its metadata: no buffers for it
+                got = self.swarm.download_state(record, self.group.rank, functools.partial(named_in, record=record))
+                meta = self._valid(got, record)
                 seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"], meta["digest"]))
                 whole = all(s is not None for s in seen) and len(set(seen)) == 1
                 # the state its owner signed, not one the source names when asked; hashed only then (seconds for a
@@ -189,21 +191,27 @@ class CatchUp:
             warn("could not load the state of worker group %d (%s); trying the next", record.world_rank, why)
             self._warned.add(record.token)
 
-    def _valid(self, got: State | None) -> dict[str, Any] | None:
+    def _valid(self, got: State | None, record: Progress) -> dict[str, Any] | None:
         """The metadata of a downloaded state that fits this rank's shard (``META``: each field of what
-        ``DiLoCo._current_state`` serves, of its type), else None."""
+        ``DiLoCo._current_state`` serves, of its type), or of an answer cut after its metadata because it is not the
+        state `record` names; else None."""
         if got is None:
             return None
         meta, tensors = got
         try:
             typed = isinstance(meta, dict) and all(meta.get(name) is not None and valid(meta[name])
                                                    for name, valid in META.items())  # fmt: skip
-            if typed and self.params.fits(tensors):
-                return meta
+            if typed and ((not tensors and not named_in(meta, record)) or self.params.fits(tensors)):
+                return meta  # (no tensors: an answer of another state, cut after its metadata)
         except (IndexError, KeyError, TypeError, AttributeError, RuntimeError):
             pass
         self.rejected_states += 1  # an answer in full that is not a state of this model
         return None
+
+
+def named_in(meta: dict[str, Any], record: Progress) -> bool:
+    """Whether a served state's metadata names the state `record` signs: its outer step and digest."""
+    return (meta.get("outer_step"), meta.get("digest")) == record.state
 
 
 def _count(value: Any) -> bool:

@@ -114,9 +114,11 @@ class Swarm(Protocol):
         """Start answering state downloads of other groups with `provider()`."""
         ...
 
-    def download_state(self, record: Progress, rank: int) -> State | None:
+    def download_state(self, record: Progress, rank: int,
+                       wanted: Callable[[dict[str, Any]], bool] | None = None) -> State | None:  # fmt: skip
         """Rank `rank`'s outer state (in this rank's layout) from the group of `record`, or None when it does not
-        answer or sends none."""
+        answer or sends none. `wanted(meta)`: whether the state the answer's metadata describes is worth receiving;
+        when not, that metadata with no tensors."""
         ...
 
     def shutdown(self) -> None: ...

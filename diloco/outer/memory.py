@@ -192,11 +192,14 @@ class Member:
     def serve_state(self, provider: Callable[[], Served]) -> None:
         self.swarm.providers[self.peer_id] = provider
 
-    def download_state(self, record: Progress, rank: int) -> State | None:
+    def download_state(self, record: Progress, rank: int,
+                       wanted: Callable[[dict[str, Any]], bool] | None = None) -> State | None:  # fmt: skip
         provider = self.swarm.providers.get(record.peers[rank]) if rank < len(record.peers) else None
         if provider is None:
             return None
         meta, tensors = provider()
+        if wanted is not None and not wanted(meta):
+            return meta, []
         return meta, tensors.whole() if isinstance(tensors, Frozen) else [tensor.clone() for tensor in tensors]
 
     def shutdown(self) -> None:

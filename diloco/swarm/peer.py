@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import hivemind
 import torch
@@ -271,14 +272,15 @@ class SwarmPeer:
         service = transfer.StateService(self.rounds.layout, provider, self.request_timeout, self.rounds.key)
         self.rounds.listener.serve(service.magic, service)
 
-    def download_state(self, record: Progress, rank: int) -> State | None:
+    def download_state(self, record: Progress, rank: int,
+                       wanted: Callable[[dict[str, Any]], bool] | None = None) -> State | None:  # fmt: skip
         source = announced({"shape": record.shape, "endpoints": record.endpoints, "weight": 0.0})
         if source is None:  # a record of another version, or garbage: no state from it
             log.debug("the progress record of group %d names no reachable shape", record.world_rank)
             return None
         layouts = group_layout(self.rounds.model_shapes, source.shape)
         return transfer.download(self.rounds.layout, layouts, source.endpoints, self.request_timeout,
-                                 self.rounds.connect, self.rounds.key, self._refused_state)  # fmt: skip
+                                 self.rounds.connect, self.rounds.key, self._refused_state, wanted=wanted)  # fmt: skip
 
     def _refused_state(self, why: str) -> None:
         if not self.rejected_states:

@@ -33,8 +33,11 @@ class Served:
     def __init__(self, answers: dict[str, State]) -> None:
         self.answers = answers
 
-    def download_state(self, record: Progress, rank: int) -> State | None:
-        return self.answers.get(record.token)
+    def download_state(self, record: Progress, rank: int, wanted: Any = None) -> State | None:
+        got = self.answers.get(record.token)
+        if got is not None and wanted is not None and not wanted(got[0]):
+            return got[0], []  # cut after its metadata, as ``transfer.download`` cuts it
+        return got
 
     def alive(self, peer_id: str) -> bool:
         return True

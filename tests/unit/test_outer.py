@@ -362,7 +362,7 @@ def test_a_finished_group_waits_a_bounded_time_for_a_live_group_still_training()
 
 
 class Unreachable(Member):
-    def download_state(self, record: Progress, rank: int) -> None:
+    def download_state(self, record: Progress, rank: int, wanted: object = None) -> None:
         return None
 
 

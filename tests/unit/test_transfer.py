@@ -26,15 +26,18 @@ def local(vector: torch.Tensor, rank: RankLayout) -> torch.Tensor:
 
 
 @contextmanager
-def serving(shape: Shape, tensors: list[torch.Tensor], meta: dict) -> Iterator[list[transfer.Endpoint]]:
-    """A group of `shape` whose ranks serve their shards of `tensors` (canonical vectors) on loopback listeners."""
+def serving(shape: Shape, tensors: list[torch.Tensor], meta: dict,
+            key: object = None) -> Iterator[list[transfer.Endpoint]]:  # fmt: skip
+    """A group of `shape` whose ranks serve their shards of `tensors` (canonical vectors) on loopback listeners
+    (with the swarm key `key`, if any)."""
     listeners, endpoints = [], []
     try:
         for layout in group_layout(SHAPES, shape):
             sock = listen_socket("127.0.0.1", 0)
             listener = Listener(sock, handshake_timeout=10).start()
             state = (meta, [local(t, layout) for t in tensors])
-            listener.serve(transfer.MAGIC, transfer.StateService(layout, lambda s=state: s, timeout=10))
+            service = transfer.StateService(layout, lambda s=state: s, timeout=10, key=key)  # type: ignore[arg-type]
+            listener.serve(service.magic, service)
             listeners.append(listener)
             endpoints.append((["127.0.0.1"], sock.getsockname()[1]))
         yield endpoints
@@ -95,6 +98,26 @@ def test_sources_that_disagree_or_vanish_give_no_state() -> None:
     refused: list[str] = []
     assert transfer.download(layout, source, endpoints, timeout=2, refused=refused.append) is None  # nobody answers
     assert refused == []  # unreachable is not refused
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["open", "keyed"])
+def test_an_answer_of_another_state_than_the_one_asked_for_stops_at_its_metadata(keyed: bool) -> None:
+    """`wanted` refuses the metadata (the source moved on): the download returns it with no tensors, having
+    received none of the values; the state asked for downloads whole."""
+    from diloco.swarm.records.swarm_key import SwarmKey
+
+    key = SwarmKey(b"k" * 32) if keyed else None
+    layout, source = group_layout(SHAPES, Shape("FULL_SHARD", 1))[0], group_layout(SHAPES, Shape("FULL_SHARD", 2))
+    outer, asked = torch.randn(TOTAL), []
+    with serving(Shape("FULL_SHARD", 2), [outer, outer], {"outer_step": 4}, key) as endpoints:
+        def wanted(meta: dict) -> bool:
+            asked.append(meta["outer_step"])
+            return meta["outer_step"] == 3
+
+        got = transfer.download(layout, source, endpoints, timeout=10, key=key, wanted=wanted)
+        assert got == ({"outer_step": 4}, []) and asked == [4]  # the first rank's metadata: no second rank asked
+        whole = transfer.download(layout, source, endpoints, timeout=10, key=key, wanted=lambda meta: True)
+        assert whole is not None and torch.equal(whole[1][0], outer)
 
 
 def test_a_request_for_values_a_rank_does_not_hold_is_dropped() -> None:

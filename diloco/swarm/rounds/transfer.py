@@ -216,14 +216,16 @@ class StateService:
 def download(
     me: RankLayout, source: Sequence[RankLayout], endpoints: Sequence[Endpoint], timeout: float,
     connect: tcp.Connect = tcp.connect, key: SwarmKey | None = None, refused: Callable[[str], None] | None = None,
-    min_rate: float = MIN_RATE,
+    min_rate: float = MIN_RATE, wanted: Callable[[dict[str, Any]], bool] | None = None,
 ) -> State | None:
     """This rank's outer state (in `me`'s layout) from the ranks of a group laid out as `source`, reached at
     `endpoints` (in rank order) through `connect`, authenticated with the swarm `key` if any. None when a rank does
     not answer in full, the answers describe different states, or (with a key) a rank cannot prove it holds it;
     `refused(why)` is told of each answer refused (one that came, but short, malformed, unproven or unlike the
     others': not an unreachable rank). All of it ends by one deadline: `timeout` per rank asked, plus the state's
-    bytes (momentum included) at `min_rate` bytes/s, so sources that pace their bytes cannot hold it longer."""
+    bytes (momentum included) at `min_rate` bytes/s, so sources that pace their bytes cannot hold it longer.
+    `wanted(meta)`: whether the state an answer's metadata describes is the one asked for; when it is not, the
+    download stops there and returns that metadata with no tensors (nothing is received, no buffer is filled)."""
     outer = torch.empty(me.local_numel)
     made: list[list[torch.Tensor]] = []  # the outer parameters, and the momentum once an answer has one
 
@@ -246,7 +248,9 @@ def download(
             log.debug("state download: rank %d unreachable: %s: %s", rank, type(e).__name__, e)
             return None
         try:
-            got = _fetch(conn, runs, timeout, buffers, key, deadline)
+            got = _fetch(conn, runs, timeout, buffers, key, deadline, wanted)
+        except Unwanted as e:
+            return e.meta, []
         except (OSError, ValueError, UnicodeDecodeError) as e:  # (PastDeadline is a TimeoutError)
             return _refuse(refused, f"rank {rank}'s answer: {type(e).__name__}: {e}")
         if meta is not None and got != meta:
@@ -261,10 +265,19 @@ def _refuse(refused: Callable[[str], None] | None, why: str) -> None:
         refused(why)
 
 
+class Unwanted(Exception):
+    """An answer whose metadata describes another state than the one asked for (``download``'s `wanted`)."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        super().__init__("another state than the one asked for")
+        self.meta = meta
+
+
 def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callable[[int], list[torch.Tensor]],
-           key: SwarmKey | None = None, deadline: float | None = None) -> dict[str, Any]:  # fmt: skip
+           key: SwarmKey | None = None, deadline: float | None = None,
+           wanted: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:  # fmt: skip
     """Ask one source rank, connected on `sock` (closed after), for `runs`, by `deadline` (``time.monotonic()``);
-    its values go into ``buffers(count)`` at the runs' places."""
+    its values go into ``buffers(count)`` at the runs' places. ``Unwanted`` when `wanted` refuses the metadata."""
     sock.settimeout(timeout)
     try:
         count = COUNT.pack(len(runs))
@@ -275,6 +288,8 @@ def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callab
             if length > MAX_META_BYTES:
                 raise ValueError(f"metadata of {length} bytes")
             meta = _meta(bytes(_receive(sock, length, deadline)))
+            if wanted is not None and not wanted(meta):
+                raise Unwanted(meta)
             (tensors,) = TENSORS.unpack(_receive(sock, TENSORS.size, deadline))
             for tensor in buffers(tensors):
                 for start, stop, local in runs:
@@ -287,6 +302,8 @@ def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callab
         # a source without the key fails the first seal: "a message that fails its seal"
         frames = Frames(sock, receive_key=_answer_key(key, ours, theirs), deadline=deadline)
         meta = _meta(bytes(frames.receive(MAX_META_BYTES)))
+        if wanted is not None and not wanted(meta):
+            raise Unwanted(meta)
         (tensors,) = TENSORS.unpack(frames.receive(TENSORS.size))
         for tensor in buffers(tensors):
             for start, stop, local in runs:
