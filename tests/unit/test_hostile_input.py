@@ -96,8 +96,22 @@ def catch_up() -> CatchUp:
     return CatchUp(SimpleNamespace(rejected_states=0), solo_group(), params, ShardDigest())  # type: ignore[arg-type]
 
 
+# the progress record of the group asked: it signs outer step 2 with digest "ab", the state `meta()` names
+SIGNED = Progress(world_rank=0, outer_step=2, step=20, digest="ab", tainted=False, settled=True, token="t",
+                  peers=("p",))
+
+
 def test_a_served_state_with_valid_metadata_is_taken() -> None:
-    assert catch_up()._valid((meta(), [torch.zeros(4)])) == meta()
+    assert catch_up()._valid((meta(), [torch.zeros(4)]), SIGNED) == meta()
+
+
+def test_an_answer_cut_after_its_metadata_counts_only_when_it_names_another_state() -> None:
+    """``transfer.download`` cuts an answer of another state than the signed one after its metadata: that metadata
+    is kept (the caller tells an honest race from a refusal by it); an answer without tensors that names the signed
+    state is a refused state."""
+    catch = catch_up()
+    assert catch._valid((meta(outer_step=3), []), SIGNED) == meta(outer_step=3) and catch.rejected_states == 0
+    assert catch._valid((meta(), []), SIGNED) is None and catch.rejected_states == 1
 
 
 @pytest.mark.parametrize(
@@ -111,7 +125,7 @@ def test_a_served_state_whose_metadata_is_malformed_is_refused_and_counted(serve
     """What loading a state reads of its metadata must be there and of its type (a state without `tainted` raised a
     KeyError in the outer loop): otherwise it is a refused state, counted in `rejected_states`."""
     catch = catch_up()
-    assert catch._valid((served, [torch.zeros(4)])) is None and catch.rejected_states == 1
+    assert catch._valid((served, [torch.zeros(4)]), SIGNED) is None and catch.rejected_states == 1
 
 
 @pytest.mark.parametrize("endpoint", [(["a" * 64 + ".example"], 1), (["127.0.0.1"], 70000), (["\udcff"], 1)],
