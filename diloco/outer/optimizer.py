@@ -84,8 +84,8 @@ class OuterOptimizer:
         """Outer parameters − current parameters of `fragment` (None: all), its runs concatenated (a new tensor,
         averaged in place by the swarm)."""
         started = time.perf_counter()
-        if fragment is None:
-            result = self.outer - self.flat_shards()
+        if fragment is None:  # in place: one new tensor of the shard's size, not the model's copy and then the result
+            result = self.flat_shards().neg_().add_(self.outer)
         else:
             runs = self._runs(fragment)
             parts = [self.outer[a:b] - view.to("cpu", torch.float32) for view, a, b in self._pieces(runs)]
