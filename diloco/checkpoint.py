@@ -37,6 +37,7 @@ class ModelAndOptimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         from diloco.parallel import unwrap
+        from diloco.shards import tied_aliases
 
         self.model, self.optimizer = model, optimizer
         self.partitioned = isinstance(optimizer, ZeroRedundancyOptimizer)
@@ -103,18 +104,6 @@ class ModelAndOptimizer:
         self.optimizer.optim.load_state_dict(state["partition"])
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
             group.update(saved)
-
-
-def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """Each name under which a parameter appears after its first name (a tied weight's), mapped to that first one."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return aliases
 
 
 def save(
