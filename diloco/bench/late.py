@@ -234,9 +234,10 @@ class LateMember(Member):
         super().publish(record)
         self.swarm.published()
 
-    def download_state(self, record: Progress, rank: int) -> State | None:
-        got = super().download_state(record, rank)
-        if got is not None:
+    def download_state(self, record: Progress, rank: int,
+                       wanted: Callable[[dict[str, Any]], bool] | None = None) -> State | None:  # fmt: skip
+        got = super().download_state(record, rank, wanted)
+        if got is not None and got[1]:  # (not an answer cut after its metadata)
             self.swarm.fetched_state(self.peer_id)
         return got
 

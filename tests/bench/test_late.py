@@ -123,9 +123,9 @@ def test_a_slow_download_changes_nothing(runs: dict, tiny: tuple[Workload, Any],
     later count would train fewer inner steps)."""
     real = late_study.LateMember.download_state
 
-    def slow(self: late_study.LateMember, record: Any, rank: int) -> Any:
+    def slow(self: late_study.LateMember, record: Any, rank: int, wanted: Any = None) -> Any:
         time.sleep(0.3)
-        return real(self, record, rank)
+        return real(self, record, rank, wanted)
 
     monkeypatch.setattr(late_study.LateMember, "download_state", slow)
     again = run_late_arm(LateArm("late-drop-every", 2, H, 0, "drop", "every", (1,)), *tiny)
