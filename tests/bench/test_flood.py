@@ -25,7 +25,8 @@ def test_flood_quick_bounds_the_rank_and_lets_honest_work_through(tmp_path: Path
     assert result["honest_downloads"] >= 1 and result["honest_downloads_ok"] == result["honest_downloads"]
     assert result["peak_rss_after_bytes"] >= result["peak_rss_before_bytes"] > 0
     assert result["peak_rss_growth_bytes"] <= result["state_bytes"] * 1.5, result  # one copy, and some slack
-    assert result["state_copies_taken"] >= 1 and len(result["load_average"]) == 3
+    # the rank's state holds still during the flood: every answer reads it live, none costs a copy
+    assert result["state_copies_taken"] == 0 and len(result["load_average"]) == 3
     doc = flood.markdown(result)
     assert "connections held from" in doc and "honest downloads ok" in doc
     assert not [p for p in psutil.Process().children(recursive=True) if "diloco.bench.flood" in " ".join(p.cmdline())]
