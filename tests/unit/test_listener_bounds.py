@@ -174,19 +174,21 @@ def test_concurrent_slow_readers_of_the_state_share_one_copy() -> None:
         assert wait_for(lambda: listener.open_connections == 0)
         honest = transfer.download(LAYOUT[0], LAYOUT, [(["127.0.0.1"], port)], timeout=10.0)
         assert honest is not None and all(map(torch.equal, honest[1], state.tensors))
+        assert wait_for(lambda: listener.open_connections == 0)  # (its answer closes once the downloader did)
         state.change()
         assert state.shared.copies == 1  # nobody was reading: no copy
 
 
 def test_an_answer_reads_the_state_of_its_moment_whatever_changes_after() -> None:
     """Two answers under way when the state changes get one copy of it as it was; an answer begun after the change
-    reads the new state, live; an answer nobody holds any more costs nothing."""
+    reads the new state, live; an answer nobody holds any more, or one that is over, costs nothing."""
     lock, tensors = threading.RLock(), [torch.arange(8.0), torch.zeros(8)]
     shared = transfer.SharedCopies(lock)
     first, second = shared.get(tensors), shared.get(tensors)
-    dropped = shared.get(tensors)
+    dropped, ended = shared.get(tensors), shared.get(tensors)
     assert torch.equal(first.read(0, 2, 5), torch.tensor([2.0, 3.0, 4.0]))
     del dropped
+    ended.close()  # an answer over, whatever still holds it
     with lock:
         shared.changing()
         tensors[0].add_(10.0)

@@ -109,8 +109,14 @@ class Frozen:
 
     def read(self, index: int, start: int, stop: int) -> torch.Tensor:
         """Values ``[start, stop)`` of flat tensor `index`, copied out (so the state may change once it returns)."""
+        if not self.live:  # a copy nothing changes: no need to wait for the state's lock (an outer step holds it)
+            return self.tensors[index].reshape(-1)[start:stop].clone()
         with self.lock:
             return self.tensors[index].reshape(-1)[start:stop].clone()
+
+    def close(self) -> None:
+        """The answer is over (sent, or failed): no copy is taken for it any more."""
+        self.tensors, self.live = [], False
 
 
 class SharedCopies:
@@ -185,16 +191,19 @@ class StateService:
         step = CHUNK // 4  # values per piece read (and per sealed message)
         values = (bytes_of(state.read(i, local + at, local + min(at + step, numel)))
                   for i in range(len(state)) for local, numel in places for at in range(0, numel, step))  # fmt: skip
-        if self.key is None:
-            send_all(conn, COUNT.pack(len(header)) + header + TENSORS.pack(len(state)), deadline)
-            for view in values:
-                send_all(conn, view, deadline)
-        else:
-            frames = Frames(conn, send_key=_answer_key(self.key, *nonces), deadline=deadline)
-            frames.send(header)
-            frames.send(TENSORS.pack(len(state)))
-            for view in values:
-                frames.send(view)
+        try:
+            if self.key is None:
+                send_all(conn, COUNT.pack(len(header)) + header + TENSORS.pack(len(state)), deadline)
+                for view in values:
+                    send_all(conn, view, deadline)
+            else:
+                frames = Frames(conn, send_key=_answer_key(self.key, *nonces), deadline=deadline)
+                frames.send(header)
+                frames.send(TENSORS.pack(len(state)))
+                for view in values:
+                    frames.send(view)
+        finally:  # (a failed answer's frame may outlive it in a traceback: it must not hold or cost a copy)
+            state.close()
         del tensors, state, values  # (a copy nobody reads is freed: see ``SharedCopies``)
         tcp.await_close(conn, max(0.0, min(self.timeout, deadline - time.monotonic())))
 
