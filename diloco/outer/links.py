@@ -13,7 +13,7 @@ import torch
 from diloco.swarm.records.budget import RoundTokens
 from diloco.swarm.records.progress import Progress
 from diloco.swarm.records.status import Status
-from diloco.swarm.rounds.transfer import Frozen
+from diloco.swarm.rounds.transfer import Served  # a state as this rank serves it
 
 __all__ = ["Group", "RoundResult", "Served", "State", "Swarm", "solo_group"]
 
@@ -35,8 +35,6 @@ class RoundResult(Protocol):
 
 
 State = tuple[dict[str, Any], list[torch.Tensor]]  # (small metadata, tensors) of one rank's outer state
-# a state as this rank serves it: its live tensors as the answers read them (``Frozen``), or tensors nothing changes
-Served = tuple[dict[str, Any], "list[torch.Tensor] | Frozen"]
 
 
 class Swarm(Protocol):

@@ -200,7 +200,7 @@ class Member:
         meta, tensors = provider()
         if wanted is not None and not wanted(meta):
             return meta, []
-        return meta, tensors.whole() if isinstance(tensors, Frozen) else [tensor.clone() for tensor in tensors]
+        return meta, Frozen.of(tensors).whole()
 
     def shutdown(self) -> None:
         self.swarm.providers.pop(self.peer_id, None)

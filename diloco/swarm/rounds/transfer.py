@@ -99,6 +99,11 @@ class Frozen:
     def __init__(self, tensors: list[torch.Tensor], lock: ContextManager[Any]) -> None:
         self.tensors, self.lock, self.live = tensors, lock, True
 
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor] | Frozen) -> Frozen:
+        """`tensors` as an answer reads them: itself when it is one, else tensors nothing changes (no lock)."""
+        return tensors if isinstance(tensors, Frozen) else cls(list(tensors), contextlib.nullcontext())
+
     def __len__(self) -> int:
         return len(self.tensors)
 
@@ -184,7 +189,7 @@ class StateService:
             nonces, data = self._keyed_request(conn, deadline)
         places = [(self.local(start, stop), stop - start) for start, stop in _runs(data)]
         meta, tensors = self.provider()
-        state = tensors if isinstance(tensors, Frozen) else Frozen(list(tensors), contextlib.nullcontext())
+        state = Frozen.of(tensors)
         header = json.dumps(meta).encode()
         nbytes = sum(numel for _, numel in places) * 4 * len(state)
         deadline = time.monotonic() + self.timeout + nbytes / self.min_rate  # a slow reader is cut off here
@@ -296,9 +301,7 @@ def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callab
             (length,) = COUNT.unpack(_receive(sock, COUNT.size, deadline))
             if length > MAX_META_BYTES:
                 raise ValueError(f"metadata of {length} bytes")
-            meta = _meta(bytes(_receive(sock, length, deadline)))
-            if wanted is not None and not wanted(meta):
-                raise Unwanted(meta)
+            meta = _checked(_meta(bytes(_receive(sock, length, deadline))), wanted)
             (tensors,) = TENSORS.unpack(_receive(sock, TENSORS.size, deadline))
             for tensor in buffers(tensors):
                 for start, stop, local in runs:
@@ -310,9 +313,7 @@ def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callab
         send_all(sock, ours + count + proof + asked + key.mac("state-runs", theirs, ours, count, asked), deadline)
         # a source without the key fails the first seal: "a message that fails its seal"
         frames = Frames(sock, receive_key=_answer_key(key, ours, theirs), deadline=deadline)
-        meta = _meta(bytes(frames.receive(MAX_META_BYTES)))
-        if wanted is not None and not wanted(meta):
-            raise Unwanted(meta)
+        meta = _checked(_meta(bytes(frames.receive(MAX_META_BYTES))), wanted)
         (tensors,) = TENSORS.unpack(frames.receive(TENSORS.size))
         for tensor in buffers(tensors):
             for start, stop, local in runs:
@@ -322,6 +323,13 @@ def _fetch(sock: socket.socket, runs: list[Run], timeout: float, buffers: Callab
         return meta
     finally:
         sock.close()
+
+
+def _checked(meta: dict[str, Any], wanted: Callable[[dict[str, Any]], bool] | None) -> dict[str, Any]:
+    """`meta`, unless `wanted` refuses it (``Unwanted``): then no values of the answer are read."""
+    if wanted is not None and not wanted(meta):
+        raise Unwanted(meta)
+    return meta
 
 
 def _answer_key(key: SwarmKey, asked: bytes, answered: bytes) -> bytes:
