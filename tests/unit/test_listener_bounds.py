@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from diloco.swarm.records.swarm_key import SwarmKey, keygen
-from diloco.swarm.rounds import tcp, transfer
+from diloco.swarm.rounds import dial, tcp, transfer
 from diloco.swarm.rounds.layout import Shape, group_layout
 from diloco.swarm.rounds.listener import Listener, listen_socket
 
@@ -301,7 +301,7 @@ def test_a_replayed_keyed_state_request_is_refused(tmp_path: Path) -> None:
         listener.serve(service.magic, service)
         recorded: list[CountingSocket] = []
 
-        def recording(endpoint: tcp.Endpoint, timeout: float, handshake: tcp.Handshake | None) -> socket.socket:
+        def recording(endpoint: tcp.Endpoint, timeout: float, handshake: dial.Handshake | None) -> socket.socket:
             recorded.append(CountingSocket(fileno=tcp.connect(endpoint, timeout, handshake).detach()))
             return recorded[-1]
 

@@ -47,6 +47,7 @@ import torch
 
 from diloco.swarm.rounds import hello as hellos
 from diloco.swarm.rounds.aggregation import Aggregation, aggregate
+from diloco.swarm.rounds.dial import Connect, Endpoint, connect  # (tcp.connect: the default of every caller)
 from diloco.swarm.rounds.frames import Frames, bytes_of, seal_keys
 from diloco.swarm.rounds.hello import Roster, public_bytes
 from diloco.swarm.rounds.layout import Part, Schedule, flat_schedule
@@ -62,11 +63,6 @@ HELLO, MAC_SIZE, MAGIC = hellos.HELLO, hellos.MAC_SIZE, hellos.MAGIC  # what the
 DEADLINE_GRACE_S = 1.0  # past the deadline, what its last reads and writes get to end on their own before an abort
 WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of its slowest reply: bounds memory
 
-Endpoint = tuple[Sequence[str], int]  # the hosts a rank's listener may be reached at, and its port
-Handshake = Callable[[socket.socket], socket.socket]
-# (endpoint, timeout, handshake or None) -> a connected socket past the handshake: ``connect`` over TCP, or
-# ``diloco.swarm.rounds.tunnel.Tunnel.connect`` over libp2p
-Connect = Callable[[Endpoint, float, "Handshake | None"], socket.socket]
 
 
 class RoundFailed(Exception):
@@ -151,22 +147,6 @@ def await_close(sock: socket.socket, timeout: float) -> None:
                 return
     except OSError:  # timed out, reset, or closed on our side (an abort)
         pass
-
-
-def connect(endpoint: Endpoint, timeout: float, handshake: Handshake | None = None) -> socket.socket:
-    """A TCP connection to `endpoint` (past `handshake`, which closes the socket if it fails), trying its hosts in
-    order: a host may be this machine's loopback, or an address not reachable from here, and the handshake tells
-    the right peer from any other."""
-    hosts, port = endpoint
-    errors = []
-    for host in hosts:
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return handshake(sock) if handshake is not None else sock
-        except (OSError, ValueError, OverflowError) as e:  # (a host name no resolver takes, a port out of range)
-            errors.append(f"{host}:{port}: {e}")
-    raise ConnectionError(f"could not connect: {'; '.join(errors) or 'no address'}")
 
 
 class Round:
