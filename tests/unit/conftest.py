@@ -8,6 +8,7 @@ import multiprocessing.process
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,14 @@ STARTS_NO_PROCESS = "a unit test starts no process: move it to tests/integration
 SPAWNS = ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "spawnl", "spawnle", "spawnlp", "spawnlpe",
           "spawnv", "spawnve", "spawnvp", "spawnvpe")  # fmt: skip
 CALL_FAILED = pytest.StashKey[bool]()
+UNIT_TIMEOUT_S = 300  # a unit test takes seconds: one that hangs (threads, sockets) fails long before the suite's 1200
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
 
 
 @pytest.hookimpl(wrapper=True)
