@@ -186,16 +186,17 @@ def test_an_answer_reads_the_state_of_its_moment_whatever_changes_after() -> Non
     shared = transfer.SharedCopies(lock)
     first, second = shared.get(tensors), shared.get(tensors)
     dropped, ended = shared.get(tensors), shared.get(tensors)
-    assert torch.equal(first.read(0, 2, 5), torch.tensor([2.0, 3.0, 4.0]))
+    assert torch.equal(first.read_into(0, 2, torch.empty(3)), torch.tensor([2.0, 3.0, 4.0]))
     del dropped
     ended.close()  # an answer over, whatever still holds it
     with lock:
         shared.changing()
         tensors[0].add_(10.0)
     assert shared.copies == 1 and first.tensors[0] is second.tensors[0] is not tensors[0]
-    assert torch.equal(first.read(0, 0, 8), torch.arange(8.0)) and torch.equal(second.whole()[1], torch.zeros(8))
+    assert torch.equal(first.read_into(0, 0, torch.empty(8)), torch.arange(8.0))
+    assert torch.equal(second.whole()[1], torch.zeros(8))
     after = shared.get(tensors)
-    assert torch.equal(after.read(0, 0, 2), torch.tensor([10.0, 11.0]))
+    assert torch.equal(after.read_into(0, 0, torch.empty(2)), torch.tensor([10.0, 11.0]))
     with lock:
         shared.changing()  # `after` moves to a copy; `first` and `second` already hold theirs
     assert shared.copies == 2 and after.tensors[0] is not tensors[0]

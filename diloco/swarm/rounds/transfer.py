@@ -112,12 +112,14 @@ class Frozen:
         with self.lock:
             return [tensor.clone() for tensor in self.tensors]
 
-    def read(self, index: int, start: int, stop: int) -> torch.Tensor:
-        """Values ``[start, stop)`` of flat tensor `index`, copied out (so the state may change once it returns)."""
+    def read_into(self, index: int, start: int, out: torch.Tensor) -> torch.Tensor:
+        """`out` filled with the values of flat tensor `index` from `start` on (so the state may change once it
+        returns). An answer reads into one buffer of its own, chunk after chunk: many answers at once then hold a
+        chunk each, allocated once, instead of allocating and freeing one per chunk read from many threads."""
         if not self.live:  # a copy nothing changes: no need to wait for the state's lock (an outer step holds it)
-            return self.tensors[index].reshape(-1)[start:stop].clone()
+            return out.copy_(self.tensors[index].reshape(-1)[start : start + out.numel()])
         with self.lock:
-            return self.tensors[index].reshape(-1)[start:stop].clone()
+            return out.copy_(self.tensors[index].reshape(-1)[start : start + out.numel()])
 
     def close(self) -> None:
         """The answer is over (sent, or failed): no copy is taken for it any more."""
@@ -194,7 +196,8 @@ class StateService:
         nbytes = sum(numel for _, numel in places) * 4 * len(state)
         deadline = time.monotonic() + self.timeout + nbytes / self.min_rate  # a slow reader is cut off here
         step = CHUNK // 4  # values per piece read (and per sealed message)
-        values = (bytes_of(state.read(i, local + at, local + min(at + step, numel)))
+        buffer = torch.empty(min(step, max((numel for _, numel in places), default=0)))  # each piece, in turn
+        values = (bytes_of(state.read_into(i, local + at, buffer[: min(step, numel - at)]))
                   for i in range(len(state)) for local, numel in places for at in range(0, numel, step))  # fmt: skip
         try:
             if self.key is None:
@@ -209,7 +212,7 @@ class StateService:
                     frames.send(view)
         finally:  # (a failed answer's frame may outlive it in a traceback: it must not hold or cost a copy)
             state.close()
-        del tensors, state, values  # (a copy nobody reads is freed: see ``SharedCopies``)
+        del tensors, state, values, buffer  # (a copy nobody reads is freed: see ``SharedCopies``)
         tcp.await_close(conn, max(0.0, min(self.timeout, deadline - time.monotonic())))
 
     def _keyed_request(self, conn: socket.socket, deadline: float) -> tuple[tuple[bytes, bytes], bytes]:
