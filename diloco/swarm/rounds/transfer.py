@@ -196,7 +196,7 @@ class StateService:
         nbytes = sum(numel for _, numel in places) * 4 * len(state)
         deadline = time.monotonic() + self.timeout + nbytes / self.min_rate  # a slow reader is cut off here
         step = CHUNK // 4  # values per piece read (and per sealed message)
-        buffer = torch.empty(min(step, max((numel for _, numel in places), default=0)))  # each piece, in turn
+        buffer = torch.empty(min(step, max((n for _, n in places), default=0)), dtype=torch.float32)  # each piece
         values = (bytes_of(state.read_into(i, local + at, buffer[: min(step, numel - at)]))
                   for i in range(len(state)) for local, numel in places for at in range(0, numel, step))  # fmt: skip
         try:
