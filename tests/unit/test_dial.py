@@ -102,8 +102,7 @@ def test_a_connection_that_arrives_after_the_winner_is_closed(stack: ExitStack) 
     attempt still running: nobody uses that connection, and it is closed (its listener reads end-of-file)."""
     late = listener(stack, "127.0.0.2")
     port = late.getsockname()[1]
-    holder = socket.create_connection(("127.0.0.2", port), timeout=2.0)  # fills the queue: the first attempt hangs
-    stack.enter_context(holder)
+    hang(stack, late)
     listener(stack, "127.0.0.1", port)
     sock = stack.enter_context(dial.connect((["127.0.0.2", "127.0.0.1"], port), TIMEOUT))
     assert sock.getpeername() == ("127.0.0.1", port)

@@ -64,7 +64,6 @@ DEADLINE_GRACE_S = 1.0  # past the deadline, what its last reads and writes get 
 WINDOW = 4  # parts a reducer reads ahead of its averages, and averages ahead of its slowest reply: bounds memory
 
 
-
 class RoundFailed(Exception):
     """The round did not leave this peer with the whole average (its output holds part of it at most)."""
 

@@ -116,9 +116,8 @@ class Frozen:
         """`out` filled with the values of flat tensor `index` from `start` on (so the state may change once it
         returns). An answer reads into one buffer of its own, chunk after chunk: many answers at once then hold a
         chunk each, allocated once, instead of allocating and freeing one per chunk read from many threads."""
-        if not self.live:  # a copy nothing changes: no need to wait for the state's lock (an outer step holds it)
-            return out.copy_(self.tensors[index].reshape(-1)[start : start + out.numel()])
-        with self.lock:
+        # a copy nothing changes needs no wait for the state's lock (an outer step holds it)
+        with self.lock if self.live else contextlib.nullcontext():
             return out.copy_(self.tensors[index].reshape(-1)[start : start + out.numel()])
 
     def close(self) -> None:
