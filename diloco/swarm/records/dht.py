@@ -31,6 +31,7 @@ from multiaddr import Multiaddr
 
 from diloco.errors import FieldError, first_line
 from diloco.procs import check_tempdir, exit_with_parent
+from diloco.swarm.records.fork_locks import make_hivemind_locks_kill_safe
 from diloco.swarm.records.identity import ensure_identity
 from diloco.swarm.records.ownership import checking_validator
 
@@ -74,6 +75,7 @@ def start_dht(
     :raises UsageError: a TMPDIR too long for torch's shared-memory socket (see ``check_tempdir``).
     """
     check_tempdir()
+    make_hivemind_locks_kill_safe()  # before the first fork: a DHT or averager process killed mid-reply hangs no one
     kwargs = {}
     if identity_path is not None:
         try:
