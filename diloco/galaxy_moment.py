@@ -38,25 +38,16 @@ class GalaxyAdamW(torch.optim.Optimizer):
         weight_decay: float,
         galaxy_batches: float,
         eps: float = 1e-8,
-        successive: bool = False,
     ) -> None:
         if galaxy_batches < 1:
             raise ValueError(f"galaxy_batches {galaxy_batches} must be at least 1")
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps, "galaxy_batches": galaxy_batches}
         super().__init__(params, defaults)
-        self.successive = successive
         self.variance: dict[torch.Tensor, torch.Tensor] = {}  # this step's estimate per parameter (`observe`)
 
     def observe(self, variance: dict[torch.Tensor, torch.Tensor]) -> None:
         """The variance of this step's gradient, per parameter, for the next `step`."""
         self.variance = variance
-
-    def forget(self) -> None:
-        """The parameters moved outside this optimizer (an outer step, a loaded state): the next gradient is not
-        compared with the last one (their difference is not noise alone)."""
-        for state in self.state.values():
-            if "previous_ok" in state:
-                state["previous_ok"].zero_()
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
@@ -70,43 +61,19 @@ class GalaxyAdamW(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     for key in ("exp_avg", "exp_avg_sq", "exp_var"):
                         state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if self.successive:
-                        state["previous"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                        state["previous_ok"] = torch.zeros((), dtype=torch.float32)
-                        state["var_weight"] = torch.zeros((), dtype=torch.float32)
                 state["step"] += 1
                 t = float(state["step"])
                 grad, exp_avg, exp_avg_sq, exp_var = p.grad, state["exp_avg"], state["exp_avg_sq"], state["exp_var"]
                 p.mul_(1 - lr * group["weight_decay"])
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                if self.successive:
-                    variance = self._successive_variance(state, grad, beta2)
-                else:
-                    variance = self.variance.get(p)
-                    if variance is not None:
-                        exp_var.mul_(beta2).add_(variance, alpha=1 - beta2)
-                    variance = exp_var / (1 - beta2**t)
-                mean_square = exp_avg_sq / (1 - beta2**t)
-                second = torch.maximum(mean_square - (1 - 1 / k) * variance, mean_square / k)
-                denom = second.sqrt_().add_(group["eps"])
+                variance = self.variance.get(p)
+                if variance is not None:
+                    exp_var.mul_(beta2).add_(variance, alpha=1 - beta2)
+                second = torch.maximum(exp_avg_sq - (1 - 1 / k) * exp_var, exp_avg_sq / k)
+                denom = (second / (1 - beta2**t)).sqrt_().add_(group["eps"])
                 p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**t))
         self.variance = {}
-
-    @staticmethod
-    def _successive_variance(state: dict, grad: torch.Tensor, beta2: float) -> torch.Tensor:
-        """The moving average of the variance from successive steps' gradients of independent batches:
-        E[(g2 - g1)²] / 2 = Var(g) + (E[g2] - E[g1])² / 2, and the drift of the mean over one inner step is small
-        beside the noise where the noise matters. Averaged over the steps that had a comparable last gradient."""
-        previous, exp_var = state["previous"], state["exp_var"]
-        if bool(state["previous_ok"]):
-            previous.sub_(grad).square_()
-            exp_var.mul_(beta2).add_(previous, alpha=(1 - beta2) / 2)
-            state["var_weight"].mul_(beta2).add_(1 - beta2)
-        previous.copy_(grad)
-        state["previous_ok"].fill_(1.0)
-        weight = float(state["var_weight"])
-        return exp_var / weight if weight > 0 else torch.zeros_like(exp_var)
 
 
 class Halves:

@@ -126,8 +126,6 @@ class ArmSpec:
     aggregation: str = "mean"  # --hv.aggregation (`bench poison`)
     attack: str = ""  # the last group forges its pseudo-gradients (`bench.attacks`); its data is group 0's
     inner_moment: str = "group"  # --hv.inner-moment: galaxy divides by the second moment of all groups' batches
-    variance: str = "halves"  # the galaxy moment's variance: a step's two halves, or successive steps' gradients
-    # ("successive": not across an outer step; "successive-keep": across it too)
 
     @property
     def setting(self) -> Setting | None:
@@ -340,8 +338,6 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
                 raise BenchError(f"arm {spec.name}: loss {loss.item()} at step {step}")
             # an OuterReport after an outer step (the groups then hold one model), None between outer steps
             synced = outer is None or outer.after_inner_step(step) is not None
-            if outer is not None and synced and spec.variance == "successive":
-                opt.forget()  # type: ignore[attr-defined]
             if g == 0 and synced and step % every == 0 and step < spec.steps:
                 with lock:
                     curve.append((step * tokens_per_step, eval_loss(model, corpus.held_out)))
@@ -370,8 +366,8 @@ def inner_optimizer(model: torch.nn.Module, spec: ArmSpec, lr: float) -> tuple[t
     if spec.inner_moment == "group" or spec.groups == 1:
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY), None
     opt = GalaxyAdamW(model.parameters(), lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY,
-                      galaxy_batches=float(spec.groups), successive=spec.variance != "halves")  # fmt: skip
-    return opt, Halves(model.parameters()) if spec.variance == "halves" else None
+                      galaxy_batches=float(spec.groups))  # fmt: skip
+    return opt, Halves(model.parameters())
 
 
 def inner_step(model: torch.nn.Module, batch: torch.Tensor, opt: torch.optim.Optimizer, halves: Halves | None) -> torch.Tensor:

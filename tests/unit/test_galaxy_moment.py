@@ -3,8 +3,6 @@ from two halves of a step, and `auto`'s choice."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -135,69 +133,3 @@ def test_zero1_keeps_adamw_under_auto_and_refuses_galaxy() -> None:
     with pytest.raises(ValueError, match="--hv.inner-moment galaxy needs each rank's whole AdamW state"):
         Config.model_validate({"path_model": "m", "fake_data": True, "sharding_strategy": "ZERO1",
                                "hv": {**hv, "inner_moment": "galaxy"}})  # fmt: skip
-
-
-def successive(p: torch.nn.Parameter, k: float = 4.0) -> GalaxyAdamW:
-    return GalaxyAdamW([p], lr=1e-3, betas=BETAS, weight_decay=WD, galaxy_batches=k, successive=True)
-
-
-def test_successive_gradients_estimate_their_variance_without_bias() -> None:
-    """Gradients of independent batches around a fixed mean: the variance estimate from successive steps is the
-    variance of one step's gradient, whatever the mean."""
-    sigma, mean = torch.tensor([0.5, 2.0, 1.0]), torch.tensor([3.0, -1.0, 0.0])
-    p = torch.nn.Parameter(torch.zeros(20000, 3))
-    opt, g = successive(p), torch.Generator().manual_seed(3)
-    for _ in range(40):
-        p.grad = mean + sigma * torch.randn(p.shape, generator=g)
-        opt.step()
-    state = opt.state[p]
-    estimate = state["exp_var"] / state["var_weight"]
-    torch.testing.assert_close(estimate.mean(0), sigma.square(), rtol=0.05, atol=0)
-
-
-def test_after_forget_the_next_gradient_is_not_compared_with_the_last() -> None:
-    p = torch.nn.Parameter(torch.zeros(4))
-    opt = successive(p)
-    for value in (1.0, 2.0):
-        p.grad = torch.full((4,), value)
-        opt.step()
-    state = opt.state[p]
-    var, weight = state["exp_var"].clone(), state["var_weight"].clone()
-    opt.forget()
-    p.grad = torch.full((4,), 50.0)  # the parameters jumped: this difference is no noise
-    opt.step()
-    assert torch.equal(state["exp_var"], var) and torch.equal(state["var_weight"], weight)
-    p.grad = torch.full((4,), 52.0)  # compared again: (52 - 50)² / 2 = 2 enters the average
-    opt.step()
-    assert float(state["var_weight"]) > float(weight) and bool((state["exp_var"] > var).all())
-
-
-def test_the_first_step_is_adamws_and_a_resumed_optimizer_continues_bit_exactly() -> None:
-    """No earlier gradient: no variance, AdamW's step. The last gradient is state: a checkpoint's state dict
-    continues exactly as the optimizer it was taken from."""
-    ours, theirs = params(), params()
-    opt = GalaxyAdamW(ours, lr=0.01, betas=BETAS, weight_decay=WD, galaxy_batches=4.0, successive=True)
-    ref = torch.optim.AdamW(theirs, lr=0.01, betas=BETAS, weight_decay=WD)
-    g = torch.Generator().manual_seed(4)
-    grads = [[torch.randn(p.shape, generator=g) for p in ours] for _ in range(8)]
-    for p, q, grad in zip(ours, theirs, grads[0], strict=True):
-        p.grad, q.grad = grad.clone(), grad.clone()
-    opt.step()
-    ref.step()
-    for p, q in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-
-    def steps(opt: GalaxyAdamW, ps: list[torch.nn.Parameter], first: int, last: int) -> None:
-        for i in range(first, last):
-            for p, grad in zip(ps, grads[i], strict=True):
-                p.grad = grad.clone()
-            opt.step()
-
-    steps(opt, ours, 1, 4)
-    saved = {"state": copy.deepcopy(opt.state_dict()), "params": [p.detach().clone() for p in ours]}
-    steps(opt, ours, 4, 8)
-    resumed = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
-    again = GalaxyAdamW(resumed, lr=0.01, betas=BETAS, weight_decay=WD, galaxy_batches=4.0, successive=True)
-    again.load_state_dict(saved["state"])
-    steps(again, resumed, 4, 8)
-    assert all(torch.equal(p, q) for p, q in zip(ours, resumed, strict=True))

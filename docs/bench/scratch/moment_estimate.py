@@ -1,8 +1,11 @@
-"""Scratch run for issue 40 (docs/benchmarks.md, 2026-11-29 UTC): the galaxy moment's variance estimate from two
-halves of each step (two passes of half the batch) against one from successive steps' gradients (one pass), on the
-`defaults` study's workload at H = 25 through the bench's own `run_arms`: auto at k = 4 (seeds 0-2) and k = 8 (seed 0)
-with each estimate (successive: not compared across an outer step; successive-keep: compared across it too), and
-auto with plain AdamW (the group's moment).
+"""Scratch run for issue 40 (docs/outer-step.md, the galaxy's second moment; 2026-11-29 03:33-03:51 UTC, load 0.02 at
+the start): the galaxy moment's variance estimate from two halves of each step (two passes of half the batch) against
+one from successive steps' gradients (one pass), on the `defaults` study's workload at H = 25 through the bench's own
+`run_arms`: auto at k = 4 (seeds 0-2) and k = 8 (seed 0) with each estimate (successive: not compared across an
+outer step; successive-keep: compared across it too), and auto with plain AdamW (the group's moment). Stopped after
+8 of its 15 arms (moment-estimate.jsonl), once the successive estimate had lost at k = 8 and at k = 4 seed 0; the
+successive estimate (`GalaxyAdamW(successive=True)`, the arms' `variance`) was then removed: this runs only from
+commit f571135.
 Run from the repository root: PYTHONPATH=. python docs/bench/scratch/moment_estimate.py OUT.jsonl"""
 
 import json
