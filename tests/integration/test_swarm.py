@@ -403,6 +403,32 @@ def test_lone_averager_keeps_tensors(bootstrap):
     assert bootstrap.is_alive()
 
 
+def test_a_dead_averager_process_fails_the_next_round_at_once(bootstrap):
+    """An averager process killed under a trainer (the OOM killer): the next round raises, naming it, instead of
+    waiting for an answer that never comes; the DHT goes on."""
+    matchmaker = Matchmaker(bootstrap, prefix="killed", matchmaking_time=1.0, averaging_timeout=5.0)
+    try:
+        os.kill(matchmaker._averager.pid, signal.SIGKILL)
+        matchmaker._averager.join(10)
+        result: list[BaseException] = []
+
+        def match() -> None:
+            try:
+                matchmaker.match(0, {})
+            except RuntimeError as e:
+                result.append(e)
+
+        thread = threading.Thread(target=match, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "the round still waits for the dead averager"
+        assert result and "averager process has ended (exit code -9)" in str(result[0]), result
+    finally:
+        matchmaker.shutdown()
+    assert bootstrap.store("still", "here", get_dht_time() + 60)
+    assert bootstrap.get("still", latest=True).value == "here"
+
+
 def test_dht_survives_averagers_shut_down_mid_matchmaking(bootstrap):
     """An averager that exits with a DHT request in flight must not take the (stock: crashing) DHT process down."""
     started = time.monotonic()

@@ -318,6 +318,9 @@ class Matchmaker:
         """Clear the round's figures and enter matchmaking for ``wait`` seconds (None: ``matchmaking_time``), under
         ``<prefix>.0b<round bits>`` when a round index is given; the all-reduce waits for our trigger, so giving up
         cannot race with it."""
+        if not self._averager.is_alive():  # hivemind's step and group bits would wait for its answer for good
+            raise RuntimeError(f"this rank's averager process has ended (exit code {self._averager.exitcode}): "
+                               "no more rounds can be matched")  # fmt: skip
         wait = self._round_wait(wait)
         if wait != self._wait:  # one round trip to the averager process, only when the wait changed
             self._averager.set_matchmaking_time(wait)
