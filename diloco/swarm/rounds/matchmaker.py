@@ -267,6 +267,7 @@ class Matchmaker:
         self._planned = wait
         size = max(2, min(groups, self.target_group_size or groups))
         if size != self._expected:
+            self._check_alive()
             self._averager.set_target_group_size(size)
             self._expected = size
 
@@ -305,6 +306,13 @@ class Matchmaker:
         raw = self._averager.matched_id.raw
         return raw[1 : 1 + raw[0]]
 
+    def _check_alive(self) -> None:
+        """Raise if the averager process has ended: hivemind's step and group bits would wait for its answer for
+        good (and a changed group size for 10 s)."""
+        if not self._averager.is_alive():
+            raise RuntimeError(f"this rank's averager process has ended (exit code {self._averager.exitcode}): "
+                               "no more rounds can be matched")  # fmt: skip
+
     def _round_wait(self, wait: float | None) -> float:
         """The round's matchmaking wait: ``wait`` (positive, finite seconds), or ``matchmaking_time`` when None."""
         if wait is None:
@@ -318,9 +326,7 @@ class Matchmaker:
         """Clear the round's figures and enter matchmaking for ``wait`` seconds (None: ``matchmaking_time``), under
         ``<prefix>.0b<round bits>`` when a round index is given; the all-reduce waits for our trigger, so giving up
         cannot race with it."""
-        if not self._averager.is_alive():  # hivemind's step and group bits would wait for its answer for good
-            raise RuntimeError(f"this rank's averager process has ended (exit code {self._averager.exitcode}): "
-                               "no more rounds can be matched")  # fmt: skip
+        self._check_alive()
         wait = self._round_wait(wait)
         if wait != self._wait:  # one round trip to the averager process, only when the wait changed
             self._averager.set_matchmaking_time(wait)
