@@ -6,13 +6,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import threading
 
 import pytest
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from diloco.swarm.records.fork_locks import KillSafeLock
+from tests.support.threads import within
 
 FORK = mp.get_context("fork")
 OWNERS = {"_update_lock": MPFuture, "_initialization_lock": MPFuture, "_lock": SharedBytes}
@@ -27,16 +27,6 @@ def _hold_until(lock: KillSafeLock, held: mp.Event, leave: mp.Event) -> None:
     with lock:
         held.set()
         leave.wait(30)
-
-
-def within(seconds: float, fn, *args):
-    """``fn(*args)`` run in a thread; its result, or a failure if it has not returned after ``seconds``."""
-    result: list = []
-    thread = threading.Thread(target=lambda: result.append(fn(*args)), daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{fn.__name__} still waits after {seconds} s"
-    return result[0]
 
 
 @pytest.mark.parametrize("name", sorted(OWNERS))

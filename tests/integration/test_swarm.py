@@ -38,6 +38,7 @@ from tests.support.averaging_peer import (
 )
 from tests.support.dht import LOCAL, leftover, p2pd_pids, shutdown_dht
 from tests.support.paths import ROOT
+from tests.support.threads import within
 
 torch.set_num_threads(1)
 # max abs error of the average vs the exact mean: input and result are each rounded once
@@ -410,21 +411,9 @@ def test_a_dead_averager_process_fails_the_next_round_at_once(bootstrap):
     try:
         os.kill(matchmaker._averager.pid, signal.SIGKILL)
         matchmaker._averager.join(10)
-        result: list[BaseException] = []
-
-        def match() -> None:
-            for call in (lambda: matchmaker.expect(3), lambda: matchmaker.match(0, {})):  # a new group size, a round
-                try:
-                    call()
-                except RuntimeError as e:
-                    result.append(e)
-
-        thread = threading.Thread(target=match, daemon=True)
-        thread.start()
-        thread.join(30)
-        assert not thread.is_alive(), "the round still waits for the dead averager"
-        assert len(result) == 2, result
-        assert all("averager process has ended (exit code -9)" in str(e) for e in result), result
+        for call in (lambda: matchmaker.expect(3), lambda: matchmaker.match(0, {})):  # a new group size, a round
+            with pytest.raises(RuntimeError, match=r"averager process has ended \(exit code -9\)"):
+                within(30, call)  # not waiting for the dead averager
     finally:
         matchmaker.shutdown()
     assert bootstrap.store("still", "here", get_dht_time() + 60)
