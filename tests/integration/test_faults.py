@@ -373,9 +373,10 @@ def test_a_stranger_claiming_a_running_groups_world_rank_changes_nothing(tmp_pat
     attacker = logs[2].read_text()
     assert "tried to replace group 0's record" in attacker and "answered state download" not in attacker
     assert len({s["params_sha256"] for s in finals}) == 1
-    # every round of the schedule (60 steps, H 5), nothing of the stranger's 10**6; a group that loaded the other's
-    # state at the start has fewer rows of its own
-    assert {s["outer_steps"] for s in finals} == {60 // 5} == {max(len(outer_rows(d)) for d in dirs)}
+    # every round of the schedule (60 steps, H 5), nothing of the stranger's 10**6. Counted by the rows' outer steps,
+    # not the rows: a group that loaded the other's state at the start has fewer rows, and a round that failed under
+    # the suite's load adds a row at the outer step it stayed at (13 rows for 12 outer steps, seen once)
+    assert {s["outer_steps"] for s in finals} == {60 // 5} == {max(r["outer_step"] for r in outer_rows(d)) for d in dirs}
 
 
 @pytest.mark.slow

