@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from cyclopts import Parameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -336,6 +336,15 @@ class Config(_Strict):
     lora_merge: bool = Field(
         False, description="With --lora-r: also write final/merged, the base with the adapters merged into it."
     )
+    load_in_4bit: bool = Field(
+        False,
+        description="With --lora-r: hold the frozen base's decoder-block linear layers in 4 bits (NF4 through "
+        "bitsandbytes: QLoRA), an eighth of their float32 memory. The base is not sharded: --sharding-strategy is "
+        "DDP unless ZERO1 is given.",
+    )
+    load_in_8bit: bool = Field(
+        False, description="With --lora-r: hold them in 8 bits (LLM.int8() through bitsandbytes) instead."
+    )
     torch_compile: bool = Field(True, description="Compile each decoder layer with torch.compile.")
     metric_logger_type: str = Field(
         "dummy",
@@ -407,6 +416,37 @@ class Config(_Strict):
     @property
     def lora(self) -> bool:
         return self.lora_r > 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _quantized_base_is_not_sharded(cls, data: Any) -> Any:
+        """A quantized base is whole on every rank (DDP), whatever the FSDP default: FSDP cannot shard its layers."""
+        quantized = isinstance(data, dict) and (data.get("load_in_4bit") or data.get("load_in_8bit"))
+        return {**data, "sharding_strategy": "DDP"} if quantized and "sharding_strategy" not in data else data
+
+    @model_validator(mode="after")
+    def _quantized_base_needs_lora(self) -> Config:
+        flag = "--load-in-4bit" if self.load_in_4bit else "--load-in-8bit" if self.load_in_8bit else None
+        if flag is None:
+            return self
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("pass either --load-in-4bit or --load-in-8bit, not both")
+        if not self.lora:
+            raise ValueError(f"{flag} quantizes the frozen base under LoRA adapters: pass --lora-r R too")
+        if self.sharding_strategy not in ("DDP", "ZERO1"):
+            raise ValueError(f"{flag}: FSDP cannot shard a quantized base ({self.sharding_strategy}): use "
+                             "--sharding-strategy DDP (the default with it) or ZERO1")  # fmt: skip
+        if self.cpu_offload:
+            raise ValueError(f"{flag}: the quantized base stays on the device, unsharded: drop --cpu-offload")
+        if self.lora_merge:
+            raise ValueError(f"--lora-merge: a {self.quantized_bits}-bit base has no full-precision weights to merge "
+                             "into; merge final/ into the original model with peft's merge_and_unload")  # fmt: skip
+        return self
+
+    @property
+    def quantized_bits(self) -> int | None:
+        """The bits of the quantized base (--load-in-4bit, --load-in-8bit); None: a float32 base."""
+        return 4 if self.load_in_4bit else 8 if self.load_in_8bit else None
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> Config:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from diloco import checkpoint, console, export, galaxy_moment, lora, parallel, preflight
+from diloco import checkpoint, console, export, galaxy_moment, lora, parallel, preflight, quantized
 from diloco.config import Config
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
@@ -262,24 +262,32 @@ def log_eval(run: Run) -> None:
 # ---------------------------------------------------------------- building
 
 
-def build_model(config: Config, env: DistEnv) -> tuple[torch.nn.Module, bool, Checkpoint | Fresh | None]:
+def build_model(config: Config, env: DistEnv,
+                device: torch.device) -> tuple[torch.nn.Module, bool, Checkpoint | Fresh | None]:  # fmt: skip
     """The model to train, adapters included; whether this rank built it on the meta device; and where each rank
     takes its own shards from, a checkpoint or a fresh draw (``parallel.parallelize`` gives the model its values). In
     an FSDP group of several ranks, a checkpoint's safetensors files are read and a fresh model is drawn that way;
     otherwise rank 0 loads or draws the model and the others build it on the meta device and take rank 0's values.
+    A quantized base (``diloco.quantized``) is loaded and quantized by every rank on its own device.
     Collective in a group of several ranks: a model one rank cannot load is the same error on every rank."""
     error: FieldError | None = None
     on_meta, weights, fresh = parallel.builds_on_meta(env, config.cpu_offload), None, False
     try:
-        if parallel.reads_shards(env, config.sharding_strategy, config.cpu_offload, bool(config.lora)):
-            weights = checkpoint_of(config.path_model)
-            fresh = weights is None and is_fresh(config.path_model)
-        on_meta = on_meta or weights is not None or fresh
-        model = load_model(config.path_model, config.seed, config.attn_implementation, meta=on_meta)
-        if weights is not None:  # what from_pretrained checks on rank 0 otherwise
-            refuse_misfits(config.path_model, weights.misfits(model))
-        if fresh:  # each rank draws its own shards, a unit at a time
-            weights = Fresh(model, decoder_layers(model), config.seed)
+        if config.quantized_bits is not None:  # every rank quantizes the whole base on its own device
+            on_meta = False
+            model = quantized.load_quantized(config.path_model, config.seed, config.attn_implementation,
+                                             config.quantized_bits, quantized.compute_dtype(config.precision),
+                                             device)  # fmt: skip
+        else:
+            if parallel.reads_shards(env, config.sharding_strategy, config.cpu_offload, bool(config.lora)):
+                weights = checkpoint_of(config.path_model)
+                fresh = weights is None and is_fresh(config.path_model)
+            on_meta = on_meta or weights is not None or fresh
+            model = load_model(config.path_model, config.seed, config.attn_implementation, meta=on_meta)
+            if weights is not None:  # what from_pretrained checks on rank 0 otherwise
+                refuse_misfits(config.path_model, weights.misfits(model))
+            if fresh:  # each rank draws its own shards, a unit at a time
+                weights = Fresh(model, decoder_layers(model), config.seed)
         if config.lora:
             model = lora.add_adapters(model, config.lora_r, config.lora_alpha, config.lora_dropout,
                                       config.lora_target_modules, config.seed)  # fmt: skip
@@ -298,7 +306,7 @@ def build_model(config: Config, env: DistEnv) -> tuple[torch.nn.Module, bool, Ch
 def build_run(config: Config, env: DistEnv, device: torch.device, run_dir: Path, stop: StopRequest) -> Run:
     grad_accum = config.grad_accumulation(env.world_size)
     galaxy = takes_galaxy_moment(config, config.total_batch_size * config.seq_length, grad_accum)  # tokens per step
-    model, on_meta, weights = build_model(config, env)
+    model, on_meta, weights = build_model(config, env, device)
     data = build_data(
         dataset=config.dataset,
         dataset_config=config.dataset_config,
@@ -466,9 +474,10 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
 def describe(run: Run) -> dict[str, str]:
     """What the start-up banner says about this group: where it writes, what it trains, how, and with whom."""
     cfg, hv = run.config, run.config.hv
-    parameters = sum(p.numel() for p in run.model.parameters())
+    parameters = quantized.parameter_count(run.model)
     trained = sum(p.numel() for p in trainable_parameters(run.model))
-    adapters = f", LoRA r {cfg.lora_r}: {console.count(trained)} of them train" if cfg.lora else ""
+    base = f" on a {cfg.quantized_bits}-bit base" if cfg.quantized_bits else ""
+    adapters = f", LoRA r {cfg.lora_r}{base}: {console.count(trained)} of them train" if cfg.lora else ""
     tokens_per_step = step_tokens(run.data, run.grad_accum, run.env)
     if hv.galaxy_size == 1:
         swarm = "none (galaxy size 1: plain torch.distributed, no DHT)"

@@ -224,3 +224,26 @@ def test_lora_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--lora-merge sets up LoRA adapters" in usage_error([*base, "--lora-merge"], capsys)
     assert "--lora-dropout" in usage_error([*base, "--lora-r", "4", "--lora-dropout", "1"], capsys)
     assert "--lora-r" in usage_error([*base, "--lora-r", "-1"], capsys)
+
+
+def test_quantized_base_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """--load-in-4bit / --load-in-8bit quantize a LoRA run's base, which is then not sharded: DDP unless ZERO1 is
+    given; everything that cannot go with it is one line naming the flag."""
+    base = ["--path-model", str(TINY_MODEL), "--fake-data", "--lora-r", "4"]
+    assert parse(base).quantized_bits is None and parse(base).sharding_strategy == "FULL_SHARD"
+    config = parse([*base, "--load-in-4bit"])
+    assert config.quantized_bits == 4 and config.sharding_strategy == "DDP"
+    config = parse([*base, "--load-in-8bit", "--sharding-strategy", "ZERO1"])
+    assert config.quantized_bits == 8 and config.sharding_strategy == "ZERO1"
+    refused = {
+        "pass either --load-in-4bit or --load-in-8bit, not both": [*base, "--load-in-4bit", "--load-in-8bit"],
+        "--load-in-4bit quantizes the frozen base under LoRA adapters: pass --lora-r R too": [*base[:3],
+                                                                                               "--load-in-4bit"],
+        "--load-in-8bit: FSDP cannot shard a quantized base (FULL_SHARD)": [*base, "--load-in-8bit",
+                                                                            "--sharding-strategy", "FULL_SHARD"],
+        "--load-in-4bit: the quantized base stays on the device, unsharded: drop --cpu-offload": [
+            *base, "--load-in-4bit", "--cpu-offload"],
+        "--lora-merge: a 4-bit base has no full-precision weights": [*base, "--load-in-4bit", "--lora-merge"],
+    }  # fmt: skip
+    for said, argv in refused.items():
+        assert said in usage_error(argv, capsys), argv

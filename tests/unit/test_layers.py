@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("diloco.errors", "diloco.config", "diloco.procs", "diloco.console", "diloco.corpus", "diloco.hub",
      "diloco.distenv"),  # fmt: skip
     ("diloco.galaxy_moment", "diloco.model", "diloco.lora", "diloco.parallel", "diloco.data", "diloco.checkpoint",
-     "diloco.schedule", "diloco.shards", "diloco.fresh", "diloco.weight_files",
+     "diloco.schedule", "diloco.shards", "diloco.fresh", "diloco.quantized", "diloco.weight_files",
      "diloco.metrics", "diloco.plot", "diloco.profiling"),  # the inner training's parts  # fmt: skip
     ("diloco.export",),  # final/: the model, gathered a tensor at a time
     ("diloco.swarm",),  # the transport: records, rounds, the peer
