@@ -5,9 +5,10 @@ for a profiled run, the accelerator's busy share and its top kernels.
 MFU counts the model's FLOPs per token as 6 × N + 12 × L × d_attn × T (forward and backward: N the parameters of the
 matrix multiplies, the output head included and the embedding lookup not; L layers, d_attn = heads × head dim,
 T the sequence length; PaLM's appendix B), so figures compare across cards and projects. Recomputation under
-gradient checkpointing is not counted (it is work, not progress).
+gradient checkpointing is not counted (it is work, not progress). A LoRA run (a spec ending in `:lora`) counts
+4 × N: its frozen base computes no weight gradients, and the adapters' own FLOPs (under 1% at rank 16) are left out.
 
-    python -m diloco.bench.gpu --out runs/gpu-check/gpu.json NAME=RUN_DIR:MODEL_DIR:SEQ ...
+    python -m diloco.bench.gpu --out runs/gpu-check/gpu.json NAME=RUN_DIR:MODEL_DIR:SEQ[:lora] ...
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def peak_tflops(device_name: str) -> tuple[float, str] | None:
     return None
 
 
-def flops_per_token(model_dir: Path, seq_length: int) -> tuple[float, int, int]:
+def flops_per_token(model_dir: Path, seq_length: int, lora: bool = False) -> tuple[float, int, int]:
     """(FLOPs per trained token, all parameters, matrix-multiply parameters) of the model in `model_dir`, built
-    on the meta device (no memory)."""
+    on the meta device (no memory); with `lora`, of training adapters on it (no weight gradients of the base)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -51,7 +52,7 @@ def flops_per_token(model_dir: Path, seq_length: int) -> tuple[float, int, int]:
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
-    return 6 * matmul + attention, total, matmul
+    return (4 if lora else 6) * matmul + attention, total, matmul
 
 
 def rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -66,15 +67,16 @@ def steady_tokens_per_s(metrics: list[dict[str, Any]]) -> float | None:
     return statistics.median(speeds) if speeds else None
 
 
-def run_figures(name: str, run_dir: Path, model_dir: Path, seq: int, peak: float | None) -> dict[str, Any]:
+def run_figures(name: str, run_dir: Path, model_dir: Path, seq: int, peak: float | None,
+                lora: bool = False) -> dict[str, Any]:  # fmt: skip
     metrics = rows(run_dir)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "no summary"}
-    flops, total, matmul = flops_per_token(model_dir, seq)
+    flops, total, matmul = flops_per_token(model_dir, seq, lora)
     speed = steady_tokens_per_s(metrics)
     out: dict[str, Any] = {
         "run": name, "status": summary.get("status"), "parameters": total, "matmul_parameters": matmul,
-        "seq_length": seq, "flops_per_token": flops, "tokens_per_s": speed,
+        "seq_length": seq, "lora": lora, "flops_per_token": flops, "tokens_per_s": speed,
         "tflops": None if speed is None else speed * flops / 1e12,
         "peak_memory_mb": max(summary.get("peak_memory_mb_per_rank") or [0]) or None,
         "peak_reserved_mb": max(summary.get("peak_reserved_mb_per_rank") or [0]) or None,
@@ -111,7 +113,7 @@ def table(figures: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="NAME=RUN_DIR:MODEL_DIR:SEQ")
+    parser.add_argument("runs", nargs="+", help="NAME=RUN_DIR:MODEL_DIR:SEQ[:lora]")
     parser.add_argument("--out", type=Path, required=True, help="JSON with every figure")
     args = parser.parse_args(argv)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -120,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = []
     for spec in args.runs:
         name, _, rest = spec.partition("=")
-        run_dir, model_dir, seq = rest.split(":")
-        figures.append(run_figures(name, Path(run_dir), Path(model_dir), int(seq), peak))
+        run_dir, model_dir, seq, *kind = rest.split(":")
+        figures.append(run_figures(name, Path(run_dir), Path(model_dir), int(seq), peak, kind == ["lora"]))
     report = {"device": device, "peak_tflops": peak, "peak_source": None if found is None else found[1],
               "runs": figures}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -376,7 +376,8 @@ def test_a_stranger_claiming_a_running_groups_world_rank_changes_nothing(tmp_pat
     # every round of the schedule (60 steps, H 5), nothing of the stranger's 10**6. Counted by the rows' outer steps,
     # not the rows: a group that loaded the other's state at the start has fewer rows, and a round that failed under
     # the suite's load adds a row at the outer step it stayed at (13 rows for 12 outer steps, seen once)
-    assert {s["outer_steps"] for s in finals} == {60 // 5} == {max(r["outer_step"] for r in outer_rows(d)) for d in dirs}
+    last_rows = {max(r["outer_step"] for r in outer_rows(d)) for d in dirs}
+    assert {s["outer_steps"] for s in finals} == {60 // 5} == last_rows, (finals, last_rows)
 
 
 @pytest.mark.slow

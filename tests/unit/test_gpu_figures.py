@@ -29,6 +29,12 @@ def test_flops_per_token_counts_the_matrix_multiplies_the_head_and_attention() -
     assert flops == 6 * matmul + 12 * 12 * 768 * 1024
 
 
+def test_a_lora_run_counts_no_weight_gradients_of_its_base() -> None:
+    flops, _, matmul = flops_per_token(MODELS / "llama-7b-fresh", 512, lora=True)
+    assert matmul == 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 32000 * 4096  # Llama-2-7B's shape, untied head
+    assert flops == 4 * matmul + 12 * 32 * 32 * 128 * 512
+
+
 def test_grouped_query_attention_counts_the_query_heads() -> None:
     flops, _, matmul = flops_per_token(MODELS / "llama-1b-fresh", 2048)
     assert flops - 6 * matmul == 12 * 16 * 32 * 64 * 2048
