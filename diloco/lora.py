@@ -35,6 +35,16 @@ def add_adapters(model: PreTrainedModel, r: int, alpha: float | None, dropout: f
         raise FieldError(f"{{lora_target_modules}} {' '.join(targets)}: {first_line(e)}") from None
 
 
+def base_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The frozen base's floating-point parameters in `dtype`, the run's low precision: its forward computes in it
+    anyway (FSDP casts every parameter to it, autocast every matrix multiply), and it holds half float32's memory on
+    the accelerator. The adapters stay float32: they are what trains, averages and is saved."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(dtype)
+
+
 def save(model: torch.nn.Module, state: dict[str, torch.Tensor], out_dir: Path, merge: bool) -> None:
     """Write the adapters of `model` (a peft model) from its full state dict `state` in peft's format to `out_dir`
     (`PeftModel.from_pretrained(base, out_dir)` loads them); with `merge` also `out_dir/merged`, a model folder of the

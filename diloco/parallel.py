@@ -170,7 +170,7 @@ class DataParallel(DistributedDataParallel):
     def __init__(self, module: torch.nn.Module, device: torch.device, precision: Precision) -> None:
         super().__init__(module, device_ids=[device] if device.type == "cuda" else None)
         self.autocast_device = device.type
-        self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "32-true": None}[precision]
+        self.autocast_dtype = low_precision(precision)
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
         self.require_backward_grad_sync = sync  # what `no_sync()` toggles; read by the next forward
@@ -228,10 +228,14 @@ def build_mesh(strategy: ShardingStrategy, env: DistEnv, device: torch.device) -
     return init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("shard",))
 
 
+def low_precision(precision: Precision) -> torch.dtype | None:
+    """The dtype a mixed-precision run computes in (None under 32-true)."""
+    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "32-true": None}[precision]
+
+
 def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
     """Compute in the low precision, keep master weights and gradient reduction in float32."""
-    param_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "32-true": None}[precision]
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=low_precision(precision), reduce_dtype=torch.float32)
 
 
 def shard_model(

@@ -2,11 +2,11 @@
 
 The base is built on the meta device and given its values one tensor at a time, from its checkpoint's safetensors
 files or from its fresh draw (``diloco.fresh``): each linear layer of the decoder blocks becomes a bitsandbytes layer
-whose weight is quantized on the rank's device as it arrives, so no rank holds the base in float32 (a 7B base: 28 GB
-of host memory) or on the device before quantization. Embeddings, norms and the output head stay float32, as in any
-run (they are a small part of a large model). Quantization is deterministic, so every rank of every group holds the
-same base, and only the adapters train, average and are saved (``diloco.lora``); the base is never sharded (DDP).
-bitsandbytes is imported only here.
+whose weight is quantized on the rank's device as it arrives, so no rank holds the base in float32 (a 7B base: 27 GB
+of host memory) or on the device before quantization. Embeddings, norms and the output head are loaded as float32,
+as in any run (a LoRA run then holds its whole frozen base in its low precision: ``lora.base_in``). Quantization is
+deterministic, so every rank of every group holds the same base, and only the adapters train, average and are saved
+(``diloco.lora``); the base is never sharded (DDP). bitsandbytes is imported only here.
 """
 
 from __future__ import annotations
@@ -147,11 +147,6 @@ def quantized_8bit(bnb):  # noqa: ANN001, ANN201
         return new
 
     return make
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype a 4-bit layer multiplies in: the run's low precision (float32 under 32-true)."""
-    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision, torch.float32)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -43,6 +43,17 @@ def one_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with weights in its folder (a base a user would bring), so that peft reloads onto it."""
+    from diloco.model import load_model
+    from tests.support.paths import TINY_MODEL
+
+    folder = tmp_path_factory.mktemp("base") / "base"
+    load_model(TINY_MODEL, seed=0).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def dht_peer(tmp_path: Path) -> Iterator[list[str]]:
     """`diloco dht` on loopback; yields its --hv.initial-peers multiaddrs; stops it with SIGINT."""

@@ -272,12 +272,12 @@ def build_model(config: Config, env: DistEnv,
     Collective in a group of several ranks: a model one rank cannot load is the same error on every rank."""
     error: FieldError | None = None
     on_meta, weights, fresh = parallel.builds_on_meta(env, config.cpu_offload), None, False
+    low = parallel.low_precision(config.precision)
     try:
         if config.quantized_bits is not None:  # every rank quantizes the whole base on its own device
             on_meta = False
             model = quantized.load_quantized(config.path_model, config.seed, config.attn_implementation,
-                                             config.quantized_bits, quantized.compute_dtype(config.precision),
-                                             device)  # fmt: skip
+                                             config.quantized_bits, low or torch.float32, device)  # fmt: skip
         else:
             if parallel.reads_shards(env, config.sharding_strategy, config.cpu_offload, bool(config.lora)):
                 weights = checkpoint_of(config.path_model)
@@ -291,6 +291,8 @@ def build_model(config: Config, env: DistEnv,
         if config.lora:
             model = lora.add_adapters(model, config.lora_r, config.lora_alpha, config.lora_dropout,
                                       config.lora_target_modules, config.seed)  # fmt: skip
+            if low is not None:  # the frozen base in the run's low precision
+                lora.base_in(model, low)
     except FieldError as e:
         error = e
     if env.world_size > 1:

@@ -3,7 +3,6 @@ peft's format and reload to the same model; groups of any shape average them bit
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,19 +15,11 @@ from diloco import checkpoint, lora, parallel
 from diloco.errors import FieldError
 from diloco.model import decoder_layers, load_model, params_sha256, trainable_parameters
 from tests.support.groups import finish, group_args, outer_rows, start_group
-from tests.support.paths import TINY_MODEL, TORCHRUN
-from tests.support.procs import FAST, run_cmd, summary
+from tests.support.paths import TINY_MODEL
+from tests.support.procs import FAST, run_and_resume, summary
 from tests.support.swarm import diloco_dht
 
 R = 2  # adapters of about 2% of the tiny llama's parameters
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama with weights in its folder (a base a user would bring), so that peft reloads onto it."""
-    folder = tmp_path_factory.mktemp("lora") / "base"
-    load_model(TINY_MODEL, seed=0).save_pretrained(folder)
-    return folder
 
 
 def sharded_lora(folder: Path, seed: int) -> torch.nn.Module:
@@ -87,6 +78,26 @@ def test_adapters_train_alone_checkpoint_alone_and_reload_from_the_export(
         assert torch.allclose(merged(input_ids=batch).logits, expected, atol=1e-5)
 
 
+def test_a_low_precision_run_holds_its_base_in_it_and_computes_the_same(base: Path, one_process_group: None) -> None:
+    """Under bf16-mixed the frozen base is held in bf16 and the adapters in float32. FSDP computes in bf16 either way,
+    so the loss and the adapters' gradients are those of a float32 base, bit for bit."""
+    batch = torch.randint(0, 1024, (2, 32), generator=torch.Generator().manual_seed(0))
+    results = []
+    for lowered in (False, True):
+        model = lora.add_adapters(load_model(base, seed=0), R, None, 0.0, ["all-linear"], 0)
+        if lowered:
+            lora.base_in(model, torch.bfloat16)
+            dtypes = {p.requires_grad: p.dtype for p in model.parameters()}
+            assert dtypes == {False: torch.bfloat16, True: torch.float32}, dtypes
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+        parallel.shard_model(model, decoder_layers(model), mesh, "FULL_SHARD", "bf16-mixed", cpu_offload=False)
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        results.append((loss.item(), [p.grad.full_tensor() for p in trainable_parameters(model)]))
+    (loss32, grads32), (loss16, grads16) = results
+    assert loss16 == loss32 and all(torch.equal(a, b) for a, b in zip(grads16, grads32, strict=True))
+
+
 def test_a_target_module_the_model_lacks_is_named() -> None:
     with pytest.raises(FieldError, match=r"^lora_target_modules no_such_proj: .*no_such_proj"):
         lora.add_adapters(load_model(TINY_MODEL, seed=0), R, None, 0.0, ["no_such_proj"], 0)
@@ -122,12 +133,6 @@ def test_a_resumed_lora_run_ends_as_the_uninterrupted_one(tmp_path: Path, base: 
     resumed from there ends with the same model (both runs in the same torchrun ranks: `tests.support.runs`)."""
     common = [*FAST, "--fake-data", "--path-model", str(base), "--lora-r", str(R), "--total-batch-size", "4",
               "--max-steps", "6", "--sharding-strategy", "FULL_SHARD"]  # fmt: skip
-    straight, again = tmp_path / "straight", tmp_path / "resumed"
-    runs = [[*common, "--ckpt.interval", "3", "--run-dir", str(straight)],
-            [*common, "--ckpt.resume", str(straight / "checkpoints" / "step-3"), "--run-dir", str(again)]]  # fmt: skip
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    result = run_cmd([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "tests.support.runs",
-                      str(tmp_path / "runs.json")], timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.output[-3000:]
+    straight, again = run_and_resume(tmp_path, common, at=3)
     assert summary(again)["params_sha256"] == summary(straight)["params_sha256"]
     assert summary(again)["final_eval_loss"] == summary(straight)["final_eval_loss"]

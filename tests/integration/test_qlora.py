@@ -5,7 +5,6 @@ quantized base."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,20 +16,12 @@ from diloco.model import load_model, params_sha256
 from diloco.quantized import load_quantized, parameter_count, quantizable
 from tests.support.architectures import VOCAB, write_config
 from tests.support.groups import finish, group_args, outer_rows, start_group
-from tests.support.paths import TINY_MODEL, TORCHRUN
-from tests.support.procs import FAST, run_cmd, summary
+from tests.support.paths import TINY_MODEL
+from tests.support.procs import FAST, run_and_resume, summary
 from tests.support.swarm import diloco_dht
 
 R = 2
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama with weights in its folder (a base a user would bring)."""
-    folder = tmp_path_factory.mktemp("qlora") / "base"
-    load_model(TINY_MODEL, seed=0).save_pretrained(folder)
-    return folder
 
 
 def transformers_quantized(folder: Path, bits: int) -> torch.nn.Module:
@@ -124,13 +115,7 @@ def test_a_resumed_8bit_run_ends_as_the_uninterrupted_one(tmp_path: Path, base: 
     not the base, nor its scales) and a run resumed from there ends with the same model."""
     common = [*FAST, "--fake-data", "--path-model", str(base), "--lora-r", str(R), "--load-in-8bit",
               "--total-batch-size", "4", "--max-steps", "6"]  # fmt: skip
-    straight, again = tmp_path / "straight", tmp_path / "resumed"
-    runs = [[*common, "--ckpt.interval", "3", "--run-dir", str(straight)],
-            [*common, "--ckpt.resume", str(straight / "checkpoints" / "step-3"), "--run-dir", str(again)]]  # fmt: skip
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    result = run_cmd([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "tests.support.runs",
-                      str(tmp_path / "runs.json")], timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.output[-3000:]
+    straight, again = run_and_resume(tmp_path, common, at=3)
     metadata = dcp.FileSystemReader(str(straight / "checkpoints" / "step-3")).read_metadata().state_dict_metadata
     model_keys = [k.removeprefix("app.model.") for k in metadata if k.startswith("app.model.")]
     assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys

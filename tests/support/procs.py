@@ -60,6 +60,21 @@ def run_cmd(
     return Result(proc.returncode, out, err)
 
 
+def run_and_resume(tmp_path: Path, common: list[str], at: int) -> tuple[Path, Path]:
+    """`python -m diloco.train` with `common` twice in the same two torchrun ranks (``tests.support.runs``): straight
+    through with a checkpoint at step `at`, then resumed from that checkpoint. Returns the two run folders (straight,
+    resumed) once both ended with exit code 0."""
+    straight, again = tmp_path / "straight", tmp_path / "resumed"
+    saved = straight / "checkpoints" / f"step-{at}"
+    runs = [[*common, "--ckpt.interval", str(at), "--run-dir", str(straight)],
+            [*common, "--ckpt.resume", str(saved), "--run-dir", str(again)]]  # fmt: skip
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    result = run_cmd([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "tests.support.runs",
+                      str(tmp_path / "runs.json")], timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.output[-3000:]
+    return straight, again
+
+
 def stop_group(proc: subprocess.Popen[str], term_grace_s: float) -> tuple[str, str]:
     """End `proc`'s process group (it leads a session of its own) and return its output: SIGTERM and up to
     `term_grace_s` seconds to exit (when > 0), then SIGKILL to whatever of the group is left."""
