@@ -478,7 +478,7 @@ def describe(run: Run) -> dict[str, str]:
     cfg, hv = run.config, run.config.hv
     parameters = quantized.parameter_count(run.model)
     trained = sum(p.numel() for p in trainable_parameters(run.model))
-    base = f" on a {cfg.quantized_bits}-bit base" if cfg.quantized_bits else ""
+    base = f" on {'an' if cfg.quantized_bits == 8 else 'a'} {cfg.quantized_bits}-bit base" if cfg.quantized_bits else ""
     adapters = f", LoRA r {cfg.lora_r}{base}: {console.count(trained)} of them train" if cfg.lora else ""
     tokens_per_step = step_tokens(run.data, run.grad_accum, run.env)
     if hv.galaxy_size == 1:
