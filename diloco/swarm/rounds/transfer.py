@@ -148,9 +148,12 @@ class SharedCopies:
         lock, before the change."""
         copies: dict[tuple[int, ...], list[torch.Tensor]] = {}
         for frozen in [f for f in self._readers if f.live]:
-            key = tuple(id(tensor) for tensor in frozen.tensors)
+            tensors = frozen.tensors  # (an answer's thread closes it without the lock: read it once)
+            if not tensors:  # closed meanwhile: nothing to copy for it
+                continue
+            key = tuple(id(tensor) for tensor in tensors)
             if key not in copies:
-                copies[key] = [tensor.clone() for tensor in frozen.tensors]
+                copies[key] = [tensor.clone() for tensor in tensors]
                 self.copies += 1
             frozen.tensors, frozen.live = copies[key], False
 
