@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 from diloco.errors import FieldError, first_line
 from diloco.fresh import Fresh
 from diloco.model import checkpoint_of, decoder_layers, load_model, refuse_misfits
-from diloco.shards import tied_aliases
+from diloco.shards import retie, tied_aliases
 
 QUANT_4BIT = "nf4"  # QLoRA's 4-bit data type (normal float), with its scales quantized again (double quantization)
 OUTLIER_THRESHOLD = 6.0  # LLM.int8(): activation columns above it multiply in 16 bits (bitsandbytes' default)
@@ -104,10 +104,7 @@ def fill(model: torch.nn.Module, names: set[str], value: Callable[[str, torch.Te
         else:
             module._buffers[leaf] = whole.to(device)
         del whole
-    for alias, first in aliases.items():  # a tied weight is one parameter again (the head is never quantized)
-        owner, _, leaf = alias.rpartition(".")
-        source, _, source_leaf = first.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(source), source_leaf))
+    retie(model, aliases)  # (the head is never quantized: a tie stays one float parameter)
     for module in model.modules():  # computed buffers (rotary frequencies) to the device too
         for leaf, buffer in module._buffers.items():
             if buffer is not None:

@@ -95,7 +95,13 @@ def assign(model: torch.nn.Module, local_part: Callable[[str, torch.Tensor], tor
                                        stride=value.stride())  # fmt: skip
         state[name] = local
     model.load_state_dict(state, strict=False, assign=True)
-    for alias, name in aliases.items():  # the tie again: assign gave the first name a new parameter
+    retie(model, aliases)  # assign gave the first name a new parameter
+
+
+def retie(model: torch.nn.Module, aliases: dict[str, str]) -> None:
+    """Each later name of a tied weight (``tied_aliases``, taken before its first name got a new parameter) is that
+    parameter again: one tensor, as the model was built."""
+    for alias, name in aliases.items():
         owner, _, leaf = alias.rpartition(".")
         source, _, source_leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(source), source_leaf))
