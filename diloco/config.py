@@ -17,7 +17,7 @@ from diloco.errors import UsageError
 
 Precision = Literal["fp16-mixed", "bf16-mixed", "32-true"]
 ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "DDP", "ZERO1"]
-Compression = Literal["none", "fp16", "int8", "int4"]
+Compression = Literal["none", "fp16", "int8", "int4", "sparse"]
 Transport = Literal["tcp", "p2pd"]
 Aggregation = Literal["mean", "trimmed-mean", "centered-clip"]  # see diloco.swarm.rounds.aggregation
 InnerMoment = Literal["group", "galaxy"]  # see diloco.galaxy_moment
@@ -155,7 +155,26 @@ class HvConfig(_Strict):
     compression: Compression = Field(
         "none",
         description="Pseudo-gradient compression on the wire: none (float32), fp16, int8 (256 levels per 128k "
-        "values), int4 (15 levels per block of 64 values, 7.1x fewer bytes than none).",
+        "values), int4 (15 levels per block of 64 values, 7.1x fewer bytes than none), sparse (per chunk of 4096 "
+        "values the largest --hv.sparse-density of them, in --hv.sparse-bits bits each, with error feedback: "
+        "SparseLoCo; docs/sparse.md).",
+    )
+    sparse_density: float = Field(
+        1 / 64, gt=0, le=1,
+        description="With --hv.compression sparse: the share of each chunk's values a round sends (the k largest).",
+    )  # fmt: skip
+    sparse_bits: int = Field(
+        2, description="With --hv.compression sparse: bits per value sent, 2, 4 or 8 (sign and magnitude, scaled "
+        "per chunk).",
+    )
+    sparse_rule: Literal["sparseloco", "nesterov"] = Field(
+        "sparseloco",
+        description="With --hv.compression sparse, the outer step: sparseloco (what a round did not send stays in "
+        "an error buffer decayed by --hv.error-decay, which replaces the outer momentum: plain SGD at --hv.outer-lr, "
+        "1.0 when auto) or nesterov (the buffer keeps all that was not sent; today's Nesterov outer step).",
+    )
+    error_decay: float = Field(
+        0.95, ge=0, le=1, description="With --hv.sparse-rule sparseloco: the error buffer's decay per round."
     )
     transport: Transport = Field(
         "tcp",
@@ -260,6 +279,40 @@ class HvConfig(_Strict):
             raise ValueError(f"--hv.aggregation {self.aggregation} needs --hv.galaxy-size {ROBUST_MIN} or more: "
                              "with fewer groups no majority can outvote a hostile one (use mean)")  # fmt: skip
         return self
+
+    @field_validator("sparse_bits")
+    @classmethod
+    def _sparse_bits(cls, bits: int) -> int:
+        if bits not in (2, 4, 8):
+            raise ValueError(f"{bits}: 2, 4 or 8 bits per value")
+        return bits
+
+    @model_validator(mode="after")
+    def _sparse_fits(self) -> HvConfig:
+        given = {"sparse_density", "sparse_bits", "sparse_rule", "error_decay"} & self.model_fields_set
+        if self.compression != "sparse" and given:
+            flag = "--hv." + sorted(given)[0].replace("_", "-")
+            raise ValueError(f"{flag} is a setting of sparse rounds: add --hv.compression sparse")
+        if self.compression == "sparse" and self.aggregation != "mean":
+            raise ValueError(f"--hv.aggregation {self.aggregation} has no sparse form: a reducer relays the groups' "
+                             "sparse values unchanged (use mean with --hv.compression sparse)")  # fmt: skip
+        if self.compression == "sparse" and self.sparse_rule == "sparseloco" and self.outer_momentum not in (0, "auto"):
+            raise ValueError(f"--hv.outer-momentum {self.outer_momentum}: under --hv.sparse-rule sparseloco the error "
+                             "buffer is the momentum (use --hv.sparse-rule nesterov for both)")  # fmt: skip
+        return self
+
+    def wire_format(self) -> str:
+        """The wire format in words (the start-up banner's)."""
+        if self.compression != "sparse":
+            return self.compression
+        rule = f"error decay {self.error_decay:g}" if self.sparse_rule == "sparseloco" else "nesterov, error kept"
+        return f"sparse ({self.sparse_density:.3g} of each chunk in {self.sparse_bits} bits, {rule})"
+
+    def error_feedback(self) -> float | None:
+        """The error buffer's decay per round (sparse rounds), or None (no error feedback)."""
+        if self.compression != "sparse":
+            return None
+        return self.error_decay if self.sparse_rule == "sparseloco" else 1.0
 
     @model_validator(mode="after")
     def _rank_in_galaxy(self) -> HvConfig:

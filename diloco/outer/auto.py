@@ -78,6 +78,8 @@ def outer_setting(config: Config, tokens_per_step: int, max_steps: int) -> Outer
     """
     hv = config.hv
     auto = auto_outer(steps_per_round(hv, tokens_per_step), hv.galaxy_size, config.warmup_steps, max_steps)
+    if hv.compression == "sparse" and hv.sparse_rule == "sparseloco":  # the error buffer is the momentum
+        auto = OuterSetting(1.0, 0.0, auto.warmup)
     return OuterSetting(
         auto.lr if hv.outer_lr == "auto" else hv.outer_lr,
         auto.momentum if hv.outer_momentum == "auto" else hv.outer_momentum,

@@ -150,6 +150,7 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
         schedule=schedule(max_steps, hv.local_steps, pace.budget(), hv.fragments, hv.overlap_steps),
         batch=f"{config.total_batch_size}x{config.seq_length}",
         late_work=hv.late_work,
+        error_decay=hv.error_feedback(),
     )
     if isinstance(pace, TokenBudget):  # a state the catch-up refused corroborates no claim of being ahead
         pace.refused = loop.catchup.refused.skipped

@@ -28,6 +28,7 @@ from diloco.outer.admission import Admission
 from diloco.outer.beacon import Beacon, outer_setting
 from diloco.outer.catchup import CatchUp, JoinError
 from diloco.outer.claims import Claims
+from diloco.outer.error_feedback import ErrorFeedback, NoFeedback
 from diloco.outer.fragments import Runs, fragment_of
 from diloco.outer.inflight import InFlight
 from diloco.outer.ledger import Ledger
@@ -86,6 +87,7 @@ class DiLoCo(Admission):
         empty: not compared. `batch`: its inner step, ``<total batch size>x<sequence length>``.
     :param late_work: ``--hv.late-work``: after loading a newer state, ``keep`` the inner steps since the last round
         for the next one (the model moves with the outer parameters) or ``drop`` them (counted: ``Ledger``).
+    :param error_decay: sparse rounds: the error feedback's decay (``diloco.outer.error_feedback``); None: none.
     """
 
     def __init__(
@@ -117,8 +119,11 @@ class DiLoCo(Admission):
         batch: str = "",
         claim_settle_s: float = 1.0,
         late_work: str = "drop",
+        error_decay: float | None = None,
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup, fragments)
+        self.feedback = NoFeedback() if error_decay is None else ErrorFeedback(
+            self.params.outer.numel(), error_decay, swarm.image, self.params.fragments)  # fmt: skip
         self.claim_settle_s = claim_settle_s  # how long a claim waits for a group that started at the same moment
         self.fragments = len(fragments) if fragments else 1
         self.overlap, self.mix = overlap_steps, overlap_mix
@@ -305,6 +310,7 @@ class DiLoCo(Admission):
         fragment then takes a blocking round of its own, so the final model holds all the inner steps. Returns
         the rows of the rounds applied, in order (none: on the wire, or stopped)."""
         fragment, last = self._fragment(index), self.pace.last_round(step, index)
+        pseudo_gradient = self._fold(pseudo_gradient, weight, fragment)
         what = "" if fragment is None else f" fragment {fragment}"
         log.info("outer step %d: averaging%s (round %d)", self.outer_step + 1, what, index)
         if self.overlap and overlap and not last:
@@ -320,9 +326,9 @@ class DiLoCo(Admission):
         rows = [] if row is None else [row]
         for more in range(1, self.fragments if last and row is not None else 1):  # the other fragments, each
             fragment = self._fragment(index + more)  # with the inner steps since its own round
-            pseudo_gradient = self.params.pseudo_gradient(fragment)
             tokens = self.ledger.fragment_tokens(step, fragment)
             weight = self.pace.weight(tokens) if weight else 0.0  # (a group that joined the round adds nothing)
+            pseudo_gradient = self._fold(self.params.pseudo_gradient(fragment), weight, fragment)
             report = self.swarm.average([pseudo_gradient], index + more, weight, self.stop, fragment,
                                         self.outer_step, last=True)
             row = self._apply(step, fragment, report, pseudo_gradient, weight, None, tokens, mix=0.0)
@@ -330,6 +336,11 @@ class DiLoCo(Admission):
                 break  # stopped during the round: the run ends here
             rows.append(row)
         return rows
+
+    def _fold(self, pseudo_gradient: torch.Tensor, weight: float, fragment: int | None) -> torch.Tensor:
+        """With sparse rounds, what earlier rounds did not carry is added to a contribution (not to a group's
+        zeros of no weight)."""
+        return self.feedback.fold(pseudo_gradient, fragment) if weight else pseudo_gradient
 
     def _land(self, step: int) -> dict[str, Any] | None:
         """Collective: wait for the round in flight (usually over by now) and apply it, merged with the inner
@@ -370,12 +381,14 @@ class DiLoCo(Admission):
             if all_ok and num_peers > 1:
                 self.params.step(pseudo_gradient, fragment, mix)
                 self.tainted, self.ledger.alone_steps = False, 0
+                self.feedback.averaged(fragment)
             elif all_ok and weight and not passed:  # as the paper: a group that found nobody applies its own
                 log.warning(
                     "outer step %d: no peer was ready, applying this group's own pseudo-gradient", self.outer_step + 1
                 )
                 self.params.step(pseudo_gradient, fragment, mix)
                 self.tainted = True
+                self.feedback.applied_alone(fragment)
                 self.ledger.alone_steps = tokens // self.tokens_per_step if self.tokens_per_step else 0
             else:  # the outer parameters stay the swarm's; the inner progress carries over into the next round
                 log.warning(
@@ -384,6 +397,7 @@ class DiLoCo(Admission):
                     "missed the swarm's round" if all_ok else
                     "behind the others' outer step, it sat the round out" if report.behind else "averaging failed",
                 )  # fmt: skip
+                self.feedback.failed(fragment)
             self._update_digest()
         if self.outer_step > outer_before and landed is not None:  # its successor began at its send (`_round`)
             self.ledger.reset_fragments(step, fragment)
@@ -508,6 +522,7 @@ class DiLoCo(Admission):
         with self.params.lock:
             self.params.load(meta["outer_step"], tensors, keep)
             self.tainted = bool(meta["tainted"])
+            self.feedback.reset()
             self._update_digest()
         self.loaded_from_peers = True
         self.downloads += 1
@@ -541,10 +556,11 @@ class DiLoCo(Admission):
     # ------------------------------------------------------------------ checkpoints and the end
 
     def state_dict(self) -> dict[str, Any]:
-        return self.params.state_dict() | self.ledger.state_dict()
+        return self.params.state_dict() | self.ledger.state_dict() | self.feedback.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.params.load_state_dict(state)
+        self.feedback.load_state_dict(state)
         self.ledger.load_state_dict(state)
         self._update_digest()
 

@@ -58,6 +58,11 @@ class Swarm(Protocol):
         `outer_step`: the outer steps this group has applied; a group behind the others' sits the round out
         (``diloco.swarm.rounds.group_round.abreast``; not ok). `last`: the run's last round, which waits longer for
         the groups still on their way (a group that misses it has no later round for its inner steps)."""
+
+    def image(self, values: torch.Tensor, fragment: int | None = None) -> torch.Tensor:
+        """What a round carries of this rank's `values` (its local buffer of `fragment`): the values the others
+        receive of them, sparse rounds' selection and rounding included (``diloco.outer.error_feedback`` keeps the
+        rest). Exact wire formats: the values themselves."""
         ...
 
     def publish(self, record: Progress) -> None:

@@ -79,14 +79,22 @@ class MemorySwarm:
         if self.codec is None:
             return tensor.clone()
         flat, out = tensor.reshape(-1), torch.empty(tensor.numel())
-        for lo in range(0, flat.numel(), self.codec.part_numel):
-            part = flat[lo : lo + self.codec.part_numel].contiguous()
-            encoded = bytearray(self.codec.encode(part))
+        chunks, n = self.codec.chunks, flat.numel()
+        runs = chunks.runs(0, n, self.codec.part_numel) if chunks is not None else [
+            (lo, min(lo + self.codec.part_numel, n)) for lo in range(0, n, self.codec.part_numel)]  # fmt: skip
+        for lo, hi in runs:
+            part = flat[lo:hi].contiguous()
+            at = () if chunks is None else (lo,)  # a codec of whole chunks takes the part's place
+            encoded = bytearray(memoryview(self.codec.encode(part, *at)).cast("B"))
             if count:
                 with self._count_lock:
                     self.wire_bytes += len(encoded)
-            out[lo : lo + part.numel()] = self.codec.decode(memoryview(encoded), part.numel())
+            out[lo:hi] = self.codec.decode(memoryview(encoded), hi - lo, *at)
         return out.view(tensor.shape)
+
+    def image(self, values: torch.Tensor) -> torch.Tensor:
+        """What a round carries of a group's `values` (the whole model's vector)."""
+        return values if self.codec is None or self.codec.chunks is None else self.wire(values)
 
     def combine(self, inputs: list[tuple[list[torch.Tensor], float]]) -> list[torch.Tensor]:
         """The groups' (tensors, weight) combined, tensor by tensor, as every group receives them; weights capped
@@ -95,7 +103,9 @@ class MemorySwarm:
         inputs = [(ts, w) for (ts, _), w in zip(inputs, weights)]
         if self.aggregation == "mean":
             total = sum(weights)
-            return [self.wire(sum(ts[i] * w for ts, w in inputs) / total) for i in range(len(inputs[0][0]))]
+            means = [sum(ts[i] * w for ts, w in inputs) / total for i in range(len(inputs[0][0]))]
+            relayed = self.codec is not None and self.codec.relay is not None  # the contributions, as sent
+            return means if relayed else [self.wire(mean) for mean in means]
         flats = [torch.cat([t.reshape(-1) for t in ts]) for ts, _ in inputs]
         flat = torch.cat([aggregate([f[lo : lo + PART_NUMEL] for f in flats], weights, self.aggregation)
                           for lo in range(0, flats[0].numel(), PART_NUMEL)])  # fmt: skip
@@ -163,6 +173,11 @@ class Member:
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean)
         return Report(num_peers=len(inputs), round_id=f"r{round_index}" if len(inputs) > 1 else "")
+
+    def image(self, values: torch.Tensor, fragment: int | None = None) -> torch.Tensor:
+        if fragment is not None and self.swarm.codec is not None and self.swarm.codec.chunks is not None:
+            raise NotImplementedError("the in-memory swarm's sparse rounds are of the whole model")
+        return self.swarm.image(values)
 
     def publish(self, record: Progress) -> None:
         self.swarm.records[self.owner, record.world_rank] = replace(record, owner=self.owner)

@@ -127,6 +127,9 @@ class SwarmPeer:
             self._last_peers = report.num_peers
         return report
 
+    def image(self, values: torch.Tensor, fragment: int | None = None) -> torch.Tensor:
+        return values if self.rounds is None else self.rounds.image(values, fragment)
+
     def expected_groups(self, records: list[Status] | None) -> int:
         """Rank 0: the groups that may come to the next round: this one, the others whose status record is not
         stale and says they have rounds to come (not done, not left), and at least as many as the last round had.

@@ -133,7 +133,7 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
 
     from diloco.swarm.records.addresses import announced_hosts, listen_host
     from diloco.swarm.rounds import tcp
-    from diloco.swarm.rounds.codecs import WIRE_FORMATS
+    from diloco.swarm.rounds.codecs import rounds_codec
     from diloco.swarm.rounds.deadline import Deadlines, fixed_timeout
     from diloco.swarm.rounds.group_round import GroupRounds, Replicas
     from diloco.swarm.rounds.hello import public_bytes
@@ -166,7 +166,7 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
         raise
     return GroupRounds(
         matchmaker if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
-        endpoints=endpoints, broadcast=broadcast, listener=listener, codec=WIRE_FORMATS[hv.compression].tcp,
+        endpoints=endpoints, broadcast=broadcast, listener=listener, codec=rounds_codec(hv),
         timeout=timeout, replicas=replicas, transport=hv.transport, connect=connect, tunnel=tunnel,
         fragments=fragments, aggregation=hv.aggregation, key=key, signer=signer, public_keys=public_keys, model=model,
         deadlines=Deadlines(hv.averaging_timeout) if env.rank == 0 else None,

@@ -497,7 +497,7 @@ def describe(run: Run) -> dict[str, str]:
         moment += " (auto: --hv.inner-moment sets it)" if hv.inner_moment == "auto" else ""
         swarm = (
             f"galaxy size {hv.galaxy_size}, world rank {hv.world_rank}, {pace}, outer lr {outer.lr:g}{warmup} "
-            f"momentum {outer.momentum:g}{auto}, inner AdamW moment {moment}, {hv.compression} over {hv.transport}"
+            f"momentum {outer.momentum:g}{auto}, inner AdamW moment {moment}, {hv.wire_format()} over {hv.transport}"
         )
     return {
         "run dir": str(run.run_dir),

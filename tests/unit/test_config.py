@@ -247,3 +247,30 @@ def test_quantized_base_flags(capsys: pytest.CaptureFixture[str]) -> None:
     }  # fmt: skip
     for said, argv in refused.items():
         assert said in usage_error(argv, capsys), argv
+
+
+def test_sparse_round_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """--hv.compression sparse with its density, value bits and outer rule; each refusal is one line naming the flag
+    (``usage_error``: exit 2)."""
+    base = ["--path-model", str(TINY_MODEL), "--fake-data", "--hv.galaxy-size", "2"]
+    config = parse([*base, "--hv.compression", "sparse"])
+    assert (config.hv.sparse_density, config.hv.sparse_bits, config.hv.error_feedback()) == (1 / 64, 2, 0.95)
+    config = parse([*base, "--hv.compression", "sparse", "--hv.sparse-density", "0.01", "--hv.sparse-bits", "4",
+                    "--hv.sparse-rule", "nesterov", "--hv.outer-momentum", "0.9"])  # fmt: skip
+    assert (config.hv.sparse_density, config.hv.sparse_bits, config.hv.error_feedback()) == (0.01, 4, 1.0)
+    assert parse(base).hv.error_feedback() is None
+    sparse = [*base, "--hv.compression", "sparse"]
+    refused = {
+        "--hv.sparse-density": [*sparse, "--hv.sparse-density", "0"],
+        "--hv.sparse-density ": [*sparse, "--hv.sparse-density", "1.5"],
+        "--hv.sparse-bits": [*sparse, "--hv.sparse-bits", "3"],
+        "--hv.sparse-density is a setting of sparse rounds: add --hv.compression sparse": [
+            *base, "--hv.sparse-density", "0.1"],
+        "--hv.aggregation trimmed-mean has no sparse form": [*sparse, "--hv.galaxy-size", "3", "--hv.aggregation",
+                                                              "trimmed-mean"],
+        "--hv.outer-momentum 0.9: under --hv.sparse-rule sparseloco the error buffer is the momentum": [
+            *sparse, "--hv.outer-momentum", "0.9"],
+    }  # fmt: skip
+    for said, argv in refused.items():
+        error = usage_error(argv, capsys)
+        assert said.strip() in error and len(error.strip().splitlines()) == 1, (argv, error)

@@ -9,8 +9,11 @@ hivemind codec: it travels only in rounds of whole groups, which is how the trai
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +28,9 @@ from hivemind.compression import (
 from hivemind.proto import runtime_pb2
 
 from diloco.swarm.rounds import tcp
+
+if TYPE_CHECKING:
+    from diloco.config import HvConfig
 
 
 class Uniform8Bit(Uniform8BitQuantization):
@@ -166,3 +172,36 @@ WIRE_FORMATS: dict[str, WireFormat] = {
     "int8": _int8(),
     "int4": WireFormat("int4", None, INT4),  # 4.5 bits per value: 7.1x fewer bytes than float32
 }
+
+
+def rounds_codec(hv: HvConfig) -> tcp.Codec | Callable[[Sequence[Sequence[int]]], tcp.Codec]:
+    """The rounds' codec of ``--hv.compression``; sparse: a codec per vector of parameter shapes (it knows their
+    chunks), made once per shapes."""
+    if hv.compression != "sparse":
+        return WIRE_FORMATS[hv.compression].tcp
+    return _SparseCodecs(hv.sparse_density, hv.sparse_bits)
+
+
+class _SparseCodecs:
+    """Sparse codecs by parameter shapes, made once each."""
+
+    def __init__(self, density: float, bits: int):
+        self.density, self.bits = density, bits
+        self._made: dict[tuple, tcp.Codec] = {}
+
+    def __call__(self, shapes: Sequence[Sequence[int]]) -> tcp.Codec:
+        key = tuple(tuple(s) for s in shapes)
+        if key not in self._made:
+            self._made[key] = sparse_codec(key, self.density, self.bits)
+        return self._made[key]
+
+
+def sparse_codec(shapes: Sequence[Sequence[int]], density: float, bits: int) -> tcp.Codec:
+    """The sparse format of a vector of these parameters' shapes; its name (in every connection's hello) tells
+    settings apart, so groups of another density or width refuse each other instead of misreading."""
+    from diloco.swarm.rounds.chunks import Chunks
+    from diloco.swarm.rounds.sparse import SparseCodec
+
+    codec = SparseCodec(Chunks(shapes), density, bits).tcp_codec()
+    tag = hashlib.sha256(f"{density!r}/{bits}".encode()).hexdigest()[:5]
+    return dataclasses.replace(codec, name=f"sp{bits}{tag}")

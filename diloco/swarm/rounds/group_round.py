@@ -43,6 +43,8 @@ from diloco.swarm.rounds.layout import (
     group_layout,
     plan,
     plan_schedule,
+    rank_layout,
+    replica_bounds,
     replica_slice,
 )
 from diloco.swarm.rounds.listener import Listener
@@ -113,12 +115,13 @@ class Replicas:
                 if rank in ranks:
                     self._group, self._members = made, ranks
 
-    def fill(self, buffer: torch.Tensor) -> None:
-        """Complete `buffer` (this rank's local values) with the slices its replicas averaged."""
+    def fill(self, buffer: torch.Tensor, slices: Sequence[tuple[int, int]] | None = None) -> None:
+        """Complete `buffer` (this rank's local values) with the slices its replicas averaged (`slices`: each
+        replica's, ``layout.replica_bounds``; default: equal ones)."""
         if self._group is None:
             return
         count = len(self._members)
-        slices = [replica_slice(buffer.numel(), i, count) for i in range(count)]
+        slices = slices or [replica_slice(buffer.numel(), i, count) for i in range(count)]
         width = max(end - begin for begin, end in slices)
         mine = slices[self._members.index(self.rank)]
         sent = torch.zeros(width, dtype=buffer.dtype)
@@ -165,11 +168,14 @@ def run_round(
     be `vector` itself. `signer`: this rank's key, the one its group announced for it. The round's connections end
     by ``tcp.ROUND_STEPS`` x `timeout` from now.
     Never raises on network failures."""
-    layouts = [group_layout(model_shapes, member.shape) for member in info.members]
+    chunks = codec.chunks  # a sparse round's cuts fall on its chunks' boundaries
+    layouts = [group_layout(model_shapes, member.shape, chunks) for member in info.members]
     total = sum(int(torch.Size(shape).numel()) for shape in model_shapes)
     if layouts[info.me][rank].local_numel != vector.numel():
         raise ValueError(f"rank {rank} holds {vector.numel()} values, its layout {layouts[info.me][rank].local_numel}")
-    schedule = plan_schedule(plan(layouts, total), layouts, (info.me, rank), codec.part_numel)
+    if chunks is not None and chunks.total != total:
+        raise ValueError(f"a codec of a vector of {chunks.total} values for one of {total}")
+    schedule = plan_schedule(plan(layouts, total, chunks), layouts, (info.me, rank), codec.part_numel, chunks)
     endpoints = [(list(hosts), port) for member in info.members for hosts, port in member.endpoints]
     round_ = tcp.Round(
         vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints, roster=roster(info.members),
@@ -230,7 +236,7 @@ class GroupRounds:
         endpoints: Sequence[Endpoint],
         broadcast: Callable[[object], object],
         listener: Listener,
-        codec: tcp.Codec,
+        codec: tcp.Codec | Callable[[Sequence[Sequence[int]]], tcp.Codec],
         timeout: float,
         replicas: Replicas | None,
         transport: str = "tcp",
@@ -261,6 +267,30 @@ class GroupRounds:
         self.fragments = [list(f) for f in fragments] if fragments else None
         self.malformed = 0  # announcements left out of rounds for a form this version cannot read
 
+    def codec_for(self, shapes: Sequence[Sequence[int]]) -> tcp.Codec:
+        """The rounds' codec for a vector of these parameters' shapes (a sparse codec knows its chunks)."""
+        return self.codec if isinstance(self.codec, tcp.Codec) else self.codec(shapes)
+
+    def image(self, values: torch.Tensor, fragment: int | None = None) -> torch.Tensor:
+        """What a round carries of this rank's `values` (its local buffer of `fragment`): they decoded from their
+        encoding, chunk by chunk as the rounds cut them (sparse rounds; other codecs: the values)."""
+        from diloco.swarm.rounds.sparse import image
+
+        shapes = self._shapes(fragment)
+        codec = self.codec_for(shapes)
+        if codec.chunks is None:
+            return values
+        out = torch.empty_like(values)
+        for piece in rank_layout(shapes, self.shape, self.rank).held:
+            local = slice(piece.local, piece.local + piece.numel)
+            out[local] = image(codec, values[local], piece.start)
+        return out
+
+    def _shapes(self, fragment: int | None) -> list[tuple[int, ...]]:
+        if fragment is not None and self.fragments is not None:
+            return [self.model_shapes[i] for i in self.fragments[fragment]]
+        return self.model_shapes
+
     def close(self) -> None:
         """Stop taking connections (the tunnel's streams first)."""
         try:
@@ -274,9 +304,7 @@ class GroupRounds:
         """Collective: one round (see ``SwarmAverager.average`` for the contract), averaged in place: after a round
         that failed the tensors hold averages where they arrived (the caller applies nothing then). With
         `fragment`, the tensors hold this rank's shard of that fragment's parameters. Returns a ``RoundReport``."""
-        shapes = self.model_shapes
-        if fragment is not None and self.fragments is not None:
-            shapes = [self.model_shapes[i] for i in self.fragments[fragment]]
+        shapes = self._shapes(fragment)
         with self.listener.in_round():  # groupmates that learn of the round first may connect meanwhile
             return self._average(tensors, round_index, weight, stop, shapes, outer_step)
 
@@ -295,11 +323,13 @@ class GroupRounds:
         formed = time.monotonic()
         # in place: no second copy of the pseudo-gradient (the trainer's one tensor is viewed flat, not copied)
         vector = tcp.flatten(list(tensors))
+        codec = self.codec_for(shapes)
         outcome = run_round(info, self.rank, shapes, vector, vector, listener=self.listener,
-                            codec=self.codec, timeout=timeout, signer=self.signer, connect=self.connect,
+                            codec=codec, timeout=timeout, signer=self.signer, connect=self.connect,
                             aggregation=self.aggregation)  # fmt: skip
-        if self.replicas is not None:
-            self.replicas.fill(vector)  # collective: also when this rank's part failed
+        if self.replicas is not None:  # collective: also when this rank's part failed
+            held = rank_layout(shapes, self.shape, self.rank).held
+            self.replicas.fill(vector, replica_bounds(held, self.shape.grid()[1], codec.chunks))
         if outcome.ok and len(tensors) > 1:
             tcp.unflatten_into(vector, list(tensors))
         ended = time.monotonic()

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diloco.config import ShardingStrategy
+from diloco.swarm.rounds.chunks import Chunks
 
 
 @dataclass(frozen=True, order=True)
@@ -134,18 +135,36 @@ class RankLayout:
         return self.exchanged[i].local + start - self.exchanged[i].start
 
 
-def rank_layout(shapes: Sequence[Sequence[int]], shape: Shape, rank: int) -> RankLayout:
+def replica_bounds(held: Sequence[Piece], replicas: int, chunks: Chunks | None = None) -> list[tuple[int, int]]:
+    """Local offsets ``[begin, end)`` each of `replicas` replicas holding `held` exchanges: ``replica_slice``'s,
+    with `chunks` moved back to the chunk boundary at or before each cut (a chunk is never split between
+    replicas)."""
+    local_numel = sum(p.numel for p in held)
+    cuts = [replica_slice(local_numel, i, replicas)[0] for i in range(replicas)] + [local_numel]
+    if chunks is not None:
+        cuts = [_snap_local(held, cut, chunks) for cut in cuts]
+    return list(zip(cuts, cuts[1:]))
+
+
+def _snap_local(held: Sequence[Piece], cut: int, chunks: Chunks) -> int:
+    for piece in held:  # pieces begin and end on chunk boundaries (whole rows, whole parameters)
+        if piece.local <= cut < piece.local + piece.numel:
+            return piece.local + chunks.floor(piece.start + cut - piece.local) - piece.start
+    return cut
+
+
+def rank_layout(shapes: Sequence[Sequence[int]], shape: Shape, rank: int, chunks: Chunks | None = None) -> RankLayout:
     shards, replicas = shape.grid()
     shard, replica = shape.coordinates(rank)
     held = held_pieces(shapes, shard, shards)
-    local_numel = sum(p.numel for p in held)
-    exchanged = slice_pieces(held, *replica_slice(local_numel, replica, replicas))
+    exchanged = slice_pieces(held, *replica_bounds(held, replicas, chunks)[replica])
     return RankLayout(tuple(held), tuple(exchanged))
 
 
-def group_layout(shapes: Sequence[Sequence[int]], shape: Shape) -> list[RankLayout]:
-    """Every rank's layout in a group of `shape`, computed alike in every group that knows the model's shapes."""
-    return [rank_layout(shapes, shape, rank) for rank in range(shape.world_size)]
+def group_layout(shapes: Sequence[Sequence[int]], shape: Shape, chunks: Chunks | None = None) -> list[RankLayout]:
+    """Every rank's layout in a group of `shape`, computed alike in every group that knows the model's shapes; with
+    `chunks` (sparse rounds), replicas split their exchange on chunk boundaries."""
+    return [rank_layout(shapes, shape, rank, chunks) for rank in range(shape.world_size)]
 
 
 @dataclass(frozen=True)
@@ -182,14 +201,15 @@ def _owner_runs(layout: Sequence[RankLayout]) -> tuple[list[int], list[int]]:
     return [start for start, _, _ in runs], [rank for _, _, rank in runs]
 
 
-def plan(groups: Sequence[Sequence[RankLayout]], total: int) -> Plan:
+def plan(groups: Sequence[Sequence[RankLayout]], total: int, chunks: Chunks | None = None) -> Plan:
     """Cut ``[0, total)`` at every group's exchange boundaries and give each span a reducer among its holders.
 
     Every participant (a rank of a group) should reduce about its share, total ÷ participants, but can reduce only
     what it exchanges. Walking the vector in order, the current reducer keeps taking values while it holds them and
     has room left (contiguous runs keep messages few); otherwise the holder that most needs this span to reach its
     share (its room minus what it holds further on) takes over, ties to the lower (group, rank). A span is split
-    where a reducer's share ends. Everyone computes the same plan from the same layouts.
+    where a reducer's share ends (with `chunks`: on the chunk boundary at or before it, or the chunk's end).
+    Everyone computes the same plan from the same layouts.
     """
     owners = [_owner_runs(layout) for layout in groups]
     for g, layout in enumerate(groups):
@@ -217,6 +237,9 @@ def plan(groups: Sequence[Sequence[RankLayout]], total: int) -> Plan:
             if not keep and not (current in open_ and max(need(c) for c in open_) <= 0):
                 current = max(open_, key=lambda c: (need(c), -c[0], -c[1]))
             take = min(left, share - load[current]) if load[current] < share else left
+            if chunks is not None and take < left:
+                cut = chunks.floor(start + take)
+                take = (cut if cut > start else chunks.ceil(start + 1)) - start
             if spans and spans[-1].stop == start and (spans[-1].holders, spans[-1].reducer) == (holders, current):
                 spans[-1] = Span(spans[-1].start, start + take, holders, current)
             else:
@@ -290,9 +313,9 @@ def flat_schedule(numel: int, group_size: int, part_numel: int, me: int) -> Sche
 
 
 def plan_schedule(round_plan: Plan, groups: Sequence[Sequence[RankLayout]], me: tuple[int, int],
-                  part_numel: int) -> Schedule:  # fmt: skip
+                  part_numel: int, chunks: Chunks | None = None) -> Schedule:  # fmt: skip
     """Participant `me` (group, rank)'s view of `round_plan`; participants are numbered group by group, rank by
-    rank. Each span travels in parts of at most `part_numel` values."""
+    rank. Each span travels in parts of at most `part_numel` values (with `chunks`: of whole chunks)."""
     first = [sum(len(layout) for layout in groups[:g]) for g in range(len(groups))]
     mine = groups[me[0]][me[1]]
     parts: list[list[Part]] = [[] for _ in range(sum(len(layout) for layout in groups))]
@@ -300,7 +323,8 @@ def plan_schedule(round_plan: Plan, groups: Sequence[Sequence[RankLayout]], me: 
         senders = tuple(first[g] + rank for g, rank in enumerate(span.holders))
         reducer = first[span.reducer[0]] + span.reducer[1]
         takes_part = span.holders[me[0]] == me[1]
-        for start in range(span.start, span.stop, part_numel):
-            stop = min(start + part_numel, span.stop)
+        runs = chunks.runs(span.start, span.stop, part_numel) if chunks is not None else [
+            (start, min(start + part_numel, span.stop)) for start in range(span.start, span.stop, part_numel)]
+        for start, stop in runs:
             parts[reducer].append(Part(start, stop, senders, mine.local_offset(start, stop) if takes_part else None))
     return Schedule(first[me[0]] + me[1], tuple(tuple(p) for p in parts))

@@ -47,6 +47,7 @@ import torch
 
 from diloco.swarm.rounds import hello as hellos
 from diloco.swarm.rounds.aggregation import Aggregation, aggregate
+from diloco.swarm.rounds.chunks import Chunks
 from diloco.swarm.rounds.dial import Connect, Endpoint, connect  # (tcp.connect: the default of every caller)
 from diloco.swarm.rounds.frames import Frames, bytes_of, seal_keys
 from diloco.swarm.rounds.hello import Roster, public_bytes
@@ -82,14 +83,23 @@ class Codec:
     :param decode: (bytes-like, number of values) -> float32 tensor (it may alias the bytes).
     :param max_bytes: the largest encoding of a part of n values; longer messages are refused.
     :param raw: the encoding is the float32 values themselves: averages are received straight into the output.
+    :param chunks: a codec of whole chunks (``diloco.swarm.rounds.sparse``): every part begins and ends on a boundary
+        of these chunks, `encode` and `decode` take the part's canonical start as their last argument, and a reducer
+        relays the contributions it kept (`relay`: [(message, weight)] -> message) instead of encoding their mean;
+        every holder averages them alike (`decode_relay`: (message, n, start, senders) -> float32 tensor, at most
+        `relay_max_bytes(n, senders)` bytes).
     """
 
     name: str
     part_numel: int
-    encode: Callable[[torch.Tensor], object]
-    decode: Callable[[memoryview, int], torch.Tensor]
+    encode: Callable[..., object]
+    decode: Callable[..., torch.Tensor]
     max_bytes: Callable[[int], int]
     raw: bool = False
+    chunks: Chunks | None = None
+    relay: Callable[[Sequence[tuple[object, float]]], object] | None = None
+    decode_relay: Callable[[memoryview, int, int, int], torch.Tensor] | None = None
+    relay_max_bytes: Callable[[int, int], int] | None = None
 
 
 FP16_MAX = 65504.0
@@ -240,6 +250,7 @@ class Round:
         self._weights: dict[int, float] = {index: weight if roster is None else roster.weights[index]}
         self._banned: dict[int, str] = {}  # sender -> why it is left out from now on
         self._results: dict[int, tuple[torch.Tensor, object]] = {}  # part of our span -> (average, its encoding)
+        self._messages: list[dict[int, object]] = [{} for _ in span]  # relaying codecs: sender -> its message
         self._reduced = 0
         self._attached: set[int] = set()
         self._sockets: list[socket.socket] = []
@@ -322,13 +333,17 @@ class Round:
             for q, part in enumerate(self.schedule.parts[self.index]):
                 lo, hi = self._bounds(part)
                 own = self.vector[lo:hi]
+                if self.codec.relay is not None:  # what the others receive of it: its message, decoded
+                    message = self._encode(own, part)
+                    self._messages[q][self.index] = message
+                    own = self.codec.decode(memoryview(message), hi - lo, part.start)
                 self._deposit(self.index, q, own, part_norm(own))
                 contributions = self._wait_for_part(q)
                 if contributions is None:
                     return
                 average, encoded = self._average(q, contributions)
                 if self.index not in self._banned:  # our own output: the bytes the others receive, decoded
-                    ours = average if self.codec.raw else self.codec.decode(memoryview(encoded), hi - lo)
+                    ours = average if self.codec.raw else self._decode_average(memoryview(encoded), part)
                     self.out[lo:hi].copy_(ours)
                 with self._cv:
                     self._results[q] = (average, encoded)
@@ -373,7 +388,13 @@ class Round:
 
     def _average(self, q: int, contributions: dict[int, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, object]:
         """Weighted mean in sender order (0/0 = NaN when nothing is left, which fails the round at every peer), or
-        the round's robust rule."""
+        the round's robust rule; with a relaying codec, the kept contributions' messages and weights in sender order
+        (the values: None)."""
+        if self.codec.relay is not None:
+            with self._cv:
+                messages = self._messages[q]
+                self._messages[q] = {}
+            return None, self.codec.relay([(messages[s], weight) for s, (_, weight) in contributions.items()])
         if not contributions:
             average = torch.full((self.schedule.parts[self.index][q].numel,), float("nan"))
             return average, self.codec.encode(average)
@@ -413,12 +434,16 @@ class Round:
                         return
                 data = self._receive(frames, self.codec.max_bytes(part.numel))
                 try:
-                    values = self.codec.decode(data, part.numel)
+                    values = self._decode(data, part)
                 except (ValueError, RuntimeError) as e:  # (torch's words for a buffer too short)
                     raise ValueError(f"part {q}: {data.nbytes} bytes do not decode to {part.numel} values") from e
                 if values.numel() != part.numel:
                     raise ValueError(f"part {q} decodes to {values.numel()} values, {part.numel} expected")
                 norm = self._local(part_norm, values)
+                if self.codec.relay is not None:
+                    with self._cv:
+                        if self._parts[q] is not None:
+                            self._messages[q][sender] = data
                 self._deposit(sender, q, values, norm)
         except _LocalFailure:
             return  # this peer's round failed (recorded): the sender is not to blame
@@ -477,7 +502,7 @@ class Round:
             receiver = self._thread(self._read_averages, frames, reducer)
             for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
-                self._send(frames, self.codec.encode(self.vector[lo:hi]))
+                self._send(frames, self._encode(self.vector[lo:hi], part))
             receiver.join()
         except Exception as e:  # OSError mostly; anything else must fail the round too, not just this thread
             self._fail(f"reducer #{reducer}: {type(e).__name__}: {e}")
@@ -492,8 +517,8 @@ class Round:
                 if self.codec.raw:  # straight into the output: no copy
                     self._receive_into(frames, bytes_of(self.out[lo:hi]))
                 else:
-                    data = self._receive(frames, self.codec.max_bytes(hi - lo))
-                    self.out[lo:hi].copy_(self.codec.decode(data, hi - lo))
+                    data = self._receive(frames, self._average_bytes(part))
+                    self.out[lo:hi].copy_(self._decode_average(data, part))
             with self._cv:
                 self._complete.add(reducer)
         except (OSError, ValueError, RuntimeError) as e:
@@ -534,6 +559,24 @@ class Round:
         """Where `part` sits in this peer's vector (and output)."""
         assert part.local is not None, "a part this peer does not take part in"
         return part.local, part.local + part.numel
+
+    def _encode(self, values: torch.Tensor, part: Part) -> object:
+        return self.codec.encode(values) if self.codec.chunks is None else self.codec.encode(values, part.start)
+
+    def _decode(self, data: memoryview, part: Part) -> torch.Tensor:
+        if self.codec.chunks is None:
+            return self.codec.decode(data, part.numel)
+        return self.codec.decode(data, part.numel, part.start)
+
+    def _decode_average(self, data: memoryview, part: Part) -> torch.Tensor:
+        if self.codec.decode_relay is None:
+            return self._decode(data, part)
+        return self.codec.decode_relay(data, part.numel, part.start, len(part.senders))
+
+    def _average_bytes(self, part: Part) -> int:
+        if self.codec.relay_max_bytes is None:
+            return self.codec.max_bytes(part.numel)
+        return self.codec.relay_max_bytes(part.numel, len(part.senders))
 
     def _send(self, frames: Frames, data) -> None:
         sent = frames.send(data)
