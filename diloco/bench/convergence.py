@@ -306,10 +306,10 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
     seed = w.seed if spec.seed is None else spec.seed
     lr = w.lr if spec.lr is None else spec.lr
     warmup = w.warmup_steps if spec.warmup_steps is None else spec.warmup_steps
-    codec = None if spec.compression is None else _codec(spec.compression)
+    models = [load_model(w.model, seed) for _ in range(spec.groups)]  # one initialisation for all groups
+    codec = None if spec.compression is None else _codec(spec.compression, models[0])
     swarm = MemorySwarm(spec.groups, codec=codec, aggregation=spec.aggregation)  # type: ignore[arg-type]
     honest = spec.groups - 1 if spec.attack else spec.groups  # an attacker leaves the honest groups' data as it was
-    models = [load_model(w.model, seed) for _ in range(spec.groups)]  # one initialisation for all groups
     tokens_per_step = spec.groups * spec.batch * w.seq_length
     every = max(spec.steps // w.evals, 1)
     curve: list[tuple[int, float]] = [(0, eval_loss(models[0], corpus.held_out))]
@@ -329,7 +329,8 @@ def run_arm(spec: ArmSpec, w: Workload, corpus: Corpus) -> dict[str, Any]:
             outer = DiLoCo([p.data for p in model.parameters()], member, solo_group(), world_rank=g,
                            local_steps=spec.h, outer_lr=outer_lr, outer_momentum=momentum,
                            outer_warmup=spec.outer_warmup, final_step=spec.steps, fragments=fragment_runs(spec, model),
-                           overlap_steps=spec.overlap, overlap_mix=spec.mix)  # fmt: skip
+                           overlap_steps=spec.overlap, overlap_mix=spec.mix,
+                           error_decay=error_decay(spec.compression))  # fmt: skip
         for step in range(1, spec.steps + 1):
             loss = inner_step(model, data.next_batch(), opt, halves)
             schedule.step()
@@ -401,11 +402,22 @@ def fragment_runs(spec: ArmSpec, model: torch.nn.Module) -> list[list[tuple[int,
     return [local_runs(f, [p.numel() for p in model.parameters()]) for f in cut]
 
 
-def _codec(compression: str) -> object:
+def _codec(compression: str, model: torch.nn.Module) -> object:
+    """The rounds' codec of a wire format: a `--hv.compression` name, or ``sparse:DENSITY:BITS:RULE``."""
     # hivemind, for the codecs that wrap its quantizers
-    from diloco.swarm.rounds.codecs import WIRE_FORMATS
+    from diloco.swarm.rounds.codecs import WIRE_FORMATS, sparse_codec
 
+    if compression.startswith("sparse:"):
+        _, density, bits, _ = compression.split(":")
+        return sparse_codec([tuple(p.shape) for p in model.parameters()], float(density), int(bits))
     return WIRE_FORMATS[compression].tcp
+
+
+def error_decay(compression: str | None) -> float | None:
+    """A sparse wire format's error-feedback decay by its rule (as `HvConfig.error_feedback`); None: dense."""
+    if not compression or not compression.startswith("sparse:"):
+        return None
+    return 0.95 if compression.split(":")[3] == "sparseloco" else 1.0
 
 
 # ---------------------------------------------------------------- arms in parallel

@@ -59,9 +59,9 @@ def test_every_chunk_sends_its_k_largest_values_within_the_quantizers_bound(bits
         assert int(chosen.sum()) == k
         rest = xs[~chosen].abs()
         assert rest.numel() == 0 or float(rest.max()) <= float(xs[chosen].abs().min())  # the k largest
-        scale = float(xs.abs().max()) / 2 ** (bits - 1)
+        scale = float(xs.abs().max()) / 2 ** (bits - 1) * (1 + 2**-8)  # (the scale travels in bfloat16)
         assert float((xs[chosen] - ys[chosen]).abs().max()) <= scale  # ±s for those under s/2, else s/2
-        assert float(ys.abs().max()) == float(xs.abs().max())  # the largest travels exactly
+        assert abs(float(ys.abs().max()) - float(xs.abs().max())) <= scale / 2  # the largest: the scale's rounding
         assert torch.equal(torch.sign(ys[chosen]), torch.sign(xs[chosen]))
 
 

@@ -5,9 +5,10 @@
 values), the k = max(1, round(density x length)) values of largest magnitude. Dense parameters (norms, biases)
 travel whole, in float32.
 
-**Values.** Per chunk a float32 scale s = (largest selected magnitude) / 2^(b-1); each selected value is sent as its
-sign and a magnitude m in 1..2^(b-1), decoding to ±m·s (b bits: 2 by default, 4 or 8). The largest value is sent
-exactly; the others are within s/2 of themselves, except those under s/2, which become ±s. What is not sent (the
+**Values.** Per chunk a scale s = (largest selected magnitude) / 2^(b-1), rounded to bfloat16 (float32's range in
+2 bytes: a row of 64 values pays 16 bits for it, not 32); each selected value is sent as its sign and a magnitude m
+in 1..2^(b-1), decoding to ±m·s (b bits: 2 by default, 4 or 8). Each is within s/2 of itself (and of the scale's
+rounding), except those under s/2, which become ±s. What is not sent (the
 rest of the chunk and the rounding) is the sender's to keep: the outer loop's error feedback
 (``diloco.outer.error_feedback``) adds it to the next round's values.
 
@@ -16,7 +17,7 @@ r = floor(log2(length / k)) low bits, fixed width, and its high part in unary: a
 64 of 4096) against 12 for plain 12-bit offsets (``position_bits`` measures both).
 
 A part's message: the byte count of its unary stream (u32), the dense values (float32), the chunks' scales
-(float32), the values' codes (b bits each), the low bits of the gaps, the unary stream. The decoder knows the
+(bfloat16), the values' codes (b bits each), the low bits of the gaps, the unary stream. The decoder knows the
 part's chunks from the model's shapes, so it knows every count but the last, and refuses a message of any other
 length, or whose offsets leave their chunk.
 
@@ -127,7 +128,8 @@ class SparseCodec:
             nan = np.isnan(values)
             if nan.any():
                 absmax[np.unique(chunk_of[nan])] = np.nan
-        scale = (absmax / np.float32(self.top)).astype(np.float32)
+        scale16 = torch.from_numpy(absmax / np.float32(self.top)).to(torch.bfloat16)
+        scale = scale16.float().numpy()
         with np.errstate(invalid="ignore", divide="ignore"):
             level = np.rint(magnitude / scale[chunk_of])
         level = np.clip(np.nan_to_num(level, nan=1.0, posinf=1.0), 1, self.top).astype(np.int64)
@@ -142,7 +144,7 @@ class SparseCodec:
         unary[np.cumsum(high + 1) - 1] = 1
         unary_bytes = np.packbits(unary).tobytes()
         return b"".join((
-            _U32.pack(len(unary_bytes)), x[sel.dense].tobytes(), scale.tobytes(),
+            _U32.pack(len(unary_bytes)), x[sel.dense].tobytes(), scale16.view(torch.int16).numpy().tobytes(),
             _pack(codes, np.full(codes.size, self.bits)), _pack(low, widths), unary_bytes,
         ))  # fmt: skip
 
@@ -170,15 +172,16 @@ class SparseCodec:
         if data.nbytes < 4:
             raise ValueError(f"a sparse part of {data.nbytes} bytes")
         unary_bytes = _U32.unpack(data[:4])[0]
-        fixed = 4 + 4 * dense + 4 * chunks + code_bytes + low_bytes
+        fixed = 4 + 4 * dense + 2 * chunks + code_bytes + low_bytes
         if data.nbytes != fixed + unary_bytes:
             raise ValueError(f"{data.nbytes} bytes of sparse for {n} values ({fixed} + {unary_bytes} expected)")
         out = np.zeros(n, np.float32)
         at = 4
         out[sel.dense] = np.frombuffer(data, np.float32, dense, at)
         at += 4 * dense
-        scale = np.frombuffer(data, np.float32, chunks, at)
-        at += 4 * chunks
+        raw = np.frombuffer(data, np.int16, chunks, at).copy()
+        scale = torch.from_numpy(raw).view(torch.bfloat16).float().numpy()
+        at += 2 * chunks
         codes = _unpack(data[at : at + code_bytes], np.full(count, self.bits))
         at += code_bytes
         low = _unpack(data[at : at + low_bytes], widths)
@@ -260,7 +263,7 @@ class SparseCodec:
         unary = _U32.unpack(encoded[:4])[0]
         low = _bytes(int(np.repeat(sel.rice, sel.k).sum()))
         plain = int((sel.k * np.ceil(np.log2(np.maximum(sel.lengths, 2)))).sum())
-        return {"total": encoded.nbytes, "dense": 4 * int(sel.dense.sum()), "scales": 4 * sel.k.size,
+        return {"total": encoded.nbytes, "dense": 4 * int(sel.dense.sum()), "scales": 2 * sel.k.size,
                 "values": _bytes(sel.values * self.bits), "positions": low + unary, "plain_positions": _bytes(plain),
                 "selected": sel.values}
 
