@@ -44,6 +44,8 @@ _TRAIN_CORES = Parameter(help="Hold each worker's training process to this share
                          "cgroup quota) and move its DHT, averager and p2pd off that core, as beside an "
                          "accelerator that trains; the JSON is then wan-cores<C>.json. Default: each worker and its "
                          "helpers share one core.")  # fmt: skip
+_SLOW_LINK = Parameter(help="The 10 Mbit/s study instead: blocking rounds in int8 against sparse rounds "
+                       "(--hv.compression sparse), no DDP; the JSON is then wan-10mbit.json.")  # fmt: skip
 _STUDY = Parameter(help="defaults: k = 2, 4, 8 groups at H = 25, no outer flags against DDP and the trials of "
                    "the 4-group gap (the ~1M model, 3 seeds); map: the gap to DDP of each outer setting over H = "
                    "10-500 and k = 2, 4, 8 (a 0.14M model, 2000 inner steps); streaming: blocking rounds against "
@@ -117,11 +119,14 @@ def _bench_command(name: str) -> Callable[..., int]:
         *,
         data: Annotated[Path | None, _DATA] = None,
         train_cores: Annotated[float | None, _TRAIN_CORES] = None,
+        slow_link: Annotated[bool, _SLOW_LINK] = False,
         quick: Annotated[bool, _QUICK] = False,
         out: Annotated[Path, _OUT] = BENCH_OUT,
         doc: Annotated[Path, _DOC] = BENCH_DOC,
     ) -> int:
-        options = {} if train_cores is None else {"train_cores": _train_cores(train_cores)}
+        options: dict[str, Any] = {} if train_cores is None else {"train_cores": _train_cores(train_cores)}
+        if slow_link:
+            options["slow_link"] = True
         return _bench(name, quick, out, doc, data=_data_file(name, data), **options)
 
     def with_study(

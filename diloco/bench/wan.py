@@ -96,11 +96,15 @@ class WanSetup:
     timeout_s: float
     train_cores: float | None = None  # --train-cores: the share of its core each worker's training is held to
     eval_steps: int = WHOLE_SPLIT  # batches per evaluation and worker
+    slow_link: bool = False  # --slow-link: blocking int8 against blocking sparse rounds, no DDP
 
     def arms(self, slowest: bool, quick: bool = False) -> list[Arm]:
         """DDP first, blocking second (the others are compared with them); the full run adds contiguous fragments
         (strided is the default layout), and on the slowest link the overlapped arm trained twice as long, to time
         when it reaches DDP's final loss if it has not by then."""
+        if self.slow_link:  # the first arm is the one the others are compared with
+            return [Arm("blocking-int8", ("--hv.compression", "int8")),
+                    Arm("blocking-sparse", ("--hv.compression", "sparse"))]  # fmt: skip
         streaming = ("--hv.fragments", str(self.fragments), "--hv.overlap-steps", str(self.overlap))
         arms = [
             Arm("ddp", None),
@@ -113,19 +117,23 @@ class WanSetup:
         return arms + ([Arm("streaming-2x", streaming, steps_factor=2)] if slowest and not quick else [])
 
 
-def wan_setup(quick: bool, train_cores: float | None = None) -> WanSetup:
-    """Quick (CI): 12 steps of a 0.14M model on one 1 Gbit/s link, evaluated on 50 batches. Full: 300 steps of a
-    1.1M-parameter model, H = 20 (fragments: 2, a round every 10 steps, 8 of them on the wire), on 100 Mbit/s and
-    1 Gbit/s, evaluated on the whole held-out split."""
+def wan_setup(quick: bool, train_cores: float | None = None, slow_link: bool = False) -> WanSetup:
+    """Quick (CI): 12 steps of a 0.14M model on one 1 Gbit/s link (10 Mbit/s with `slow_link`), evaluated on 50
+    batches. Full: 300 steps of a 1.1M-parameter model, H = 20 (fragments: 2, a round every 10 steps, 8 of them on
+    the wire), on 100 Mbit/s and 1 Gbit/s (10 Mbit/s with `slow_link`), evaluated on the whole held-out split."""
     if quick:
-        return WanSetup("llama-0.1m-bytes", 32, 2, 12, 3e-3, 2, 4, 2, 1, 6, (1000.0,), 240.0, train_cores,
-                        eval_steps=QUICK_EVAL_STEPS)  # fmt: skip
-    return WanSetup("llama-1m-bytes", 128, 4, 300, 3e-3, 20, 20, 2, 8, 30, (100.0, 1000.0), 900.0, train_cores)
+        return WanSetup("llama-0.1m-bytes", 32, 2, 12, 3e-3, 2, 4, 2, 1, 6, (10.0,) if slow_link else (1000.0,),
+                        240.0, train_cores, eval_steps=QUICK_EVAL_STEPS, slow_link=slow_link)  # fmt: skip
+    links = (10.0,) if slow_link else (100.0, 1000.0)
+    return WanSetup("llama-1m-bytes", 128, 4, 300, 3e-3, 20, 20, 2, 8, 30, links, 900.0, train_cores,
+                    slow_link=slow_link)  # fmt: skip
 
 
-def stem(quick: bool, train_cores: float | None = None, **_: Any) -> str:
-    """The JSON's and plot's name: wan, wan-quick, wan-cores0.75 (runs with --train-cores are kept apart)."""
-    return f"wan{'' if train_cores is None else f'-cores{train_cores:g}'}{'-quick' if quick else ''}"
+def stem(quick: bool, train_cores: float | None = None, slow_link: bool = False, **_: Any) -> str:
+    """The JSON's and plot's name: wan, wan-quick, wan-cores0.75, wan-10mbit (runs with --train-cores or
+    --slow-link are kept apart)."""
+    link = "-10mbit" if slow_link else ""
+    return f"wan{link}{'' if train_cores is None else f'-cores{train_cores:g}'}{'-quick' if quick else ''}"
 
 
 def train_flags(setup: WanSetup, model: Path, data: Path, run_dir: Path, ranks: int, steps: int) -> list[str]:
@@ -344,6 +352,11 @@ def time_to(evals: list[list[float]] | list[tuple[float, float]], loss: float) -
 def link_figures(setup: WanSetup, arms: list[dict[str, Any]]) -> None:
     """Add what compares the arms of one link: DDP's estimated utilisation, time to DDP's final loss and its
     ratio, the eval loss against the blocking arm's."""
+    if setup.slow_link:  # no DDP: against the first (dense) blocking arm
+        for arm in arms:
+            arm["time_to_ddp_loss_s"] = arm["time_to_ddp_loss_ratio"] = None
+            arm["eval_vs_blocking"] = arm["final_eval_loss"] / arms[0]["final_eval_loss"] - 1
+        return
     ddp, blocking = arms[0], arms[1]
     ddp["utilisation"] = setup.steps * blocking["median_step_s"] / ddp["train_s"]
     ddp["utilisation_estimated"] = True
@@ -357,19 +370,20 @@ def link_figures(setup: WanSetup, arms: list[dict[str, Any]]) -> None:
 
 
 def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path,
-            train_cores: float | None = None) -> dict[str, Any]:  # fmt: skip
+            train_cores: float | None = None, slow_link: bool = False) -> dict[str, Any]:  # fmt: skip
     """Every arm on every link, one after another (the arms of a link share its namespaces; each DiLoCo arm has
     a bootstrap DHT peer of its own, all started at the outset)."""
-    setup = wan_setup(quick, train_cores)
+    setup = wan_setup(quick, train_cores, slow_link)
     model = model_folder(setup.model, work_dir / "models")
     links = []
     for rate in setup.links_mbit:
         link_dir = work_dir / f"{rate:g}mbit"
         arms = setup.arms(slowest=rate == min(setup.links_mbit), quick=quick)
-        with netns.hosts(WORKERS + len(arms) - 1, rate) as hosts, ExitStack() as stack:
+        swarms = [arm for arm in arms if arm.flags is not None]
+        with netns.hosts(WORKERS + len(swarms), rate) as hosts, ExitStack() as stack:
             dht_hosts = iter(hosts[WORKERS:])
             dhts = {}
-            for arm in arms[1:]:
+            for arm in swarms:
                 host, log_path = next(dht_hosts), link_dir / f"dht-{arm.name}.log"
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 dhts[arm.name] = Dht(host, start_dht(stack, host, log_path), log_path)
@@ -381,7 +395,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path,
         "setup": dataclasses.asdict(setup),
         "data": data.name,
         "links": links,
-        "targets": targets(links),
+        "targets": sparse_targets(links) if slow_link else targets(links),
     }
 
 
@@ -401,6 +415,17 @@ def targets(links: list[dict[str, Any]]) -> dict[str, Any]:
         or streaming["eval_vs_blocking"] < 0,
         "streaming_time_to_ddp_loss_at_most_0.33": ratio is not None and ratio <= 0.33,
         "streaming_time_to_ddp_loss_ratio": ratio,
+    }
+
+
+def sparse_targets(links: list[dict[str, Any]]) -> dict[str, Any]:
+    """The 10 Mbit/s study's target: blocking sparse rounds at a compute utilisation of 0.95 or more (int8's is
+    measured beside it)."""
+    arms = {arm["name"]: arm for arm in links[0]["arms"]}
+    return {
+        "link_mbit": links[0]["rate_mbit"],
+        "sparse_utilisation_at_least_0.95": arms["blocking-sparse"]["utilisation"] >= 0.95,
+        "int8_utilisation": arms["blocking-int8"]["utilisation"],
     }
 
 
@@ -439,6 +464,9 @@ def markdown(result: dict[str, Any]) -> str:
         ) + "; streaming-contiguous: `--hv.fragment-layout contiguous` (the others strided); streaming-2x (slowest "
         "link only) trains twice the steps, to time when it reaches DDP's final loss: its loss is not at equal "
         "tokens; time to DDP's loss: interpolated between the evaluations around the crossing",
+        *(["- the 10 Mbit/s study (`--slow-link`): DiLoCo's blocking rounds in int8 against sparse rounds "
+           "(`--hv.compression sparse`: a 64th of each chunk in 2 bits, error feedback), no DDP; vs blocking: "
+           "against blocking-int8"] if s.get("slow_link") else []),
         "- training time: first inner step to the last round, evaluations left out; utilisation: the inner steps' "
         "own time ÷ training time (DDP: its steps at the blocking arm's median step time ÷ its training time, as "
         "its all-reduce is inside its steps); peak: the most bytes one worker's link carried one way in 0.5 s, "
@@ -494,7 +522,8 @@ def plot(result: dict[str, Any], out: Path) -> Path:
         ax.set(title=f"{link['rate_mbit']:g} Mbit/s", xlabel="training time (s)", ylabel="held-out loss")
         ax.legend()
     fig.tight_layout()
-    path = out / f"{stem(result['quick'], result['setup'].get('train_cores'))}.png"
+    setup = result["setup"]
+    path = out / f"{stem(result['quick'], setup.get('train_cores'), setup.get('slow_link', False))}.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -1,5 +1,5 @@
 """`diloco bench wire`: bytes each worker sends and receives over a whole run, DiLoCo (compression none, fp16,
-int8) against DDP, counted by the kernel and by the trainer.
+int8, sparse) against DDP, counted by the kernel and by the trainer.
 
 Every worker runs in a network namespace of its own, joined to a bridge by a veth pair (`netns.hosts`); the
 kernel's byte counters on that veth are read before the worker starts and after it ends, so they hold all it
@@ -35,7 +35,7 @@ __all__ = ["markdown", "measure"]
 
 log = logging.getLogger("diloco")
 
-COMPRESSIONS = ("none", "fp16", "int8")
+COMPRESSIONS = ("none", "fp16", "int8", "sparse")
 WORKERS = 2  # DiLoCo worker groups (one rank each), and DDP ranks: one per namespace
 PARAM_BYTES = 4  # float32 parameters and gradients (--precision 32-true)
 DDP_PORT = 29500  # torchrun's store in the first namespace, which holds nothing else

@@ -53,7 +53,10 @@ class ErrorFeedback:
         for a, b in self._runs(fragment):
             pseudo_gradient[offset : offset + b - a].add_(self.error[a:b], alpha=self.decay)
             offset += b - a
-        self._pending[fragment] = pseudo_gradient - self.image(pseudo_gradient, fragment)
+        carried = self.image(pseudo_gradient, fragment)
+        # x − C(x) in the image's own memory (no third copy of the shard); an exact wire carries all of x
+        self._pending[fragment] = torch.zeros_like(carried) if carried is pseudo_gradient else carried.neg_().add_(
+            pseudo_gradient)  # fmt: skip
         return pseudo_gradient
 
     def averaged(self, fragment: int | None = None) -> None:

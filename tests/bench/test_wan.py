@@ -58,6 +58,28 @@ def test_wan_quick(tmp_path) -> None:
     assert arms["streaming-int4"]["peak_link_bytes_per_s"] < arms["streaming"]["peak_link_bytes_per_s"]
     assert "## wan (quick): " in doc and "| streaming-int4 | " in doc and "Targets at 1000 Mbit/s" in doc
     assert "held to 0.9 of its core" in doc
+
+
+@pytest.mark.slow
+def test_wan_slow_link_quick(tmp_path) -> None:
+    """The 10 Mbit/s study: blocking int8 rounds against blocking sparse rounds, no DDP; the sparse arm's link
+    carries a small share of int8's bytes, both arms end on one model per arm, and the target is judged."""
+    before = namespaces()
+    data, doc = bench("wan", tmp_path, "--data", str(CORPUS), "--slow-link", timeout=480, stem="wan-10mbit")
+    (link,) = data["links"]
+    assert link["rate_mbit"] == 10.0 and data["setup"]["slow_link"] is True
+    arms = {arm["name"]: arm for arm in link["arms"]}
+    assert list(arms) == ["blocking-int8", "blocking-sparse"]
+    for arm in arms.values():
+        assert 0 < arm["utilisation"] <= 1.0 and arm["rounds"] == data["setup"]["steps"] // data["setup"][
+            "local_steps"], arm  # fmt: skip
+        assert arm["time_to_ddp_loss_s"] is None
+    assert arms["blocking-sparse"]["peak_link_bytes_per_s"] < arms["blocking-int8"]["peak_link_bytes_per_s"]
+    assert arms["blocking-int8"]["eval_vs_blocking"] == 0
+    assert set(data["targets"]) == {"link_mbit", "sparse_utilisation_at_least_0.95", "int8_utilisation"}
+    assert "**10 Mbit/s**" in doc and "| blocking-sparse | " in doc and "Targets at 10 Mbit/s" in doc
+    used = {m.group(1) for arm in link["arms"] if (m := re.match(r"ip netns exec (\S+) ", arm["command"]))}
+    assert_none_left(before, used)
     assert (tmp_path / "wan-cores0.9-quick.png").stat().st_size > 0
 
 

@@ -17,7 +17,8 @@ from diloco.bench.arms import Workload
 from tests.support.bench import bench
 from tests.support.netns import assert_none_left, namespaces
 
-ARMS = ["diloco-none", "diloco-fp16", "diloco-int8", "ddp"]
+ARMS = ["diloco-none", "diloco-fp16", "diloco-int8", "diloco-sparse", "ddp"]
+DILOCO = ARMS[:4]
 
 
 def used_namespaces(data: dict) -> set[str]:
@@ -44,8 +45,8 @@ def test_wire_quick(tmp_path: Path) -> None:
     assert data["model"] == "llama-2m-fresh" and data["parameters"] > 100_000
     assert data["parameter_bytes"] == 4 * data["parameters"]
     rounds = data["inner_steps"] // data["local_steps"]
-    assert rounds >= 2 and data["outer_rounds"] == {name: rounds for name in ARMS[:3]}
-    for name in ARMS[:3]:
+    assert rounds >= 2 and data["outer_rounds"] == {name: rounds for name in DILOCO}
+    for name in DILOCO:
         arm = arms[name]
         assert arm["inner_steps"] == [data["inner_steps"]] * 2
         # every round ran; under load a matchmaking split can leave a round to each worker alone (no bytes):
@@ -59,9 +60,10 @@ def test_wire_quick(tmp_path: Path) -> None:
             assert w["ratio_sent"] == pytest.approx(w["os_sent_bytes"] / w["payload_sent_bytes"])
         assert arm["dht_os_sent_bytes"] > 0 and arm["dht_os_received_bytes"] > 0
     # two peers, butterfly all-reduce: each sends half its tensor and the averaged other half, about the model
-    none, fp16, int8 = (sent(arms[n], 0, "payload") / arms[n]["rounds_with_all_peers"][0] for n in ARMS[:3])
+    none, fp16, int8, sparse = (sent(arms[n], 0, "payload") / arms[n]["rounds_with_all_peers"][0] for n in DILOCO)
     assert data["parameter_bytes"] <= none < 1.01 * data["parameter_bytes"]
     assert 0.45 < fp16 / none < 0.55 and 0.2 < int8 / none < 0.3
+    assert sparse / none < 0.05  # a 64th of each 64-value row and its scale, sent and relayed
     ddp = arms["ddp"]
     computed = data["parameter_bytes"] * data["inner_steps"]  # 2·(n−1)/n = 1 for n = 2
     for w in ddp["workers"]:
@@ -69,7 +71,7 @@ def test_wire_quick(tmp_path: Path) -> None:
         assert w["os_sent_bytes"] > computed and w["os_received_bytes"] > computed
     assert ddp["payload"] == "computed" and ddp["inner_steps"] == [data["inner_steps"]] * 2
     assert per_worker_total(ddp) > per_worker_total(arms["diloco-none"])
-    for name in ARMS[:3]:
+    for name in DILOCO:
         expected = per_worker_total(ddp) / per_worker_total(arms[name])
         assert data["ddp_over_diloco"][name]["os"] == pytest.approx(expected)
     assert data["ddp_over_diloco"]["diloco-none"]["os"] > 1
@@ -77,7 +79,7 @@ def test_wire_quick(tmp_path: Path) -> None:
     # state download that repairs the split (the whole outer state and momentum, uncompressed) counts in the kernel's
     # total: the totals compare only when every round of both arms had both workers (under the suite's load, int8 once
     # had 1 round of 3 with both and 12 MB sent, 45 times its payload); the payloads above compare in any case
-    per_round = {n: per_worker_total(arms[n]) / arms[n]["rounds_with_all_peers"][0] for n in ARMS[:3]}
+    per_round = {n: per_worker_total(arms[n]) / arms[n]["rounds_with_all_peers"][0] for n in DILOCO}
     if all(arms[n]["rounds_with_all_peers"] == arms[n]["outer_rounds"] for n in ("diloco-none", "diloco-int8")):
         assert per_round["diloco-none"] > 2 * per_round["diloco-int8"], per_round
     assert "## wire (quick): " in doc and "- command: `diloco bench wire --quick --out " in doc
@@ -119,7 +121,7 @@ def test_failed_arm_leaves_no_namespace_and_no_process(tmp_path: Path, monkeypat
     with pytest.raises(BenchError, match=r"diloco-none worker \d exited with code") as failed:
         wire.measure(True, work_dir, {})
     assert "\n" not in str(failed.value)
-    assert len(made) == 5 and (work_dir / "dht-int8.log").exists()  # all DHT peers had been started
+    assert len(made) == 6 and (work_dir / "dht-sparse.log").exists()  # all DHT peers had been started
     assert_none_left(before, {h.name for h in made})
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     assert not any(h.veth in links for h in made)

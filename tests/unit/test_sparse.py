@@ -245,3 +245,22 @@ def test_two_groups_of_sparse_rounds_stay_identical_and_a_resume_from_their_stat
         outers[g].step = 6
     train(nets, outers, range(6, 12))
     assert torch.equal(flat(nets[0]), straight) and torch.equal(flat(nets[1]), straight)
+
+
+def test_a_non_finite_sparse_contribution_is_screened_out_and_the_others_average():
+    codec = sparse_codec(SHAPES, 1 / 8, 2)
+    shape = Shape("FULL_SHARD", 1)
+    layouts = [group_layout(SHAPES, shape, codec.chunks) for _ in range(3)]
+    round_plan = plan(layouts, NUMEL, codec.chunks)
+    schedules = [plan_schedule(round_plan, layouts, (g, 0), codec.part_numel, codec.chunks) for g in range(3)]
+    vectors = [randn(NUMEL, g) for g in range(3)]
+    vectors[2][5] = float("nan")  # in the first span: its reducer leaves it out; the other reducers take it
+    outs, errors, rounds, _ = run_group(vectors, codec, schedules=schedules)
+    assert errors[0] is None and errors[1] is None and errors[2] is not None  # its own round fails
+    assert [r.rejected for r in rounds] == [1, 0, 0]
+    images = [image(codec, v.nan_to_num(), 0) for v in vectors]
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
+    for span in round_plan.spans:  # reducer 0 left it out of all its spans from the first on
+        kept = images[:2] if span.reducer == (0, 0) else images
+        assert torch.allclose(outs[0][span.start : span.stop], sum(kept)[span.start : span.stop] / len(kept),
+                              atol=1e-6), span  # fmt: skip

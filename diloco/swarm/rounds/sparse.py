@@ -124,7 +124,8 @@ class SparseCodec:
         magnitude = np.abs(values)
         absmax = np.zeros(sel.k.size, np.float32)
         if values.size:
-            np.maximum.at(absmax, chunk_of, magnitude)
+            with np.errstate(invalid="ignore"):  # (NaN: its chunk is marked below)
+                np.maximum.at(absmax, chunk_of, magnitude)
             nan = np.isnan(values)
             if nan.any():
                 absmax[np.unique(chunk_of[nan])] = np.nan

@@ -221,6 +221,8 @@ class Round:
             raise ValueError(f"the roster is not of this group of {len(endpoints)}, or names another key for {index}")
         self._keys: dict[int, tuple[bytes, bytes] | None] = {}  # per reducer: the keys of our connection to it
         self.aggregation = aggregation
+        if codec.relay is not None and aggregation != "mean":
+            raise ValueError(f"{aggregation} has no form for a relaying codec ({codec.name})")
         self.connector = connect
         self.endpoints, self.codec, self.timeout, self.max_norm_ratio = endpoints, codec, timeout, max_norm_ratio
         self.k = len(endpoints)
