@@ -50,6 +50,7 @@ def test_every_chunk_sends_its_k_largest_values_within_the_quantizers_bound(bits
     codec = SparseCodec(Chunks(SHAPES), density, bits)
     x = randn(NUMEL, 3)
     y = codec.decode(memoryview(codec.encode(x, 0)), NUMEL, 0)
+    assert torch.equal(codec.carry(x, 0), y)  # what error feedback keeps back is exactly what the wire loses
     starts, lengths, dense = codec.chunks.within(0, NUMEL)
     assert torch.equal(y[torch.from_numpy(dense)], x[torch.from_numpy(dense)])  # dense parameters: exact
     for start, length in zip(starts, lengths):
@@ -79,6 +80,7 @@ def test_a_non_finite_value_makes_its_chunk_decode_non_finite(bad: float):
     x = randn(NUMEL, 1)
     x[45] = bad  # the second row of the first matrix
     y = codec.decode(memoryview(codec.encode(x, 0)), NUMEL, 0)
+    assert torch.equal(codec.carry(x, 0).nan_to_num(), y.nan_to_num())
     assert int((~torch.isfinite(y[40:80])).sum()) == 5 and torch.isfinite(y[:40]).all()  # its 5 values: screened out
 
 

@@ -118,22 +118,8 @@ class SparseCodec:
         """The part's message (see the module); non-finite values make their chunk decode to NaN."""
         x = part.detach().reshape(-1).to(torch.float32).numpy()
         sel = self.selection(start, x.size)
-        offsets, values = self._select(x, sel)
+        offsets, values, scale16, level = self._quantize(x, sel)
         first = np.cumsum(sel.k) - sel.k  # each chunk's first value
-        chunk_of = np.repeat(np.arange(sel.k.size), sel.k)
-        magnitude = np.abs(values)
-        absmax = np.zeros(sel.k.size, np.float32)
-        if values.size:
-            with np.errstate(invalid="ignore"):  # (NaN: its chunk is marked below)
-                np.maximum.at(absmax, chunk_of, magnitude)
-            nan = np.isnan(values)
-            if nan.any():
-                absmax[np.unique(chunk_of[nan])] = np.nan
-        scale16 = torch.from_numpy(absmax / np.float32(self.top)).to(torch.bfloat16)
-        scale = scale16.float().numpy()
-        with np.errstate(invalid="ignore", divide="ignore"):
-            level = np.rint(magnitude / scale[chunk_of])
-        level = np.clip(np.nan_to_num(level, nan=1.0, posinf=1.0), 1, self.top).astype(np.int64)
         codes = ((values < 0).astype(np.int64) << (self.bits - 1)) | (level - 1)
         gaps = offsets.copy()
         if gaps.size:
@@ -149,20 +135,55 @@ class SparseCodec:
             _pack(codes, np.full(codes.size, self.bits)), _pack(low, widths), unary_bytes,
         ))  # fmt: skip
 
-    def _select(self, x: np.ndarray, sel: Selection) -> tuple[np.ndarray, np.ndarray]:
-        """(offsets within their chunk, ascending per chunk; the values there), chunk after chunk."""
+    def _quantize(self, x: np.ndarray, sel: Selection) -> tuple[np.ndarray, np.ndarray, torch.Tensor, np.ndarray]:
+        """(offsets, values, each chunk's bfloat16 scale, each value's magnitude level 1..2^(b-1))."""
+        offsets, values, absmax = self._select(x, sel)
+        chunk_of = np.repeat(np.arange(sel.k.size), sel.k)
+        scale16 = torch.from_numpy(absmax / np.float32(self.top)).to(torch.bfloat16)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            level = np.rint(np.abs(values) / scale16.float().numpy()[chunk_of])
+        return offsets, values, scale16, np.clip(np.nan_to_num(level, nan=1.0, posinf=1.0), 1, self.top).astype(
+            np.int64)  # fmt: skip
+
+    def carry(self, part: torch.Tensor, start: int) -> torch.Tensor:
+        """decode(encode(part)), without the bits in between: what a round carries of these values."""
+        x = part.detach().reshape(-1).to(torch.float32).numpy()
+        sel = self.selection(start, x.size)
+        offsets, values, scale16, level = self._quantize(x, sel)
+        out = self._values(x.size, sel, offsets, values < 0, level, scale16)
+        out[torch.from_numpy(sel.dense)] = torch.from_numpy(x[sel.dense])
+        return out
+
+    @staticmethod
+    def _values(n: int, sel: Selection, offsets: np.ndarray, negative: np.ndarray, level: np.ndarray,
+                scale16: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The dense values of a part: its dense values are set by the caller; the selected ones ±level·scale."""
+        out = np.zeros(n, np.float32)
+        scale = scale16.float().numpy()[np.repeat(np.arange(sel.k.size), sel.k)]
+        value = level.astype(np.float32) * scale
+        value = np.where(negative, -value, value)
+        value[~np.isfinite(scale)] = np.nan
+        out[np.repeat(sel.starts, sel.k) + offsets] = value
+        return torch.from_numpy(out)
+
+    def _select(self, x: np.ndarray, sel: Selection) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(offsets within their chunk, ascending per chunk; the values there), chunk after chunk, and each chunk's
+        largest magnitude (NaN where a selected value is NaN: it counts as the largest)."""
         total = sel.values
         offsets, values = np.zeros(total, np.int64), np.zeros(total, np.float32)
+        absmax = np.zeros(sel.k.size, np.float32)
         first = np.cumsum(sel.k) - sel.k
         for length in np.unique(sel.lengths):
             which = np.flatnonzero(sel.lengths == length)
             k = int(sel.k[which[0]])
             block = torch.from_numpy(x[sel.starts[which][:, None] + np.arange(length)])
-            top = torch.topk(block.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+            largest = torch.topk(block.abs(), k, dim=1, sorted=False)
+            top = largest.indices.sort(dim=1).values
             place = first[which][:, None] + np.arange(k)
             offsets[place] = top.numpy()
             values[place] = torch.gather(block, 1, top).numpy()
-        return offsets, values
+            absmax[which] = largest.values.amax(dim=1).numpy()
+        return offsets, values, absmax
 
     def decode(self, data: memoryview, n: int, start: int) -> torch.Tensor:
         """n float32 values of `encode`'s bytes; ValueError naming what does not fit."""
@@ -176,12 +197,10 @@ class SparseCodec:
         fixed = 4 + 4 * dense + 2 * chunks + code_bytes + low_bytes
         if data.nbytes != fixed + unary_bytes:
             raise ValueError(f"{data.nbytes} bytes of sparse for {n} values ({fixed} + {unary_bytes} expected)")
-        out = np.zeros(n, np.float32)
         at = 4
-        out[sel.dense] = np.frombuffer(data, np.float32, dense, at)
+        dense_values = np.frombuffer(data, np.float32, dense, at)
         at += 4 * dense
-        raw = np.frombuffer(data, np.int16, chunks, at).copy()
-        scale = torch.from_numpy(raw).view(torch.bfloat16).float().numpy()
+        scale16 = torch.from_numpy(np.frombuffer(data, np.int16, chunks, at).copy()).view(torch.bfloat16)
         at += 2 * chunks
         codes = _unpack(data[at : at + code_bytes], np.full(count, self.bits))
         at += code_bytes
@@ -192,21 +211,16 @@ class SparseCodec:
         if ends.size != count or (count and ends[-1] < unary.size - 8):
             raise ValueError(f"a sparse part's positions: {ends.size} of {count}, or trailing bits")
         high = np.diff(ends, prepend=-1) - 1
-        steps = ((high << widths) | low) + 1
-        total = np.cumsum(steps)
+        total = np.cumsum(((high << widths) | low) + 1)
         first = np.cumsum(sel.k) - sel.k
         before = np.where(first > 0, total[np.maximum(first - 1, 0)], 0) if count else first
         offsets = total - np.repeat(before, sel.k) - 1
-        last = first + sel.k - 1
-        if count and np.any(offsets[last] >= sel.lengths):
+        if count and np.any(offsets[first + sel.k - 1] >= sel.lengths):
             raise ValueError("a sparse part's offset beyond its chunk")
-        chunk_of = np.repeat(np.arange(chunks), sel.k)
-        magnitude = ((codes & (self.top - 1)) + 1).astype(np.float32)
-        value = magnitude * scale[chunk_of]
-        value = np.where(codes >> (self.bits - 1) == 1, -value, value)
-        value[~np.isfinite(scale[chunk_of])] = np.nan
-        out[np.repeat(sel.starts, sel.k) + offsets] = value
-        return torch.from_numpy(out)
+        negative = codes >> (self.bits - 1) == 1
+        out = self._values(n, sel, offsets, negative, (codes & (self.top - 1)) + 1, scale16)
+        out[torch.from_numpy(sel.dense)] = torch.from_numpy(dense_values.copy())
+        return out
 
     def max_bytes(self, n: int) -> int:
         return 16 + 6 * n
@@ -252,6 +266,7 @@ class SparseCodec:
         return tcp.Codec(
             "sparse", tcp.RAW.part_numel, encode=self.encode, decode=self.decode, max_bytes=self.max_bytes,
             chunks=self.chunks, relay=self.relay, decode_relay=self.decode_relay, relay_max_bytes=self.relay_max_bytes,
+            carry=self.carry,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ measures
@@ -272,9 +287,8 @@ class SparseCodec:
 def image(codec: tcp.Codec, values: torch.Tensor, start: int) -> torch.Tensor:
     """What a round carries of `values` (canonical ``[start, start + n)``, whole chunks): decode(encode(values)),
     part by part as the rounds cut them."""
-    assert codec.chunks is not None, "a codec of whole chunks"
+    assert codec.chunks is not None and codec.carry is not None, "a codec of whole chunks"
     out = torch.empty(values.numel())
     for lo, hi in codec.chunks.runs(start, start + values.numel(), codec.part_numel):
-        encoded = codec.encode(values[lo - start : hi - start].contiguous(), lo)
-        out[lo - start : hi - start] = codec.decode(memoryview(encoded), hi - lo, lo)
+        out[lo - start : hi - start] = codec.carry(values[lo - start : hi - start], lo)
     return out

@@ -100,6 +100,7 @@ class Codec:
     relay: Callable[[Sequence[tuple[object, float]]], object] | None = None
     decode_relay: Callable[[memoryview, int, int, int], torch.Tensor] | None = None
     relay_max_bytes: Callable[[int, int], int] | None = None
+    carry: Callable[[torch.Tensor, int], torch.Tensor] | None = None  # decode(encode(part, start)), computed directly
 
 
 FP16_MAX = 65504.0
