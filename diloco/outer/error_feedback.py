@@ -60,13 +60,15 @@ class ErrorFeedback:
         return pseudo_gradient
 
     def averaged(self, fragment: int | None = None) -> None:
-        """The round averaged with other groups: e = x − C(x)."""
-        self._set(fragment, self._pending.pop(fragment, None))
+        """The round averaged with other groups: e = x − C(x) (unchanged when this group sent nothing of its own)."""
+        pending = self._pending.pop(fragment, None)
+        if pending is not None:
+            self._set(fragment, pending)
 
     def applied_alone(self, fragment: int | None = None) -> None:
         """The group applied all of x by itself: nothing is left to send."""
-        self._pending.pop(fragment, None)
-        self._set(fragment, None)
+        if self._pending.pop(fragment, None) is not None:
+            self._set(fragment, None)
 
     def failed(self, fragment: int | None = None) -> None:
         """Nothing of x was applied: e stays as it was (the inner steps carry over)."""

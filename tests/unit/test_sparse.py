@@ -167,6 +167,9 @@ def test_error_feedback_keeps_what_a_round_did_not_carry_until_a_round_averages(
     feedback.applied_alone()
     assert not feedback.error.any()  # all of x applied
     feedback.error.copy_(kept)
+    feedback.averaged()  # a round this group joined with nothing of its own (weight 0): its buffer stays
+    feedback.applied_alone()
+    assert torch.equal(feedback.error, kept)
     restored = ErrorFeedback(NUMEL, 0.5, feedback.image, [])
     restored.load_state_dict(feedback.state_dict())
     assert torch.equal(restored.error, kept)
