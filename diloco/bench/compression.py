@@ -176,7 +176,7 @@ def markdown(result: dict[str, Any]) -> str:
         *section_head(result),
         f"- the convergence bench's workload: {workload_text(result['workload'])}; H = {result['h']}, outer lr / "
         f"momentum {result['outer'][0]:g} / {result['outer'][1]:g} unless the arm says; DDP at k·B for S steps "
-        "(equal tokens); seeds " + ", ".join(str(s) for s in result["seeds"]),
+        "(equal tokens)",
         "- DiLoCo's in-memory mean goes through the wire format part by part, every contribution and, for dense "
         "formats, the average, as a round does over the wire; a sparse round's reducer relays the contributions "
         "and every group averages them alike. Bytes per value: the encoded bytes of every contribution ÷ its "

@@ -451,22 +451,25 @@ def markdown(result: dict[str, Any]) -> str:
         f"steps; held-out loss every {s['eval_interval']} steps over "
         + ("the whole held-out split" if s.get("eval_steps", WHOLE_SPLIT) >= WHOLE_SPLIT else
            f"the held-out split's first {s['eval_steps']} batches"),
-        f"- {WORKERS} workers, each in a network namespace behind a `tc tbf` link (both directions); DDP: one group "
-        "of 2 ranks (torchrun multi-node, gloo, NO_SHARD); DiLoCo: 2 groups of 1 rank, H = "
-        f"{s['local_steps']}, outer setting auto; streaming: `--hv.fragments {s['fragments']} --hv.overlap-steps "
-        f"{s['overlap']}` (mix 0.5)",
+        f"- {WORKERS} workers, each in a network namespace behind a `tc tbf` link (both directions); "
+        + ("" if s.get("slow_link") else "DDP: one group of 2 ranks (torchrun multi-node, gloo, NO_SHARD); ")
+        + f"DiLoCo: 2 groups of 1 rank, H = {s['local_steps']}, outer setting auto"
+        + ("" if s.get("slow_link") else f"; streaming: `--hv.fragments {s['fragments']} --hv.overlap-steps "
+           f"{s['overlap']}` (mix 0.5)"),
         "- each worker (and its DHT, averager and p2pd processes) is pinned to a core of its own with `taskset`, "
         "as on a machine of its own" + (
             "" if s.get("train_cores") is None else
             f"; `--train-cores {s['train_cores']:g}`: once it trains, each worker's training process is held to "
             f"{s['train_cores']:g} of its core (cgroup quota) and its helpers move off that core to spare CPU, as "
             "beside an accelerator that trains"
-        ) + "; streaming-contiguous: `--hv.fragment-layout contiguous` (the others strided); streaming-2x (slowest "
-        "link only) trains twice the steps, to time when it reaches DDP's final loss: its loss is not at equal "
-        "tokens; time to DDP's loss: interpolated between the evaluations around the crossing",
+        ) + ("" if s.get("slow_link") else "; streaming-contiguous: `--hv.fragment-layout contiguous` (the others "
+             "strided); streaming-2x (slowest link only) trains twice the steps, to time when it reaches DDP's final "
+             "loss: its loss is not at equal tokens; time to DDP's loss: interpolated between the evaluations around "
+             "the crossing"),
         *(["- the 10 Mbit/s study (`--slow-link`): DiLoCo's blocking rounds in int8 against sparse rounds "
            "(`--hv.compression sparse`: a 64th of each chunk in 2 bits, error feedback), no DDP; vs blocking: "
-           "against blocking-int8"] if s.get("slow_link") else []),
+           "against blocking-int8; a blocking round's time is its matchmaking (the group forming through the DHT) "
+           "and its all-reduce, both on the link"] if s.get("slow_link") else []),
         "- training time: first inner step to the last round, evaluations left out; utilisation: the inner steps' "
         "own time ÷ training time (DDP: its steps at the blocking arm's median step time ÷ its training time, as "
         "its all-reduce is inside its steps); peak: the most bytes one worker's link carried one way in 0.5 s, "
