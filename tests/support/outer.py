@@ -3,6 +3,7 @@ over a net's parameters, and a net of four decoder layers whose parameters fragm
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -48,3 +49,30 @@ def runs_of(net: torch.nn.Module, count: int, layout: str = "strided") -> list[l
 
 def flat(net: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def batches(step: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group `group`'s regression batch of inner step `step`."""
+    g = torch.Generator().manual_seed(1000 * step + group)
+    return torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+
+
+def train_pair(nets: dict[int, torch.nn.Module], outers: dict[int, DiLoCo], steps: range) -> dict[int, list[dict]]:
+    """Two groups, each a thread, train their nets on their own batches (SGD, lr 0.05) over `steps`, each inner
+    step followed by its outer loop's `after_inner_step`; returns each group's outer rows."""
+    rows: dict[int, list[dict]] = {0: [], 1: []}
+
+    def run_group(group: int) -> None:
+        opt = torch.optim.SGD(nets[group].parameters(), lr=0.05)
+        for step in steps:
+            opt.zero_grad()
+            x, y = batches(step, group)
+            torch.nn.functional.mse_loss(nets[group](x), y).backward()
+            opt.step()
+            report = outers[group].after_inner_step(step + 1)
+            if report is not None:
+                rows[group] += report.rows
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(run_group, (0, 1)))
+    return rows

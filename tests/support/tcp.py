@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from diloco.swarm.rounds import tcp
-from diloco.swarm.rounds.layout import Schedule
+from diloco.swarm.rounds.layout import RankLayout, Schedule
 from diloco.swarm.rounds.listener import Listener, listen_socket
 from diloco.swarm.rounds.tcp import RAW, Round, RoundFailed
 
@@ -72,3 +72,12 @@ def run_group(
 
 def randn(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def canonical(outs: list[torch.Tensor], layout: list[RankLayout], numel: int) -> torch.Tensor:
+    """A group's ranks' exchanged values put back in canonical order (NaN where none of them exchanges)."""
+    vector = torch.full((numel,), float("nan"))
+    for out, rank in zip(outs, layout):
+        for p in rank.exchanged:
+            vector[p.start : p.stop] = out[p.local : p.local + p.numel]
+    return vector

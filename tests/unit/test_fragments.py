@@ -5,7 +5,6 @@ bit-identical outer states across groups of the in-memory swarm."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pydantic
@@ -20,7 +19,7 @@ from diloco.outer.links import solo_group
 from diloco.outer.memory import Member, MemorySwarm, Report
 from diloco.outer.optimizer import OuterOptimizer
 from diloco.outer.pace import check_overlap
-from tests.support.outer import LAYERS, Layered, flat, runs_of
+from tests.support.outer import LAYERS, Layered, flat, runs_of, train_pair
 
 
 def test_fragments_hold_whole_layers_strided_or_contiguous() -> None:
@@ -140,11 +139,6 @@ def test_an_overlapped_round_lands_t_steps_later_merged_by_hand() -> None:
     assert [i for i, _, _ in swarm.rounds] == [1, 2]
 
 
-def batches(step: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + group)
-    return torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
-
-
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_two_groups_stay_bit_identical_after_every_fragment_round(overlap: int) -> None:
     """Two groups train on their own batches, F = 2, H = 4, Nesterov 0.7/0.9, blocking or overlapped by one step:
@@ -156,21 +150,7 @@ def test_two_groups_stay_bit_identical_after_every_fragment_round(overlap: int) 
                       fragments=runs_of(nets[g], 2), overlap_steps=overlap, final_step=12)
         for g in (0, 1)
     }  # fmt: skip
-    rows: dict[int, list[dict]] = {0: [], 1: []}
-
-    def run_group(group: int) -> None:
-        opt = torch.optim.SGD(nets[group].parameters(), lr=0.05)
-        for step in range(12):
-            opt.zero_grad()
-            x, y = batches(step, group)
-            torch.nn.functional.mse_loss(nets[group](x), y).backward()
-            opt.step()
-            report = outers[group].after_inner_step(step + 1)
-            if report is not None:
-                rows[group] += report.rows
-
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(run_group, (0, 1)))
+    rows = train_pair(nets, outers, range(12))
     digests = [{r["outer_step"]: r["outer_digest"] for r in rows[g]} for g in (0, 1)]
     assert digests[0] == digests[1] and len(digests[0]) >= 4, rows
     # a row per fragment round, the last step's two included (fragment 1's, then fragment 0's again)

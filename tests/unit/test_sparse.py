@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import math
 import struct
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -17,9 +16,8 @@ from diloco.swarm.rounds.chunks import CHUNK, Chunks
 from diloco.swarm.rounds.codecs import sparse_codec
 from diloco.swarm.rounds.layout import Shape, group_layout, plan, plan_schedule
 from diloco.swarm.rounds.sparse import SparseCodec, image
-from tests.support.outer import Layered, diloco, flat
-from tests.support.tcp import randn, run_group
-from tests.unit.test_fragments import batches
+from tests.support.outer import Layered, diloco, flat, train_pair
+from tests.support.tcp import canonical, randn, run_group
 
 torch.set_num_threads(1)
 
@@ -104,14 +102,6 @@ def test_a_message_that_does_not_fit_its_part_is_refused():
         codec.decode_relay(memoryview(codec.relay([(good, -1.0)])), NUMEL, 0, 2)
 
 
-def canonical(outs: list[torch.Tensor], layout) -> torch.Tensor:
-    vector = torch.full((NUMEL,), float("nan"))
-    for out, rank in zip(outs, layout):
-        for p in rank.exchanged:
-            vector[p.start : p.stop] = out[p.local : p.local + p.numel]
-    return vector
-
-
 @pytest.mark.parametrize(
     "mix",
     [[Shape("FULL_SHARD", 1), Shape("FULL_SHARD", 2)], [Shape("DDP", 2), Shape("FULL_SHARD", 3)],
@@ -137,7 +127,7 @@ def test_groups_of_any_shape_apply_one_relayed_mean_of_the_same_selections(mix: 
     outs, errors, rounds, _ = run_group(vectors, codec, [group_weights[g] for g, _ in participants],
                                         schedules=schedules)  # fmt: skip
     assert errors == [None] * len(participants)
-    results = [canonical([outs[i] for i, (h, _) in enumerate(participants) if h == g], layout)
+    results = [canonical([outs[i] for i, (h, _) in enumerate(participants) if h == g], layout, NUMEL)
                for g, layout in enumerate(layouts)]  # fmt: skip
     assert not results[0].isnan().any()
     assert all(torch.equal(results[0], result) for result in results)
@@ -199,25 +189,6 @@ def sparse_pair(nets: dict[int, Layered], decay: float, momentum: float, final_s
     return hub, outers
 
 
-def train(nets, outers, steps: range) -> dict[int, list[dict]]:
-    rows: dict[int, list[dict]] = {0: [], 1: []}
-
-    def run_group(group: int) -> None:
-        opt = torch.optim.SGD(nets[group].parameters(), lr=0.05)
-        for step in steps:
-            opt.zero_grad()
-            x, y = batches(step, group)
-            torch.nn.functional.mse_loss(nets[group](x), y).backward()
-            opt.step()
-            report = outers[group].after_inner_step(step + 1)
-            if report is not None:
-                rows[group] += report.rows
-
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(run_group, (0, 1)))
-    return rows
-
-
 @pytest.mark.parametrize("rule", [(0.95, 0.0), (1.0, 0.9)], ids=["sparseloco", "nesterov"])
 def test_two_groups_of_sparse_rounds_stay_identical_and_a_resume_from_their_state_ends_the_same(rule):
     """Two groups, a round every 2 steps with a quarter of each row sent: after every round one outer state; the
@@ -226,7 +197,7 @@ def test_two_groups_of_sparse_rounds_stay_identical_and_a_resume_from_their_stat
     decay, momentum = rule
     nets = {g: Layered() for g in (0, 1)}
     _, outers = sparse_pair(nets, decay, momentum)
-    rows = train(nets, outers, range(12))
+    rows = train_pair(nets, outers, range(12))
     digests = [{r["outer_step"]: r["outer_digest"] for r in rows[g]} for g in (0, 1)]
     assert digests[0] == digests[1] and len(digests[0]) == 6 and all(r["num_peers"] == 2 for r in rows[0])
     assert torch.equal(flat(nets[0]), flat(nets[1]))
@@ -235,7 +206,7 @@ def test_two_groups_of_sparse_rounds_stay_identical_and_a_resume_from_their_stat
 
     nets = {g: Layered() for g in (0, 1)}
     _, outers = sparse_pair(nets, decay, momentum)
-    train(nets, outers, range(6))
+    train_pair(nets, outers, range(6))
     saved = {}
     for g in (0, 1):
         buffer = io.BytesIO()
@@ -248,7 +219,7 @@ def test_two_groups_of_sparse_rounds_stay_identical_and_a_resume_from_their_stat
         nets[g].load_state_dict(state["net"])
         outers[g].load_state_dict(state["outer"])
         outers[g].step = 6
-    train(nets, outers, range(6, 12))
+    train_pair(nets, outers, range(6, 12))
     assert torch.equal(flat(nets[0]), straight) and torch.equal(flat(nets[1]), straight)
 
 

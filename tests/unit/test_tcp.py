@@ -17,7 +17,6 @@ from diloco.swarm.rounds import tcp
 from diloco.swarm.rounds.codecs import WIRE_FORMATS
 from diloco.swarm.rounds.frames import LENGTH, Frames, bytes_of, seal_keys
 from diloco.swarm.rounds.layout import (
-    RankLayout,
     Shape,
     flat_parts,
     group_layout,
@@ -27,7 +26,7 @@ from diloco.swarm.rounds.layout import (
 from diloco.swarm.rounds.listener import Listener, listen_socket
 from diloco.swarm.rounds.screening import all_finite, screen
 from diloco.swarm.rounds.tcp import FP16, RAW, Round, RoundFailed
-from tests.support.tcp import randn, run_group
+from tests.support.tcp import canonical, randn, run_group
 from tests.support.wiretap import Wiretap
 
 torch.set_num_threads(1)
@@ -80,15 +79,6 @@ MODEL_SHAPES = [(300, 40), (40,), (123, 40), (7,), (5, 3, 2)]
 MODEL_NUMEL = sum(math.prod(shape) for shape in MODEL_SHAPES)
 
 
-def canonical(outs: list[torch.Tensor], layout: list[RankLayout]) -> torch.Tensor:
-    """A group's ranks' exchanged values put back in canonical order (NaN where none of them exchanges)."""
-    vector = torch.full((MODEL_NUMEL,), float("nan"))
-    for out, rank in zip(outs, layout):
-        for p in rank.exchanged:
-            vector[p.start : p.stop] = out[p.local : p.local + p.numel]
-    return vector
-
-
 @pytest.mark.parametrize("codec", [RAW, FP16, WIRE_FORMATS["int8"].tcp, WIRE_FORMATS["int4"].tcp], ids=lambda c: c.name)
 @pytest.mark.parametrize(
     "mix",
@@ -112,7 +102,7 @@ def test_groups_of_different_shapes_average_bit_identically(mix: list[Shape], co
     weights = [group_weights[g] for g, _ in participants]
     outs, errors, rounds, _ = run_group(vectors, codec, weights, schedules=schedules, in_place=in_place)
     assert errors == [None] * len(participants)
-    results = [canonical([outs[i] for i, (h, _) in enumerate(participants) if h == g], layout)
+    results = [canonical([outs[i] for i, (h, _) in enumerate(participants) if h == g], layout, MODEL_NUMEL)
                for g, layout in enumerate(layouts)]  # fmt: skip
     assert not results[0].isnan().any()
     assert all(torch.equal(results[0], result) for result in results)  # bit-identical in every group
