@@ -31,7 +31,7 @@ from diloco.bench.convergence_report import workload_text
 from diloco.bench.models import model_folder
 from diloco.model import load_model
 
-__all__ = ["markdown", "measure"]
+__all__ = ["markdown", "measure", "plot"]
 
 DENSE = ("none",)  # (fp16, int8 and int4 against none: their sections in git history, within 0.6%)
 SPARSE = ((1 / 16, 2), (1 / 64, 2), (1 / 256, 2), (1 / 16, 4), (1 / 64, 4), (1 / 256, 4))
@@ -194,9 +194,9 @@ def markdown(result: dict[str, Any]) -> str:
                   "| vs DDP | groups identical |",
                   "|---|---:|---:|---|---:|---:|---:|---:|---|"]  # fmt: skip
         for a in table["arms"]:
-            per_value = a["bytes_per_value"]
-            fewer = "–" if not per_value else f"{8 / (per_value * (1 + k)):.0f}" if a["compression"].startswith(
-                "sparse") else f"{4 / per_value:.1f}"
+            per_value, fewer_value = a["bytes_per_value"], fewer_than_float32(a, k)
+            fewer = "–" if fewer_value is None else f"{fewer_value:.0f}" if a["compression"].startswith(
+                "sparse") else f"{fewer_value:.1f}"
             losses = ", ".join(f"{loss:.4f}" for loss in a["final_eval_loss"])
             lines.append(
                 f"| {a['name']} | {f'{per_value:.4f}' if per_value else '–'} | {fewer} | {losses} | "
@@ -215,4 +215,44 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {f['model']} | {f['parameters']:,} | 1/{round(1 / f['density'])} | {f['bits']} | "
                          f"{f['up']:.4f} | {f['down_2']:.4f} | {f['fewer_2']:.0f} | {f['down_4']:.4f} | "
                          f"{f['fewer_4']:.0f} | {f['positions_bits']:.2f} | {f['plain_bits']:.2f} |")  # fmt: skip
+    if "plot" in result:
+        lines += ["", f"![held-out loss against bytes per round]({result['plot']})"]
     return "\n".join(lines) + "\n"
+
+
+def fewer_than_float32(arm: dict[str, Any], k: int) -> float | None:
+    """How many times fewer bytes than float32 a round of `arm` moves per group (None: DDP)."""
+    per_value = arm["bytes_per_value"]
+    if not per_value:
+        return None
+    return 8 / (per_value * (1 + k)) if arm["compression"].startswith("sparse") else 4 / per_value
+
+
+def plot(result: dict[str, Any], out: Path) -> Path:
+    """Held-out loss (mean over seeds, the seeds' range as a bar) against how many times fewer bytes than float32 a
+    round moves, one point per arm, one panel per k; DDP as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = result.get("tables", [{"k": result["k"], "arms": result["arms"]}])
+    fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4), squeeze=False)
+    for ax, table in zip(axes[0], tables):
+        for arm in table["arms"]:
+            fewer = fewer_than_float32(arm, table["k"])
+            if fewer is None:
+                ax.axhline(arm["mean_eval_loss"], color="grey", linestyle="--", label="ddp")
+                continue
+            losses = arm["final_eval_loss"]
+            low, high = arm["mean_eval_loss"] - min(losses), max(losses) - arm["mean_eval_loss"]
+            ax.errorbar([fewer], [arm["mean_eval_loss"]], yerr=[[low], [high]], marker="o", capsize=3,
+                        label=arm["name"])  # fmt: skip
+        ax.set(xscale="log", title=f"k = {table['k']} groups", xlabel="x fewer bytes per round than float32",
+               ylabel="held-out loss")  # fmt: skip
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / f"compression{'-quick' if result['quick'] else ''}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -186,6 +186,7 @@ def test_compression_quick(tmp_path: Path) -> None:
     # positions by their gaps take fewer bits than plain offsets, except at one value per chunk (a unary bit more)
     assert all(f["positions_bits"] < f["plain_bits"] for f in formats if f["density"] >= 1 / 64), formats
     assert "## compression (quick): " in doc and "| diloco-none | 4.0000 |" in doc and "| sparse-1/16-2b |" in doc
+    assert (tmp_path / "compression-quick.png").stat().st_size > 0 and "against bytes per round" in doc
     assert f"--data {CORPUS}" in data["command"]
 
 
