@@ -58,6 +58,7 @@ def test_wan_quick(tmp_path) -> None:
     assert arms["streaming-int4"]["peak_link_bytes_per_s"] < arms["streaming"]["peak_link_bytes_per_s"]
     assert "## wan (quick): " in doc and "| streaming-int4 | " in doc and "Targets at 1000 Mbit/s" in doc
     assert "held to 0.9 of its core" in doc
+    assert (tmp_path / "wan-cores0.9-quick.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -80,7 +81,7 @@ def test_wan_slow_link_quick(tmp_path) -> None:
     assert "**10 Mbit/s**" in doc and "| blocking-sparse | " in doc and "Targets at 10 Mbit/s" in doc
     used = {m.group(1) for arm in link["arms"] if (m := re.match(r"ip netns exec (\S+) ", arm["command"]))}
     assert_none_left(before, used)
-    assert (tmp_path / "wan-cores0.9-quick.png").stat().st_size > 0
+    assert (tmp_path / "wan-10mbit-quick.png").stat().st_size > 0
 
 
 @pytest.mark.slow
