@@ -84,12 +84,11 @@ class MemorySwarm:
             (lo, min(lo + self.codec.part_numel, n)) for lo in range(0, n, self.codec.part_numel)]  # fmt: skip
         for lo, hi in runs:
             part = flat[lo:hi].contiguous()
-            at = () if chunks is None else (lo,)  # a codec of whole chunks takes the part's place
-            encoded = bytearray(memoryview(self.codec.encode(part, *at)).cast("B"))
+            encoded = bytearray(memoryview(self.codec.encode_part(part, lo)).cast("B"))
             if count:
                 with self._count_lock:
                     self.wire_bytes += len(encoded)
-            out[lo:hi] = self.codec.decode(memoryview(encoded), hi - lo, *at)
+            out[lo:hi] = self.codec.decode_part(memoryview(encoded), hi - lo, lo)
         return out.view(tensor.shape)
 
     def image(self, values: torch.Tensor) -> torch.Tensor:

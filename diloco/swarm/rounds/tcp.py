@@ -102,6 +102,22 @@ class Codec:
     relay_max_bytes: Callable[[int, int], int] | None = None
     carry: Callable[[torch.Tensor, int], torch.Tensor] | None = None  # decode(encode(part, start)), computed directly
 
+    def encode_part(self, values: torch.Tensor, start: int) -> object:
+        """`values`, the part at canonical `start`, encoded (a codec of whole chunks takes the start)."""
+        return self.encode(values) if self.chunks is None else self.encode(values, start)
+
+    def decode_part(self, data: memoryview, n: int, start: int) -> torch.Tensor:
+        return self.decode(data, n) if self.chunks is None else self.decode(data, n, start)
+
+    def decode_average(self, data: memoryview, n: int, start: int, senders: int) -> torch.Tensor:
+        """A reducer's average of a part: its encoding, or the contributions it relayed, averaged."""
+        if self.decode_relay is None:
+            return self.decode_part(data, n, start)
+        return self.decode_relay(data, n, start, senders)
+
+    def average_max_bytes(self, n: int, senders: int) -> int:
+        return self.max_bytes(n) if self.relay_max_bytes is None else self.relay_max_bytes(n, senders)
+
 
 FP16_MAX = 65504.0
 
@@ -337,7 +353,7 @@ class Round:
                 lo, hi = self._bounds(part)
                 own = self.vector[lo:hi]
                 if self.codec.relay is not None:  # what the others receive of it: its message, decoded
-                    message = self._encode(own, part)
+                    message = self.codec.encode_part(own, part.start)
                     self._messages[q][self.index] = message
                     own = self.codec.decode(memoryview(message), hi - lo, part.start)
                 self._deposit(self.index, q, own, part_norm(own))
@@ -346,7 +362,8 @@ class Round:
                     return
                 average, encoded = self._average(q, contributions)
                 if self.index not in self._banned:  # our own output: the bytes the others receive, decoded
-                    ours = average if self.codec.raw else self._decode_average(memoryview(encoded), part)
+                    ours = average if self.codec.raw else self.codec.decode_average(
+                        memoryview(encoded), hi - lo, part.start, len(part.senders))  # fmt: skip
                     self.out[lo:hi].copy_(ours)
                 with self._cv:
                     self._results[q] = (average, encoded)
@@ -437,7 +454,7 @@ class Round:
                         return
                 data = self._receive(frames, self.codec.max_bytes(part.numel))
                 try:
-                    values = self._decode(data, part)
+                    values = self.codec.decode_part(data, part.numel, part.start)
                 except (ValueError, RuntimeError) as e:  # (torch's words for a buffer too short)
                     raise ValueError(f"part {q}: {data.nbytes} bytes do not decode to {part.numel} values") from e
                 if values.numel() != part.numel:
@@ -505,7 +522,7 @@ class Round:
             receiver = self._thread(self._read_averages, frames, reducer)
             for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
-                self._send(frames, self._encode(self.vector[lo:hi], part))
+                self._send(frames, self.codec.encode_part(self.vector[lo:hi], part.start))
             receiver.join()
         except Exception as e:  # OSError mostly; anything else must fail the round too, not just this thread
             self._fail(f"reducer #{reducer}: {type(e).__name__}: {e}")
@@ -520,8 +537,8 @@ class Round:
                 if self.codec.raw:  # straight into the output: no copy
                     self._receive_into(frames, bytes_of(self.out[lo:hi]))
                 else:
-                    data = self._receive(frames, self._average_bytes(part))
-                    self.out[lo:hi].copy_(self._decode_average(data, part))
+                    data = self._receive(frames, self.codec.average_max_bytes(hi - lo, len(part.senders)))
+                    self.out[lo:hi].copy_(self.codec.decode_average(data, hi - lo, part.start, len(part.senders)))
             with self._cv:
                 self._complete.add(reducer)
         except (OSError, ValueError, RuntimeError) as e:
@@ -562,24 +579,6 @@ class Round:
         """Where `part` sits in this peer's vector (and output)."""
         assert part.local is not None, "a part this peer does not take part in"
         return part.local, part.local + part.numel
-
-    def _encode(self, values: torch.Tensor, part: Part) -> object:
-        return self.codec.encode(values) if self.codec.chunks is None else self.codec.encode(values, part.start)
-
-    def _decode(self, data: memoryview, part: Part) -> torch.Tensor:
-        if self.codec.chunks is None:
-            return self.codec.decode(data, part.numel)
-        return self.codec.decode(data, part.numel, part.start)
-
-    def _decode_average(self, data: memoryview, part: Part) -> torch.Tensor:
-        if self.codec.decode_relay is None:
-            return self._decode(data, part)
-        return self.codec.decode_relay(data, part.numel, part.start, len(part.senders))
-
-    def _average_bytes(self, part: Part) -> int:
-        if self.codec.relay_max_bytes is None:
-            return self.codec.max_bytes(part.numel)
-        return self.codec.relay_max_bytes(part.numel, len(part.senders))
 
     def _send(self, frames: Frames, data) -> None:
         sent = frames.send(data)
