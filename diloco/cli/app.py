@@ -81,8 +81,10 @@ def dht(
     HvConfig(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs)  # the same multiaddr checks as training
     # hivemind: only once the flags are valid
     from diloco.swarm.records.dht import serve_dht
+    from diloco.swarm.rounds import reachability
 
-    return serve_dht(identity, host_maddrs, announce_maddrs)  # its FieldErrors name this command's parameters
+    # (its FieldErrors name this command's parameters); it dials joining ranks back: they learn if they are reachable
+    return serve_dht(identity, host_maddrs, announce_maddrs, services=[reachability.serve])
 
 
 _DEFAULT_RUN_ID = HvConfig.model_fields["run_id"].default  # the run id a worker group uses when given none

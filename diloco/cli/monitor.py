@@ -37,7 +37,7 @@ NO_GROUPS_EXIT = 3
 CLIENT_MADDR = "/ip4/127.0.0.1/tcp/0"  # a client only dials out: nothing needs to reach it
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen: a terminal redraws in place
 COLUMNS = ("group", "ranks", "sharding", "step", "lost", "outer", "tokens/s", "last round", "peers", "digest", "heard",
-           "state")  # fmt: skip
+           "reach", "state")  # fmt: skip
 
 
 class StatusError(FieldError):
@@ -186,7 +186,9 @@ def cells(record: Status, now: float) -> tuple[str, ...]:
     peers = "-" if record.round_peers is None else str(record.round_peers)
     return (
         str(record.world_rank), str(record.ranks), shown(record.sharding) or "-", step,
-        lost_steps(record.discarded_steps, record.step), str(record.outer_step), tokens, last, peers, shown(record.digest[:8]) or "-", ago(now - record.heard_at), shown(record.state),
+        lost_steps(record.discarded_steps, record.step), str(record.outer_step), tokens, last, peers,
+        shown(record.digest[:8]) or "-", ago(now - record.heard_at), shown(record.reach, 16) or "-",
+        shown(record.state),
     )  # fmt: skip
 
 

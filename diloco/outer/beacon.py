@@ -99,6 +99,7 @@ class Beacon:
             batch=self.batch,
             discarded_steps=self.discarded_steps,
             paused_until=self.paused_until,
+            reach=self.swarm.reach,
         )
 
 

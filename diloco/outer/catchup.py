@@ -250,7 +250,10 @@ def sources(records: Iterable[Progress], mine: Progress, alive: Callable[[Progre
         return state[0], any(not r.tainted for r in group), len(group), -min(r.world_rank for r in group)
 
     ranked = sorted(holders, key=rank, reverse=True)
-    return [sorted(holders[s], key=lambda r: r.world_rank) for s in ranked[: ranked.index(mine.state)]]
+    # a state whose holders all dial out only (behind home routers) cannot be downloaded: the next best is tried
+    plan = [sorted((r for r in holders[s] if r.serves), key=lambda r: r.world_rank)
+            for s in ranked[: ranked.index(mine.state)]]
+    return [holders_ for holders_ in plan if holders_]
 
 
 class Refused:

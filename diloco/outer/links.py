@@ -42,6 +42,7 @@ class Swarm(Protocol):
 
     peer_id: str  # this rank's peer id; others download this rank's state from it
     owner: str  # who signs this group's records (``Progress.owner``); "" on ranks that publish none
+    reach: str  # whether others can dial this group's rank 0: "direct", "outbound only", "unchecked"; "": unknown
 
     def average(
         self,

@@ -147,6 +147,7 @@ class Member:
     def __init__(self, swarm: MemorySwarm, peer_id: str, owner: str | None = None) -> None:
         self.swarm, self.peer_id = swarm, peer_id
         self.owner = peer_id if owner is None else owner  # who signs this member's records
+        self.reach = ""  # (in one process: nobody dials anyone)
 
     def average(
         self,

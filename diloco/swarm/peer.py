@@ -127,6 +127,11 @@ class SwarmPeer:
             self._last_peers = report.num_peers
         return report
 
+    @property
+    def reach(self) -> str:
+        """Whether others can dial this rank (``rounds.reachability``; "" without rounds)."""
+        return self.rounds.reach if self.rounds is not None else ""
+
     def image(self, values: torch.Tensor, fragment: int | None = None) -> torch.Tensor:
         return values if self.rounds is None else self.rounds.image(values, fragment)
 
@@ -183,7 +188,9 @@ class SwarmPeer:
     def publish(self, record: Progress) -> None:
         if self.rounds is not None:  # where a group of any shape downloads this group's state
             shape = self.rounds.shape
-            endpoints = tuple([list(hosts), port] for hosts, port in self.rounds.endpoints)
+            # a group some of whose ranks nobody can dial serves no state (``Progress.serves``): it names no endpoints
+            endpoints = tuple([list(hosts), port] for hosts, port in self.rounds.endpoints) if all(
+                self.rounds.dialable) else ()  # fmt: skip
             record = dataclasses.replace(record, shape=(shape.strategy, shape.world_size, shape.nodes),
                                          endpoints=endpoints)  # fmt: skip
         subkey = self._subkey(record.world_rank)  # (an outer step does not wait for the DHT: in the background)

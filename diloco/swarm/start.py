@@ -13,7 +13,9 @@ group in matchmaking, and a rank's round connections are signed with it (``round
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
     from diloco.swarm.records.fingerprint import ModelId
     from diloco.swarm.records.swarm_key import SwarmKey
     from diloco.swarm.rounds.group_round import GroupRounds
+
+log = logging.getLogger("diloco")
 
 REQUEST_TIMEOUT_S = 5.0  # a ping, or one message of a state download
 # seconds a connection for an unknown round waits at a rank that is in no round (a matchmaking split left it out):
@@ -97,17 +101,21 @@ def start_peer(
     # differently); rounds and states travel over the ranks' listeners, so the other ranks need no matchmaker
     prefix = f"{run}-groups" + ("" if hv.transport == "tcp" else f"-{hv.transport}")
     port = hv.averaging_port + env.local_rank if hv.averaging_port else 0
-    matchmaker = None
+    matchmaker = door = None
     try:
-        if env.rank == 0:
+        door = open_door(hv, env, dht, port)
+        if env.rank == 0:  # a group whose rank 0 cannot be dialled never leads a matchmaking: it joins the others'
             matchmaker = Matchmaker(dht, prefix=prefix, matchmaking_time=default_wait(hv.matchmaking_time),
                                     averaging_timeout=fixed_timeout(hv.averaging_timeout),
-                                    target_group_size=hv.galaxy_size)  # fmt: skip
-        rounds = group_rounds(hv, env, gather, broadcast, side_broadcast, dht, matchmaker, model_shapes, sharding,
-                              port, fragments, key, model.fingerprint if model else "")  # fmt: skip
+                                    target_group_size=hv.galaxy_size,
+                                    client_mode=not door.reach.dialable)  # fmt: skip
+        rounds = group_rounds(hv, env, gather, broadcast, side_broadcast, door, matchmaker, model_shapes, sharding,
+                              fragments, key, model.fingerprint if model else "")  # fmt: skip
     except BaseException:
         if matchmaker is not None:
             matchmaker.shutdown()
+        if door is not None:
+            door.close()
         dht.shutdown()
         raise
     records = dht if key is None else SealedStore(dht, key)  # records sealed with the key, and read only so
@@ -119,55 +127,109 @@ def start_peer(
     )  # fmt: skip
 
 
+@dataclass
+class Door:
+    """How others reach this rank: its listener, its endpoint (TCP ``([hosts], port)``, or over p2pd
+    ``((peer id,), 0)``), how it reaches theirs (`connect`), the p2pd `tunnel` (None over TCP), and whether it
+    can be dialled (`reach`, ``rounds.reachability``)."""
+
+    listener: Any
+    endpoint: tuple[tuple[str, ...], int]
+    connect: Callable[..., Any]
+    tunnel: Any
+    reach: Any
+
+    def close(self) -> None:
+        try:
+            if self.tunnel is not None:
+                self.tunnel.close()
+        finally:
+            self.listener.close()
+
+
+def open_door(hv: HvConfig, env: DistEnv, dht: Any, port: int) -> Door:
+    """This rank's listener (a TCP socket on `port`, or libp2p streams through a ``tunnel.Tunnel``), and over TCP
+    whether others can dial it: an initial peer dials it back (``rounds.reachability``). A rank found ``direct``
+    dials others back from then on too; one found ``outbound only`` says so, once."""
+    from diloco.swarm.records.addresses import announced_hosts, listen_host
+    from diloco.swarm.rounds import reachability, tcp
+    from diloco.swarm.rounds.deadline import fixed_timeout
+    from diloco.swarm.rounds.listener import Listener, listen
+    from diloco.swarm.rounds.tunnel import Tunnel
+
+    fixed = fixed_timeout(hv.averaging_timeout)
+    timeout = fixed / tcp.ROUND_STEPS  # a step of a round under a fixed --hv.averaging-timeout, and a hello's wait
+    if hv.transport != "tcp":
+        listener = Listener(None, timeout, registration_timeout=fixed, idle_wait=IDLE_WAIT_S).start()
+        try:
+            tunnel = Tunnel(dht, listener)
+        except BaseException:
+            listener.close()
+            raise
+        return Door(listener, ((tunnel.peer_id,), 0), tunnel.connect, tunnel,
+                    reachability.Reach(reachability.UNCHECKED, "over libp2p"))  # fmt: skip
+    listening = listen(listen_host(hv.host_maddrs), port)
+    listener = Listener(listening, timeout, registration_timeout=fixed, idle_wait=IDLE_WAIT_S).start()
+    door = Door(listener, (tuple(announced_hosts(dht.get_visible_maddrs())), listening.getsockname()[1]),
+                tcp.connect, None, None)  # fmt: skip
+    try:
+        probes = reachability.Probes()
+        listener.serve(reachability.MAGIC, probes)
+        door.reach = reachability.check(dht, reachability.peer_ids(hv.initial_peers), door.endpoint, probes)
+        if door.reach.kind == reachability.DIRECT:
+            reachability.serve(dht)
+        _say_reach(door.reach, env.rank, bool(hv.announce_maddrs))
+    except BaseException:
+        door.close()
+        raise
+    return door
+
+
+def _say_reach(reach: Any, rank: int, announced: bool) -> None:
+    from diloco.swarm.rounds.reachability import OUTBOUND
+
+    if reach.kind != OUTBOUND:
+        (log.info if rank == 0 else log.debug)("rank %d can be dialled: %s (%s)", rank, reach.kind, reach.detail)
+    elif announced:
+        log.warning("--hv.announce-maddrs: nobody can dial this rank at the addresses announced (%s); it dials out "
+                    "only (outbound only: it reduces nothing and serves no state)", reach.detail)  # fmt: skip
+    else:
+        log.warning("rank %d cannot be dialled (%s): it dials out only, as behind a home router (outbound only: it "
+                    "reduces nothing and serves no state)", rank, reach.detail)  # fmt: skip
+
+
 def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]], broadcast: Callable[[Any], Any],
-                 side_broadcast: Callable[[], Callable[[Any], Any]], dht: object, matchmaker: object,
-                 model_shapes: Sequence[tuple[int, ...]], sharding: str, port: int,
+                 side_broadcast: Callable[[], Callable[[Any], Any]], door: Door, matchmaker: object,
+                 model_shapes: Sequence[tuple[int, ...]], sharding: str,
                  fragments: list[list[int]] | None = None, key: SwarmKey | None = None,
                  model: str = "") -> GroupRounds:  # fmt: skip
-    """Collective: this rank's listener (a TCP socket, or libp2p streams through a ``tunnel.Tunnel``), its signing
-    key (made here, once per process), every rank's endpoint and public key, and the replicas' process groups, for
-    rounds of whole groups (``group_round.GroupRounds``) of the model of fingerprint `model` ("": unknown). Rank 0
-    keeps the deadlines of the group's rounds (``rounds.deadline``: with ``--hv.averaging-timeout auto`` they follow
-    its recent rounds); a connection's hello and its wait for its round take the setting's fixed value."""
+    """Collective: this rank's signing key (made here, once per process), every rank's endpoint, public key and
+    whether it can be dialled, and the replicas' process groups, for rounds of whole groups
+    (``group_round.GroupRounds``) over `door` (``open_door``) of the model of fingerprint `model` ("": unknown).
+    Rank 0 keeps the deadlines of the group's rounds (``rounds.deadline``: with ``--hv.averaging-timeout auto``
+    they follow its recent rounds); a connection's hello and its wait for its round take the setting's fixed
+    value."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from diloco.swarm.records.addresses import announced_hosts, listen_host
     from diloco.swarm.rounds import tcp
     from diloco.swarm.rounds.codecs import rounds_codec
     from diloco.swarm.rounds.deadline import Deadlines, fixed_timeout
     from diloco.swarm.rounds.group_round import GroupRounds, Replicas
     from diloco.swarm.rounds.hello import public_bytes
     from diloco.swarm.rounds.layout import Shape
-    from diloco.swarm.rounds.listener import Listener, listen
-    from diloco.swarm.rounds.tunnel import Tunnel
 
     shape = Shape(sharding or "FULL_SHARD", env.world_size, env.num_nodes)
-    fixed = fixed_timeout(hv.averaging_timeout)
-    timeout = fixed / tcp.ROUND_STEPS  # a step of a round under a fixed --hv.averaging-timeout, and a hello's wait
-    over_tcp = hv.transport == "tcp"
-    listening = listen(listen_host(hv.host_maddrs), port) if over_tcp else None
-    listener = Listener(listening, timeout, registration_timeout=fixed, idle_wait=IDLE_WAIT_S).start()
-    tunnel = None
-    try:
-        if over_tcp:
-            endpoint, connect = (announced_hosts(dht.get_visible_maddrs()), listening.getsockname()[1]), tcp.connect
-        else:
-            tunnel = Tunnel(dht, listener)
-            endpoint, connect = ((tunnel.peer_id,), 0), tunnel.connect
-        signer = Ed25519PrivateKey.generate()
-        endpoints, public_keys = zip(*gather((endpoint, public_bytes(signer))))
-        replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None
-        if hv.overlap_steps and env.world_size > 1:  # (after the replicas' groups: every rank makes them in one order)
-            broadcast = side_broadcast()
-    except BaseException:
-        if tunnel is not None:
-            tunnel.close()
-        listener.close()
-        raise
+    timeout = fixed_timeout(hv.averaging_timeout) / tcp.ROUND_STEPS
+    signer = Ed25519PrivateKey.generate()
+    endpoints, public_keys, dialable = zip(*gather((door.endpoint, public_bytes(signer), door.reach.dialable)))
+    replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None
+    if hv.overlap_steps and env.world_size > 1:  # (after the replicas' groups: every rank makes them in one order)
+        broadcast = side_broadcast()
     return GroupRounds(
         matchmaker if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
-        endpoints=endpoints, broadcast=broadcast, listener=listener, codec=rounds_codec(hv),
-        timeout=timeout, replicas=replicas, transport=hv.transport, connect=connect, tunnel=tunnel,
+        endpoints=endpoints, broadcast=broadcast, listener=door.listener, codec=rounds_codec(hv),
+        timeout=timeout, replicas=replicas, transport=hv.transport, connect=door.connect, tunnel=door.tunnel,
+        dialable=dialable, reach=door.reach.kind,
         fragments=fragments, aggregation=hv.aggregation, key=key, signer=signer, public_keys=public_keys, model=model,
         deadlines=Deadlines(hv.averaging_timeout) if env.rank == 0 else None,
     )  # fmt: skip

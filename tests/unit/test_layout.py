@@ -13,6 +13,7 @@ from diloco.swarm.rounds.layout import (
     Plan,
     RankLayout,
     Shape,
+    Unreduced,
     group_layout,
     held_pieces,
     plan,
@@ -121,3 +122,38 @@ def test_the_plan_is_the_same_however_often_it_is_computed_and_refuses_a_group_t
     assert plan(groups, TOTAL) == plan([group_layout(SHAPES, s) for s in MIXES[3]], TOTAL)
     with pytest.raises(ValueError, match="group 1 exchanges"):
         plan([groups[0], groups[1][:1]], TOTAL)
+
+
+@pytest.mark.parametrize("mix", MIXES[1:], ids=lambda mix: "+".join(f"{s.strategy}x{s.world_size}" for s in mix))
+def test_ranks_nobody_can_dial_reduce_nothing_and_the_round_still_averages(mix: list[Shape]) -> None:
+    """Every group but the first is behind a router (outbound only): the first group's ranks reduce every span,
+    about evenly, and the simulated round still leaves every rank with the weighted average."""
+    groups = [group_layout(SHAPES, shape) for shape in mix]
+    reducers = [[g == 0] * len(layout) for g, layout in enumerate(groups)]
+    round_plan = plan(groups, TOTAL, reducers=reducers)
+    assert {s.reducer[0] for s in round_plan.spans} == {0}
+    loads = [sum(s.numel for s in round_plan.reduced_by((0, r))) for r in range(len(groups[0]))]
+    assert sum(loads) == TOTAL and max(loads) <= 1.3 * TOTAL / len(loads), loads
+    generator = torch.Generator().manual_seed(7)
+    vectors = [torch.randn(TOTAL, generator=generator, dtype=torch.float64) for _ in mix]
+    buffers = [[local_buffer(v, r) for r in layout] for v, layout in zip(vectors, groups)]
+    simulate(groups, mix, buffers, [1.0] * len(mix), round_plan)
+    expected = sum(vectors) / len(vectors)
+    for layout, ranks in zip(groups, buffers):
+        for rank, buffer in zip(layout, ranks):
+            torch.testing.assert_close(buffer, local_buffer(expected, rank), rtol=0, atol=1e-12)
+
+
+def test_a_plan_where_everyone_can_be_dialled_is_the_plan_of_earlier_versions_and_one_nobody_can_dial_is_refused():
+    groups = [group_layout(SHAPES, s) for s in MIXES[3]]
+    everyone = [[True] * len(layout) for layout in groups]
+    assert plan(groups, TOTAL, reducers=everyone) == plan(groups, TOTAL)
+    with pytest.raises(Unreduced, match="nobody can dial"):
+        plan(groups, TOTAL, reducers=[[False] * len(layout) for layout in groups])
+    # one 2-rank FULL_SHARD group's rank 1 behind a router: the rows only it and other outbound ranks hold cannot be
+    # reduced
+    pair = [group_layout(SHAPES, Shape("FULL_SHARD", 2)), group_layout(SHAPES, Shape("FULL_SHARD", 1))]
+    with pytest.raises(Unreduced):
+        plan(pair, TOTAL, reducers=[[True, False], [False]])
+    with pytest.raises(ValueError, match="every rank"):
+        plan(pair, TOTAL, reducers=[[True], [True]])

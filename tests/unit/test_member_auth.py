@@ -247,12 +247,26 @@ def test_a_round_leaves_out_members_of_another_model_and_keeps_those_that_announ
 
 
 @pytest.mark.parametrize("bad", [{"keys": ["00" * 31]}, {"keys": ["zz" * 32]}, {"keys": ["00" * 32] * 2},
-                                 {"model": 5}])  # fmt: skip
+                                 {"model": 5}, {"dialable": [True, False]}, {"dialable": [1]},
+                                 {"dialable": "yes"}])  # fmt: skip
 def test_an_announcement_with_malformed_keys_or_model_is_unreadable(bad: dict) -> None:
     from diloco.swarm.rounds.group_round import announced
 
     entry = {"shape": ["FULL_SHARD", 1, 1], "endpoints": [[["127.0.0.1"], 1]], "weight": 1.0, "keys": ["00" * 32]}
     assert announced(entry) is not None and announced(entry | bad) is None
+
+
+def test_a_group_behind_a_router_announces_which_ranks_can_be_dialled_and_the_others_read_it():
+    """A group whose ranks can all be dialled announces as earlier versions did (every one may reduce); one with a
+    rank behind a router names it, and that changes the round's digest (two views of it refuse each other)."""
+    from diloco.swarm.rounds.group_round import announced, members_digest
+
+    entry = {"shape": ["FULL_SHARD", 2, 1], "endpoints": [[["10.0.0.1"], 1], [["10.0.0.1"], 2]], "weight": 1.0,
+             "keys": ["00" * 32, "11" * 32]}  # fmt: skip
+    everyone, behind = announced(entry), announced(entry | {"dialable": [True, False]})
+    assert everyone.dialable == () and everyone.reducers() == (True, True)
+    assert behind.reducers() == (True, False)
+    assert members_digest([everyone]) != members_digest([behind])
 
 
 def test_matchmaking_announces_every_ranks_key_and_the_model_and_leaves_out_keyless_and_other_model_groups():

@@ -440,6 +440,19 @@ def test_sources_rank_states(others: list[Progress], mine: Progress, expected: l
     assert [[r.world_rank for r in holders] for holders in plan] == expected
 
 
+def test_a_state_held_only_by_groups_nobody_can_dial_is_not_planned_and_the_next_best_is() -> None:
+    """A group behind a router names its shape but no endpoints (``Progress.serves``): nobody tries to download from
+    it, and a state only such groups hold gives way to the next best one."""
+    behind = dataclasses.replace(record(1, 9, "a"), shape=("FULL_SHARD", 1, 1), endpoints=())
+    public = dataclasses.replace(record(2, 7, "c"), shape=("FULL_SHARD", 1, 1), endpoints=([["10.0.0.2"], 5],))
+    assert not behind.serves and public.serves and record(3, 1, "m").serves  # (the in-memory swarm names neither)
+    plan = sources([behind, public], record(0, 5, "b"), alive=lambda r: True)
+    assert [[r.world_rank for r in holders] for holders in plan] == [[2]]
+    alike = dataclasses.replace(public, outer_step=9, digest="a")  # a public group holding the same state serves it
+    plan = sources([behind, alike], record(0, 5, "b"), alive=lambda r: True)
+    assert [[r.world_rank for r in holders] for holders in plan] == [[2]]
+
+
 def test_a_state_refused_too_often_is_pruned_until_its_group_moves_on() -> None:
     """A forged record (a stranger claiming outer step 10**6): after three refused answers its state leaves the plan
     and the next source is first; the same group at a new state, or another start of it, is asked again."""

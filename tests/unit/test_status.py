@@ -34,7 +34,7 @@ def test_status_records_round_trip_through_the_dht_by_world_rank() -> None:
     assert time.time() + status.STATUS_TTL - 5 < expires <= time.time() + status.STATUS_TTL
     assert status.read(dht, key) == [record(0), record(1)]
     assert status.read(dht, "another-run-status") == []
-    assert len(json.dumps(record().to_dict())) < 400  # a few hundred bytes on the wire
+    assert len(json.dumps(record(reach="outbound only").to_dict())) < 450  # a few hundred bytes on the wire
 
 
 def test_entries_that_are_not_status_records_are_skipped() -> None:
@@ -79,23 +79,23 @@ def test_the_last_round_reads_ok_alone_or_failed_by_its_peers(peers: int | None,
 
 def test_the_table_has_one_aligned_row_per_group() -> None:
     groups = [
-        record(0),
-        record(1, round_peers=1, round_at=NOW - 300, heard_at=NOW - 45, state="done"),
+        record(0, reach="direct"),
+        record(1, round_peers=1, round_at=NOW - 300, heard_at=NOW - 45, state="done", reach="outbound only"),
         record(2, round_peers=0, round_at=NOW - 2, max_steps=None, tokens_per_s=None),
         record(3, round_peers=None, round_at=None, outer_step=0, state="joining", digest="", heard_at=NOW + 2),
     ]
     lines = table(groups, NOW).splitlines()
     assert lines[0].split() == ["group", "ranks", "sharding", "step", "lost", "outer", "tokens/s", "last", "round",
-                                "peers", "digest", "heard", "state"]  # fmt: skip
+                                "peers", "digest", "heard", "reach", "state"]  # fmt: skip
     assert lines[1].split() == ["0", "2", "FULL_SHARD", "25/30", "0", "5", "1,234", "ok", "12s", "ago", "2",
-                                "01234567", "3s", "ago", "training"]  # fmt: skip
+                                "01234567", "3s", "ago", "direct", "training"]  # fmt: skip
     assert lines[2].split() == ["1", "2", "FULL_SHARD", "25/30", "0", "5", "1,234", "alone", "5m", "ago", "1",
-                                "01234567", "45s", "ago", "done"]  # fmt: skip
+                                "01234567", "45s", "ago", "outbound", "only", "done"]  # fmt: skip
     assert lines[3].split() == ["2", "2", "FULL_SHARD", "25", "0", "5", "-", "failed", "2s", "ago", "0", "01234567",
-                                "3s", "ago", "training"]  # fmt: skip
+                                "3s", "ago", "-", "training"]  # fmt: skip
     # a group whose clock is ahead of this one's was heard just now
     assert lines[4].split() == ["3", "2", "FULL_SHARD", "25/30", "0", "0", "1,234", "-", "-", "-", "0s", "ago",
-                                "joining"]  # fmt: skip
+                                "-", "joining"]  # fmt: skip
     assert len({line.rindex(" ") + 1 for line in lines}) == 1  # the last column starts at one place in every line
 
 

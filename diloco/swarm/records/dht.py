@@ -266,6 +266,7 @@ def serve_dht(
     announce_maddrs: Sequence[str],
     stop_event: threading.Event | None = None,
     print_fn: Callable[[str], object] = print,
+    services: Sequence[Callable[[hivemind.DHT], object]] = (),
 ) -> int:
     """Run a bootstrap DHT peer until SIGINT/SIGTERM or ``stop_event``; the body of ``diloco dht``.
 
@@ -276,6 +277,8 @@ def serve_dht(
     :param announce_maddrs: public multiaddrs to advertise (may be empty).
     :param stop_event: optional event that stops the peer when set (for tests and embedding).
     :param print_fn: where the ready line goes.
+    :param services: each is called with the running DHT before the ready line (what the peer serves besides the
+        DHT: ``diloco dht`` answers dial-back requests, ``diloco.swarm.rounds.reachability.serve``).
     :returns: process exit code (0).
     :raises FieldError: bad input (identity file, a port in use), naming the option as ``start_dht`` does.
     """
@@ -289,6 +292,8 @@ def serve_dht(
             identity_path=identity,
         )
         try:
+            for service in services:
+                service(dht)
             print_fn("--hv.initial-peers " + " ".join(visible_maddrs(dht)))
             while not stop.is_set() and not (stop_event is not None and stop_event.is_set()):
                 stop.wait(0.2)  # short waits keep the main thread responsive to signals

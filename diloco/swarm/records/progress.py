@@ -58,6 +58,12 @@ class Progress:
     def state(self) -> tuple[int, str]:
         return self.outer_step, self.digest
 
+    @property
+    def serves(self) -> bool:
+        """Whether others may download its state: a group that cannot be dialled (outbound only) names its shape and
+        no endpoints; records of the in-memory swarm name neither."""
+        return not self.shape or bool(self.endpoints)
+
     def to_dict(self) -> dict[str, Any]:
         lists = {"peers": list(self.peers), "shape": list(self.shape), "endpoints": list(self.endpoints)}
         return {key: value for key, value in asdict(self).items() if key != "owner"} | lists

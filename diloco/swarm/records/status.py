@@ -59,6 +59,8 @@ class Status:
         round that applied nothing); 0 from earlier trainers.
     :param paused_until: wall-clock time until which the group expects to be away from its inner steps (a checkpoint
         or an evaluation under way, expected to take as long as its last one); None: not away, or no estimate.
+    :param reach: whether others can dial its rank 0 (``diloco.swarm.rounds.reachability``): ``direct``,
+        ``outbound only`` (behind a router: it dials out only), ``unchecked``; empty from earlier trainers.
     """
 
     world_rank: int
@@ -82,6 +84,7 @@ class Status:
     batch: str = ""
     discarded_steps: int = 0
     paused_until: float | None = None
+    reach: str = ""
 
     @property
     def round(self) -> str | None:
@@ -117,7 +120,7 @@ def _well_typed(record: Status) -> bool:
         and isinstance(record.heard_at, (int, float))
         and all(isinstance(v, str) for v in (record.sharding, record.state, record.digest, record.model, record.peer,
                                              record.transport, record.outer, record.schedule,
-                                             record.batch))  # fmt: skip
+                                             record.batch, record.reach))  # fmt: skip
         and (record.parameters is None or isinstance(record.parameters, int))
         and _count(record.discarded_steps)
     )

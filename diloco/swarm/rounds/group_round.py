@@ -40,6 +40,7 @@ from diloco.swarm.rounds.deadline import Deadlines, round_bytes
 from diloco.swarm.rounds.hello import KEY_SIZE, Roster, public_bytes
 from diloco.swarm.rounds.layout import (
     Shape,
+    Unreduced,
     group_layout,
     plan,
     plan_schedule,
@@ -60,13 +61,19 @@ STRATEGIES = set(get_args(ShardingStrategy))
 class Member:
     """A worker group in a round, as it announced itself in matchmaking: its shape, each rank's endpoint (in rank
     order), its weight in the average (before the round's cap), each rank's raw Ed25519 public key (in rank order;
-    empty: none announced, and no round takes the group) and its model's fingerprint ("": not announced)."""
+    empty: none announced, and no round takes the group), its model's fingerprint ("": not announced) and which of
+    its ranks can be dialled (in rank order; empty: every one, as groups announce when all can)."""
 
     shape: Shape
     endpoints: tuple[Endpoint, ...]
     weight: float
     keys: tuple[bytes, ...] = ()
     model: str = ""
+    dialable: tuple[bool, ...] = ()
+
+    def reducers(self) -> tuple[bool, ...]:
+        """Which ranks may reduce a span: those others can dial."""
+        return self.dialable or (True,) * self.shape.world_size
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,8 @@ def members_digest(members: Sequence[Member]) -> bytes:
     """32 bytes that hash a round's members as announced (shapes, endpoints, weights, keys, models, in order): two
     participants that read different announcements hold different digests, and refuse each other's connections."""
     canonical = [[[m.shape.strategy, m.shape.world_size, m.shape.nodes], [[list(h), p] for h, p in m.endpoints],
-                  repr(float(m.weight)), [k.hex() for k in m.keys], m.model] for m in members]  # fmt: skip
+                  repr(float(m.weight)), [k.hex() for k in m.keys], m.model]
+                 + ([list(m.dialable)] if m.dialable else []) for m in members]  # fmt: skip
     return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).digest()
 
 
@@ -175,7 +183,12 @@ def run_round(
         raise ValueError(f"rank {rank} holds {vector.numel()} values, its layout {layouts[info.me][rank].local_numel}")
     if chunks is not None and chunks.total != total:
         raise ValueError(f"a codec of a vector of {chunks.total} values for one of {total}")
-    schedule = plan_schedule(plan(layouts, total, chunks), layouts, (info.me, rank), codec.part_numel, chunks)
+    try:
+        round_plan = plan(layouts, total, chunks, [member.reducers() for member in info.members])
+    except Unreduced as e:  # every participant finds the same: the round fails alike everywhere, dialling no one
+        log.warning("averaging: %s", e)
+        return Outcome(False, 0, 0, 0, str(e))
+    schedule = plan_schedule(round_plan, layouts, (info.me, rank), codec.part_numel, chunks)
     endpoints = [(list(hosts), port) for member in info.members for hosts, port in member.endpoints]
     round_ = tcp.Round(
         vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints, roster=roster(info.members),
@@ -249,6 +262,8 @@ class GroupRounds:
         public_keys: Sequence[bytes] | None = None,
         model: str = "",
         deadlines: Deadlines | None = None,
+        dialable: Sequence[bool] | None = None,
+        reach: str = "",
     ):
         self.aggregation, self.key, self.model, self.deadlines = aggregation, key, model, deadlines
         self.signer = Ed25519PrivateKey.generate() if signer is None else signer
@@ -266,6 +281,11 @@ class GroupRounds:
         self.transport, self.connect, self.tunnel = transport, connect, tunnel
         self.fragments = [list(f) for f in fragments] if fragments else None
         self.malformed = 0  # announcements left out of rounds for a form this version cannot read
+        self.dialable = tuple(bool(d) for d in dialable) if dialable is not None else (True,) * shape.world_size
+        if len(self.dialable) != shape.world_size:
+            raise ValueError(f"{len(self.dialable)} reachabilities for {shape.world_size} ranks")
+        self.reach = reach  # rank 0's own (``reachability``: direct, outbound only, unchecked; "": not checked)
+        self._alone_warned = False
 
     def codec_for(self, shapes: Sequence[Sequence[int]]) -> tcp.Codec:
         """The rounds' codec for a vector of these parameters' shapes (a sparse codec knows its chunks)."""
@@ -350,6 +370,8 @@ class GroupRounds:
                 "keys": [k.hex() for k in self.public_keys]}  # fmt: skip
         if self.model:
             mine["model"] = self.model
+        if not all(self.dialable):  # (a group all of whose ranks can be dialled announces as earlier versions did)
+            mine["dialable"] = list(self.dialable)
         if outer_step is not None:
             mine["outer_step"] = outer_step
         # a keyed announcement's MAC binds it to this round and to the announcing peer: replayed into another round
@@ -358,6 +380,10 @@ class GroupRounds:
         announcement = self.key.sign_member(mine, *context) if self.key else mine
         match, report = self.matcher.match(round_index, announcement, stop)
         if match is None:
+            if not self.dialable[0] and not self._alone_warned:
+                self._alone_warned = True  # (a group nobody can dial never leads a matchmaking: it only joins)
+                log.warning("averaging: this group cannot be dialled (outbound only) and found no group in the swarm "
+                            "that can: its rounds form once a group that accepts connections joins")  # fmt: skip
             return None, report.num_peers, report.ok, False
         gathered, me, group_id = list(match.gathered), match.index, match.group_id
         if self.key is not None:  # every member sees the same announcements: all leave out the same ones
@@ -430,7 +456,11 @@ def member_of(entry: object) -> Member:
     model = entry.get("model", "")
     if not isinstance(model, str) or len(model) > 128:
         raise ValueError("a model fingerprint that is no short string")
-    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight, keys, model)
+    dialable = entry.get("dialable", [])
+    if not isinstance(dialable, list) or (dialable and len(dialable) != len(endpoints)) or not all(
+            type(d) is bool for d in dialable):  # fmt: skip
+        raise ValueError("a reachability that is not one bool per rank")
+    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight, keys, model, tuple(dialable))
 
 
 def abreast(claims: list[object], round_index: int) -> list[int]:

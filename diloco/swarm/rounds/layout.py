@@ -201,7 +201,12 @@ def _owner_runs(layout: Sequence[RankLayout]) -> tuple[list[int], list[int]]:
     return [start for start, _, _ in runs], [rank for _, _, rank in runs]
 
 
-def plan(groups: Sequence[Sequence[RankLayout]], total: int, chunks: Chunks | None = None) -> Plan:
+class Unreduced(ValueError):
+    """A span of the round has no holder that others can dial: nobody may reduce it."""
+
+
+def plan(groups: Sequence[Sequence[RankLayout]], total: int, chunks: Chunks | None = None,
+         reducers: Sequence[Sequence[bool]] | None = None) -> Plan:  # fmt: skip
     """Cut ``[0, total)`` at every group's exchange boundaries and give each span a reducer among its holders.
 
     Every participant (a rank of a group) should reduce about its share, total ÷ participants, but can reduce only
@@ -210,6 +215,10 @@ def plan(groups: Sequence[Sequence[RankLayout]], total: int, chunks: Chunks | No
     share (its room minus what it holds further on) takes over, ties to the lower (group, rank). A span is split
     where a reducer's share ends (with `chunks`: on the chunk boundary at or before it, or the chunk's end).
     Everyone computes the same plan from the same layouts.
+
+    `reducers` (per group, per rank; default: all): which participants may reduce, those others can dial (a rank
+    behind a home router only sends, and receives the averages over its own connections). Shares are then of the
+    values over those alone; a span whose holders are none of them raises ``Unreduced``.
     """
     owners = [_owner_runs(layout) for layout in groups]
     for g, layout in enumerate(groups):
@@ -217,7 +226,10 @@ def plan(groups: Sequence[Sequence[RankLayout]], total: int, chunks: Chunks | No
         if covered != total:
             raise ValueError(f"group {g} exchanges {covered} values of {total}")
     cuts = sorted({0, total, *(p.stop for layout in groups for r in layout for p in r.exchanged)})
-    participants = sum(len(layout) for layout in groups)
+    may = reducers if reducers is not None else [[True] * len(layout) for layout in groups]
+    if [len(m) for m in may] != [len(layout) for layout in groups]:
+        raise ValueError("reducers does not name every rank of every group")
+    participants = sum(sum(map(bool, m)) for m in may)
     share = math.ceil(total / participants) if participants else 0
     ahead = {(g, r): layout[r].exchanged_numel for g, layout in enumerate(groups) for r in range(len(layout))}
     load = dict.fromkeys(ahead, 0)
@@ -225,7 +237,11 @@ def plan(groups: Sequence[Sequence[RankLayout]], total: int, chunks: Chunks | No
     spans = []
     for start, stop in zip(cuts, cuts[1:]):
         holders = tuple(ranks[bisect.bisect_right(starts, start) - 1] for starts, ranks in owners)
-        candidates = list(enumerate(holders))
+        candidates = [(g, rank) for g, rank in enumerate(holders) if may[g][rank]]
+        if not candidates:
+            raise Unreduced(f"values [{start}, {stop}) are held only by ranks nobody can dial (outbound only): "
+                            "no rank of this round may reduce them, so it cannot run; a group that accepts "
+                            "connections must take part")  # fmt: skip
         while start < stop:
             left = stop - start
 
@@ -245,7 +261,7 @@ def plan(groups: Sequence[Sequence[RankLayout]], total: int, chunks: Chunks | No
             else:
                 spans.append(Span(start, start + take, holders, current))
             load[current] += take
-            for c in candidates:
+            for c in enumerate(holders):
                 ahead[c] -= take
             start += take
     return Plan(total, tuple(spans))
