@@ -1,105 +1,140 @@
-"""Home routers for benchmarks and tests: hosts on a "public" bridge, and homes that reach it only through a router
-of their own doing NAT, as a home or office network does. Needs root (`ip netns`, `ip link`, `nft`, `tc`).
+"""`diloco bench nat`: rounds through home routers. The bootstrap peer and a 1-rank group sit on a public bridge;
+a 1-rank group and a 2-rank FULL_SHARD group sit behind home routers of their own doing NAT (``bench.routers``:
+nftables masquerade, nothing forwarded in), each router's uplink shaped to `tc tbf` 100 Mbit/s both ways. Every
+group starts with the same flags a user gives (no flag about routers): the homes' ranks find at join that nobody can
+dial them and dial out only.
 
-The public network is 10.<net>.0.0/24: its hosts are 10.<net>.0.1, 10.<net>.0.2, ..., the routers' outside ends the
-addresses after them, and the bridge itself (in the root namespace) 10.<net>.0.254. Every home is 192.168.1.0/24,
-as most home networks are: its host is 192.168.1.2 behind its router's 192.168.1.1. A router masquerades what
-leaves through its outside end and forwards nothing that comes in unasked (``ct state established,related``): a
-home host can dial any public host, and no public host (nor the other home) can dial a home host. A home's default
-route is its router, and routers have none: traffic stays between the namespaces made here.
+Per group, from its rows: how it reached the others (``direct`` or ``outbound only``, as its log says), the bytes
+of each round that all three groups took part in (the group's ranks together), and the round's time on the wire
+(``averaging_s`` − ``wait_s``: from the group formed to the average held). The *ideal* of a home group's round is
+its bytes over its uplink, the larger direction of the two (tbf shapes each direction on its own, so sending and
+receiving overlap); the public group's link is not shaped, and its round lasts as long as the slowest home's. The
+ratio of the swarm's median round to the largest ideal says what the paths cost beyond the bandwidth.
 """
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+import re
+import statistics
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
 
-from diloco.bench import BenchError, shielded
-from diloco.bench.netns import Host, _ip, _shape, available, free_net, hosts, kill_inside
+from diloco import procs
+from diloco.bench import BenchError
+from diloco.bench.hetero import read_rows
+from diloco.bench.models import model_folder
+from diloco.bench.routers import routed
+from diloco.bench.wire import dht_peers, start_dht, started, summary, wait_all
 
-HOME_IP = "192.168.1.2"
-ROUTER_LAN_IP = "192.168.1.1"
+__all__ = ["markdown", "measure"]
 
-
-@dataclass(frozen=True)
-class Home:
-    """A home: its `host` (where trainers run) and its `router` (a namespace with the outside end `router.ip`)."""
-
-    host: Host
-    router: Host
-
-
-@dataclass(frozen=True)
-class Topology:
-    public: list[Host]
-    homes: list[Home]
+UPLINK_MBIT = 100.0
+GROUPS = (("public", 1), ("home 1", 1), ("home 2", 2))  # (where, ranks); the homes are behind routers
 
 
-def nat_available() -> str | None:
-    """None when routers can be made here, else why not (one line)."""
-    return available() or (None if shutil.which("nft") else "needs nft (Debian's nftables package)")
+def setup(quick: bool) -> dict[str, Any]:
+    """Quick: a 0.9M model, 2 rounds. Full: a 14M model (56 MB of float32 per round and direction), 6 rounds."""
+    if quick:
+        return {"model": "llama-2m-fresh", "steps": 8, "local_steps": 4, "batch": 2, "seq_length": 32,
+                "timeout_s": 300.0}  # fmt: skip
+    return {"model": "llama-14m-fresh", "steps": 30, "local_steps": 5, "batch": 2, "seq_length": 64,
+            "timeout_s": 1500.0}  # fmt: skip
 
 
-def _nft(netns: str, ruleset: str) -> None:
-    result = subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=ruleset, capture_output=True,
-                            text=True)  # fmt: skip
-    if result.returncode != 0:
-        raise BenchError(f"nft in {netns}: {result.stderr.strip()}")
+def command(s: dict[str, Any], model: Path, run_dir: Path, peers: list[str], world_rank: int, ranks: int) -> list[str]:
+    launch = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={ranks}"]
+    return [
+        *launch, "-m", "diloco.train", "--path-model", str(model), "--fake-data", "--seq-length", str(s["seq_length"]),
+        "--per-device-train-batch-size", str(s["batch"] // ranks), "--total-batch-size", str(s["batch"]),
+        "--max-steps", str(s["steps"]), "--log-interval", "1", "--no-torch-compile", "--precision", "32-true",
+        "--metric-logger-type", "dummy", "--run-dir", str(run_dir), "--hv.galaxy-size", str(len(GROUPS)),
+        "--hv.world-rank", str(world_rank), "--hv.pace", "fixed", "--hv.local-steps", str(s["local_steps"]),
+        "--hv.initial-peers", *peers,
+    ]  # fmt: skip
 
 
-def _router_rules(wan: str, lan: str) -> str:
-    return f"""
-table ip nat {{
-    chain postrouting {{ type nat hook postrouting priority 100; oifname "{wan}" masquerade; }}
-}}
-table inet filter {{
-    chain forward {{
-        type filter hook forward priority 0; policy drop;
-        ct state established,related accept
-        iifname "{lan}" oifname "{wan}" accept
-    }}
-}}
-"""
+def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
+    s = setup(quick)
+    model = model_folder(s["model"], work_dir / "models")
+    runs = [work_dir / f"g{i}" for i in range(len(GROUPS))]
+    with routed(public=2, homes=2, uplink_mbit=UPLINK_MBIT) as topology, ExitStack() as stack:
+        bootstrap = topology.public[0]
+        dht_log = work_dir / "dht.log"
+        dht = start_dht(stack, bootstrap, dht_log)
+        peers = [m for m in dht_peers(dht, dht_log) if f"/ip4/{bootstrap.ip}/" in m]
+        hosts = [topology.public[1], *(home.host for home in topology.homes)]
+        made = [h.name for h in topology.public] + [h.name for home in topology.homes for h in (home.host, home.router)]
+        jobs = []
+        for i, ((where, ranks), host) in enumerate(zip(GROUPS, hosts)):
+            log_path = work_dir / f"g{i}.log"
+            cmd = [*host.prefix(), *command(s, model, runs[i], peers, i, ranks)]
+            env = procs.child_env(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+            jobs.append((f"group {i} ({where})", started(stack, cmd, log_path, env), log_path))
+        wait_all(jobs, s["timeout_s"])
+        finals = [summary(d) for d in runs]
+        if len({f["params_sha256"] for f in finals}) != 1:
+            raise BenchError(f"the groups ended on different models, see {work_dir}")
+        groups = [group_figures(where, ranks, read_rows(d), log_path.read_text(errors="replace"))
+                  for (where, ranks), d, (_, _, log_path) in zip(GROUPS, runs, jobs)]  # fmt: skip
+    return {"setup": s, "uplink_mbit": UPLINK_MBIT, "namespaces": made, "groups": groups, **swarm_figures(groups)}
 
 
-@contextmanager
-def routed(public: int, homes: int, uplink_mbit: float | None = None, net: int | None = None) -> Iterator[Topology]:
-    """`public` hosts on one bridge and `homes` homes behind routers on it; with `uplink_mbit`, each router's
-    outside link is shaped to it both ways (the home's uplink). Everything is deleted on exit."""
-    why = nat_available()
-    if why:
-        raise BenchError(f"home routers: {why}")
-    net = net if net is not None else free_net()
-    made: list[Host] = []
-    with hosts(public + homes, net=net) as outside:
-        routers = outside[public:]
-        try:
-            for router in routers:
-                home = Host(name=f"{router.name}h", ip=HOME_IP, veth=f"{router.veth}l", iface=f"{router.iface}l")
-                with shielded():
-                    _ip("netns", "add", home.name)
-                    made.append(home)
-                # the router's inside end (`veth`, in the router) and the home host's end (`iface`)
-                _ip("link", "add", home.veth, "netns", router.name, "type", "veth", "peer", "name", home.iface,
-                    "netns", home.name)  # fmt: skip
-                _ip("-n", router.name, "addr", "add", f"{ROUTER_LAN_IP}/24", "dev", home.veth)
-                _ip("-n", router.name, "link", "set", home.veth, "up")
-                _ip("-n", home.name, "addr", "add", f"{HOME_IP}/24", "dev", home.iface)
-                _ip("-n", home.name, "link", "set", home.iface, "up")
-                _ip("-n", home.name, "link", "set", "lo", "up")
-                _ip("-n", home.name, "route", "add", "default", "via", ROUTER_LAN_IP)
-                subprocess.run(["ip", "netns", "exec", router.name, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
-                               check=True, capture_output=True)  # fmt: skip
-                _nft(router.name, _router_rules(router.iface, home.veth))
-                if uplink_mbit:
-                    _shape(router.iface, uplink_mbit, router.name)  # out of the home
-                    _shape(router.veth, uplink_mbit)  # into it
-            yield Topology(outside[:public], [Home(home, router) for home, router in zip(made, routers)])
-        finally:
-            with shielded():
-                for home in made:
-                    kill_inside(home.name)
-                    subprocess.run(["ip", "netns", "delete", home.name], capture_output=True)
+def group_figures(where: str, ranks: int, rows: list[dict[str, Any]], log: str) -> dict[str, Any]:
+    full = {r["outer_step"]: r for r in rows if r.get("num_peers") == len(GROUPS)}
+    if not full:
+        raise BenchError(f"the {where} group took part in no round with every group")
+    said = set(re.findall(r"can be dialled: (\w+)|cannot be dialled", log))  # ("" for the latter)
+    path = {frozenset({"direct"}): "direct", frozenset({""}): "outbound only"}.get(frozenset(said), "mixed")
+    wire = {step: r["averaging_s"] - r["wait_s"] for step, r in full.items()}
+    sent = statistics.median(r["bytes_sent"] for r in full.values())
+    received = statistics.median(r["bytes_received"] for r in full.values())
+    ideal = None if where == "public" else max(sent, received) * 8 / (UPLINK_MBIT * 1e6)
+    return {"where": where, "ranks": ranks, "path": path, "full_rounds": len(full),
+            "rounds": sum(1 for r in rows if "num_peers" in r), "round_wire_s": wire,
+            "median_wire_s": statistics.median(wire.values()), "bytes_sent": sent, "bytes_received": received,
+            "ideal_s": ideal}  # fmt: skip
+
+
+def swarm_figures(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The swarm's round: per outer step every group took part in, the longest group's time on the wire."""
+    shared = set.intersection(*(set(g["round_wire_s"]) for g in groups))
+    rounds = [max(g["round_wire_s"][step] for g in groups) for step in sorted(shared)]
+    ideal = max(g["ideal_s"] for g in groups if g["ideal_s"] is not None)
+    median = statistics.median(rounds) if rounds else None
+    return {"swarm_rounds": len(rounds), "median_round_s": median, "ideal_round_s": ideal,
+            "round_vs_ideal": None if median is None else median / ideal}  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    from diloco.bench import machine_line
+
+    s = result["setup"]
+    load = f"{result['machine']['load_avg_1m']:.1f} / {result['load_avg_1m_end']:.1f}"
+    lines = [
+        f"## {result['bench']}{' (quick)' if result['quick'] else ''}: {result['date']}", "",
+        f"- machine: {machine_line(result['machine'])}; 1-minute load average at start / end: {load}",
+        f"- command: `{result['command']}`",
+        f"- model {s['model']}, fake data, {s['batch']} sequences of {s['seq_length']} per inner step and group, "
+        f"{s['steps']} inner steps, H = {s['local_steps']} (fixed), `--hv.compression none` (float32), no flag about "
+        "routers",
+        f"- network namespaces: `diloco dht` and the public 1-rank group on a bridge; a 1-rank group and a 2-rank "
+        f"FULL_SHARD group each behind a home router of its own (nftables masquerade, nothing forwarded in, both "
+        f"homes 192.168.1.0/24), the router's uplink `tc tbf` {result['uplink_mbit']:g} Mbit/s each way",
+        "- per group: its path (what its ranks learnt at join), median bytes per round (all its ranks), median time "
+        "on the wire per round (formed to averaged), and the ideal: the larger direction's bytes over the uplink",
+        "",
+        "| group | ranks | path | full rounds | sent / round | received / round | on the wire | ideal |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for g in result["groups"]:
+        ideal = "—" if g["ideal_s"] is None else f"{g['ideal_s']:.2f} s"
+        lines.append(f"| {g['where']} | {g['ranks']} | {g['path']} | {g['full_rounds']} of {g['rounds']} | "
+                     f"{g['bytes_sent'] / 1e6:.1f} MB | {g['bytes_received'] / 1e6:.1f} MB | "
+                     f"{g['median_wire_s']:.2f} s | {ideal} |")  # fmt: skip
+    ratio = result["round_vs_ideal"]
+    lines += ["", f"The swarm's median round on the wire: {result['median_round_s']:.2f} s over "
+              f"{result['swarm_rounds']} rounds, **{ratio:.2f}×** the ideal {result['ideal_round_s']:.2f} s of the "
+              "slowest home.", ""]  # fmt: skip
+    return "\n".join(lines)

@@ -4,21 +4,24 @@ the bootstrap peer and one group, and two homes behind routers of their own (bot
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from diloco.bench.nat import Topology, routed
 from diloco.bench.netns import Host
+from diloco.bench.routers import Topology, routed
+from tests.integration.test_faults import trainers, wait_for
 from tests.integration.test_galaxy import TEXT, assert_trained_together
 from tests.support.groups import outer_rows
 from tests.support.netns import assert_none_left, namespaces
-from tests.support.paths import DILOCO, TORCHRUN
-from tests.support.procs import read_until
+from tests.support.paths import DILOCO, ROOT, TORCHRUN
+from tests.support.procs import child_env, read_until, summary
 from tests.support.swarm import kill_group, spawn
 
 pytestmark = pytest.mark.xdist_group("netns")
@@ -48,22 +51,33 @@ def swarm_behind_routers(tmp_path: Path, homes: int = 2) -> Iterator[tuple[Topol
 
 def start(host: Host, tmp_path: Path, name: str, peers: list[str], world_rank: int, galaxy: int, ranks: int,
           steps: int, *own: str) -> tuple[subprocess.Popen[str], Path]:  # fmt: skip
+    """A worker group of `ranks` ranks on `host`, output to ``<name>.log``; returns it and its run folder."""
     run_dir = tmp_path / name
     args = [*TEXT, "--total-batch-size", "8", "--max-steps", str(steps), "--hv.local-steps", "4",
             "--hv.galaxy-size", str(galaxy), "--hv.world-rank", str(world_rank), "--hv.initial-peers", *peers,
             *own, "--run-dir", str(run_dir)]  # fmt: skip
     launch = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}", "-m", "diloco.train"]
-    return spawn([*host.prefix(), *launch, *args], HOME), run_dir
+    with (tmp_path / f"{name}.log").open("a") as log:
+        proc = subprocess.Popen([*host.prefix(), *launch, *args], cwd=ROOT, env=child_env() | HOME, stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    return proc, run_dir
 
 
-def finish(procs: list[subprocess.Popen[str]], timeout: float = 300) -> list[str]:
+def said(run_dir: Path) -> str:
+    return run_dir.with_suffix(".log").read_text()
+
+
+def finish(started: list[tuple[subprocess.Popen[str], Path]], timeout: float = 300) -> list[str]:
+    """Wait for every group to end with exit code 0; their logs."""
+    deadline = time.monotonic() + timeout
     try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        for proc, run_dir in started:
+            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            assert code == 0, said(run_dir)[-3000:]
     finally:
-        for p in procs:
-            kill_group(p)
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
-    return outputs
+        for proc, _ in started:
+            kill_group(proc)
+    return [said(run_dir) for _, run_dir in started]
 
 
 @pytest.mark.slow
@@ -75,7 +89,7 @@ def test_groups_behind_two_routers_and_a_public_group_average_bit_identically(tm
         hosts = [topology.public[1], topology.homes[0].host, topology.homes[1].host]
         started = [start(host, tmp_path, f"g{i}", peers, i, 3, ranks, 12)
                    for i, (host, ranks) in enumerate(zip(hosts, (1, 1, 2)))]  # fmt: skip
-        outputs = finish([proc for proc, _ in started])
+        outputs = finish(started)
     run_dirs = [run_dir for _, run_dir in started]
     assert_trained_together(run_dirs, groups=3, outer_steps=3)
     direct = r"rank 0 can be dialled: direct \(peer \w+ dialled it back at 10\."
@@ -87,3 +101,40 @@ def test_groups_behind_two_routers_and_a_public_group_average_bit_identically(tm
     for run_dir in run_dirs[1:]:
         full = [r for r in outer_rows(run_dir) if r.get("num_peers") == 3]
         assert full and all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in full), full
+
+
+@pytest.mark.slow
+def test_a_late_joiner_behind_a_router_loads_the_state_from_the_group_that_can_be_dialled(tmp_path: Path) -> None:
+    """A public group and a group behind one router train; a 2-rank FULL_SHARD group behind the other router joins
+    late. The home group serves no state (nobody could dial it), so each of the joiner's ranks downloads its rows from
+    the public group, over connections it opens; then all three average bit-identically."""
+    with swarm_behind_routers(tmp_path) as (topology, peers):
+        early = [start(host, tmp_path, f"g{i}", peers, i, 3, 1, 40)
+                 for i, host in enumerate([topology.public[1], topology.homes[0].host])]  # fmt: skip
+        started = list(early)
+        try:
+            wait_for(lambda: len(outer_rows(early[0][1])) >= 2, 180, "two outer steps of the first groups",
+                     [proc for proc, _ in early])  # fmt: skip
+            # the first groups' training processes pause (their DHT peers and listeners go on serving) while the
+            # joiner starts up, as in test_faults' late joiner: under load its start-up outlasts their run
+            paused = [pid for proc, _ in early for pid in trainers(proc, True)]
+            for pid in paused:
+                os.kill(pid, signal.SIGSTOP)
+            started.append(start(topology.homes[1].host, tmp_path, "g2", peers, 2, 3, 2, 40, "--seed", "7"))
+            try:
+                wait_for(lambda: "worker group 2 starting" in said(started[2][1]), 180, "the joiner",
+                         [started[2][0]])  # fmt: skip
+            finally:
+                for pid in paused:
+                    os.kill(pid, signal.SIGCONT)
+            outputs = finish(started)
+        finally:
+            for proc, _ in started:
+                kill_group(proc)
+    run_dirs = [run_dir for _, run_dir in started]
+    joined = summary(run_dirs[2])
+    assert joined["status"] == "ok" and joined["loaded_state_from_peers"] is True, (joined, outputs[2][-3000:])
+    loads = [r for r in outer_rows(run_dirs[2]) if r.get("loaded_state_from") is not None]
+    assert loads and {r["loaded_state_from"] for r in loads} == {0}, loads  # never the home group
+    finals = [summary(d) for d in run_dirs]
+    assert all(f["status"] == "ok" for f in finals) and len({f["params_sha256"] for f in finals}) == 1, finals

@@ -1,0 +1,30 @@
+"""`diloco bench nat`: a public group and two groups behind home routers (nftables NAT, 100 Mbit/s uplinks) in network
+namespaces; the figures come from the groups' own rows and logs, and the namespaces are gone afterwards. Needs root
+and nft."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.bench import bench
+from tests.support.netns import assert_none_left, namespaces
+
+pytestmark = pytest.mark.xdist_group("netns")
+
+
+@pytest.mark.slow
+def test_nat_quick(tmp_path) -> None:
+    before = namespaces()
+    data, doc = bench("nat", tmp_path, timeout=420)
+    paths = [(g["where"], g["ranks"], g["path"]) for g in data["groups"]]
+    assert paths == [("public", 1, "direct"), ("home 1", 1, "outbound only"), ("home 2", 2, "outbound only")]
+    steps, local = data["setup"]["steps"], data["setup"]["local_steps"]
+    for group in data["groups"]:
+        assert 1 <= group["full_rounds"] <= group["rounds"] == steps // local, group
+        assert group["bytes_sent"] > 0 and group["bytes_received"] > 0 and group["median_wire_s"] > 0, group
+    homes = data["groups"][1:]
+    # a home's ideal is its larger direction over its 100 Mbit/s uplink, and no round beats the bandwidth
+    assert all(g["ideal_s"] == pytest.approx(max(g["bytes_sent"], g["bytes_received"]) * 8 / 100e6) for g in homes)
+    assert data["groups"][0]["ideal_s"] is None and data["round_vs_ideal"] >= 0.9, data
+    assert data["swarm_rounds"] >= 1 and "| home 2 | 2 | outbound only |" in doc and "× the ideal" in doc
+    assert_none_left(before, set(data["namespaces"]))
