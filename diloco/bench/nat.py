@@ -90,11 +90,12 @@ def group_figures(where: str, ranks: int, rows: list[dict[str, Any]], log: str) 
     wire = {step: r["averaging_s"] - r["wait_s"] for step, r in full.items()}
     sent = statistics.median(r["bytes_sent"] for r in full.values())
     received = statistics.median(r["bytes_received"] for r in full.values())
+    inbound = statistics.median(r["bytes_inbound"] for r in full.values())
     ideal = None if where == "public" else max(sent, received) * 8 / (UPLINK_MBIT * 1e6)
     return {"where": where, "ranks": ranks, "path": path, "full_rounds": len(full),
             "rounds": sum(1 for r in rows if "num_peers" in r), "round_wire_s": wire,
             "median_wire_s": statistics.median(wire.values()), "bytes_sent": sent, "bytes_received": received,
-            "ideal_s": ideal}  # fmt: skip
+            "bytes_inbound": inbound, "ideal_s": ideal}  # fmt: skip
 
 
 def swarm_figures(groups: list[dict[str, Any]]) -> dict[str, Any]:
@@ -122,17 +123,19 @@ def markdown(result: dict[str, Any]) -> str:
         f"- network namespaces: `diloco dht` and the public 1-rank group on a bridge; a 1-rank group and a 2-rank "
         f"FULL_SHARD group each behind a home router of its own (nftables masquerade, nothing forwarded in, both "
         f"homes 192.168.1.0/24), the router's uplink `tc tbf` {result['uplink_mbit']:g} Mbit/s each way",
-        "- per group: its path (what its ranks learnt at join), median bytes per round (all its ranks), median time "
-        "on the wire per round (formed to averaged), and the ideal: the larger direction's bytes over the uplink",
+        "- per group: its path (what its ranks learnt at join), median bytes per round (all its ranks; of which "
+        "over connections other groups opened to it), median time on the wire per round (formed to averaged), and "
+        "the ideal: the larger direction's bytes over the uplink",
         "",
-        "| group | ranks | path | full rounds | sent / round | received / round | on the wire | ideal |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| group | ranks | path | full rounds | sent / round | received / round | of which others dialled | on the "
+        "wire | ideal |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for g in result["groups"]:
         ideal = "—" if g["ideal_s"] is None else f"{g['ideal_s']:.2f} s"
+        mb = [f"{g[key] / 1e6:.1f} MB" for key in ("bytes_sent", "bytes_received", "bytes_inbound")]
         lines.append(f"| {g['where']} | {g['ranks']} | {g['path']} | {g['full_rounds']} of {g['rounds']} | "
-                     f"{g['bytes_sent'] / 1e6:.1f} MB | {g['bytes_received'] / 1e6:.1f} MB | "
-                     f"{g['median_wire_s']:.2f} s | {ideal} |")  # fmt: skip
+                     f"{' | '.join(mb)} | {g['median_wire_s']:.2f} s | {ideal} |")  # fmt: skip
     ratio = result["round_vs_ideal"]
     lines += ["", f"The swarm's median round on the wire: {result['median_round_s']:.2f} s over "
               f"{result['swarm_rounds']} rounds, **{ratio:.2f}×** the ideal {result['ideal_round_s']:.2f} s of the "

@@ -32,6 +32,7 @@ class RoundResult(Protocol):
     round_id: str  # the same in every member of one round's group ("": no group formed): who averaged together
     dropped: int  # groupmates this rank's reducer left out for their frames or their silence (not their values)
     behind: bool  # this group was behind the others' outer step and sat the round out (ok is False)
+    bytes_inbound: int  # of its bytes, those over connections other ranks opened to it (0: nobody dialled it)
 
 
 State = tuple[dict[str, Any], list[torch.Tensor]]  # (small metadata, tensors) of one rank's outer state

@@ -50,6 +50,7 @@ class Report:
     round_id: str = ""
     dropped: int = 0
     behind: bool = False
+    bytes_inbound: int = 0
 
 
 class MemorySwarm:

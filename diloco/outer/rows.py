@@ -41,6 +41,9 @@ def round_row(
             "wait_s": report.seconds - report.allreduce_seconds,  # idle until the round's group formed
             "bytes_sent": int(group.sum(float(report.bytes_sent))),  # all ranks of the group
             "bytes_received": int(group.sum(float(report.bytes_received))),
+            # of both, over connections other groups' ranks opened (0 in a group nobody can dial); the rest went over
+            # connections this group's ranks opened
+            "bytes_inbound": int(group.sum(float(report.bytes_inbound))),
             "rejected": int(group.sum(float(report.rejected))),
             "dropped": int(group.sum(float(report.dropped))),
             "pseudo_grad_norm": math.sqrt(group.sum(float(pseudo_gradient.square().sum()))),

@@ -22,6 +22,7 @@ def test_nat_quick(tmp_path) -> None:
     for group in data["groups"]:
         assert 1 <= group["full_rounds"] <= group["rounds"] == steps // local, group
         assert group["bytes_sent"] > 0 and group["bytes_received"] > 0 and group["median_wire_s"] > 0, group
+        assert (group["bytes_inbound"] > 0) == (group["path"] == "direct"), group  # nobody dialled the homes
     homes = data["groups"][1:]
     # a home's ideal is its larger direction over its 100 Mbit/s uplink, and no round beats the bandwidth
     assert all(g["ideal_s"] == pytest.approx(max(g["bytes_sent"], g["bytes_received"]) * 8 / 100e6) for g in homes)

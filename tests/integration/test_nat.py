@@ -98,9 +98,13 @@ def test_groups_behind_two_routers_and_a_public_group_average_bit_identically(tm
         said = re.findall(r"rank (\d) cannot be dialled \(peer \w+ could not dial 192\.168\.1\.2", output)
         assert sorted(said) == [str(r) for r in range(ranks)], output[-3000:]
     # the homes sent their shards and received the averages over the connections they opened, every round
+    # (nobody could have dialled them: a round that needed it would have failed), and reduced for nobody
     for run_dir in run_dirs[1:]:
         full = [r for r in outer_rows(run_dir) if r.get("num_peers") == 3]
         assert full and all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in full), full
+        assert all(r["bytes_inbound"] == 0 for r in full), full
+    public = [r for r in outer_rows(run_dirs[0]) if r.get("num_peers") == 3]  # it reduced every span
+    assert public and all(r["bytes_inbound"] == r["bytes_sent"] + r["bytes_received"] for r in public), public
 
 
 @pytest.mark.slow

@@ -98,6 +98,7 @@ class Outcome:
     rejected: int
     error: str = ""
     dropped: int = 0  # groupmates this rank's reducer left out for their frames or their silence
+    bytes_inbound: int = 0  # of its bytes, those over connections other ranks opened to it (it reduced for them)
 
 
 def replica_ranks(shape: Shape) -> list[list[int]]:
@@ -204,7 +205,8 @@ def run_round(
         log.warning("averaging: this rank's part of the round failed: %s", error)
     finally:
         listener.unregister(round_)
-    return Outcome(not error, round_.bytes_sent, round_.bytes_received, round_.rejected, error, round_.dropped)
+    return Outcome(not error, round_.bytes_sent, round_.bytes_received, round_.rejected, error, round_.dropped,
+                   round_.bytes_inbound)
 
 
 class GroupRounds:
@@ -358,7 +360,7 @@ class GroupRounds:
         return RoundReport(
             len(info.members), ended - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
             rejected=outcome.rejected, transport=self.transport, allreduce_seconds=ended - formed,
-            round_id=round_id(info.group_id), dropped=outcome.dropped,
+            round_id=round_id(info.group_id), dropped=outcome.dropped, bytes_inbound=outcome.bytes_inbound,
         )  # fmt: skip
 
     def _match(self, round_index: int, weight: float, stop: Callable[[], bool], outer_step: int | None

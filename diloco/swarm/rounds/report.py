@@ -28,6 +28,8 @@ class RoundReport:
     :param rejected: groupmates' contributions (and this peer's own) that this peer, as a reducer, left out of the
         average for holding NaN/Inf or a norm ``diloco.swarm.rounds.screening.MAX_NORM_RATIO`` times the group's; a
         rejected peer's round fails, the others complete without it (ok=True).
+    :param bytes_inbound: of ``bytes_sent`` and ``bytes_received``, those over connections other peers opened to this
+        one (it reduced their parts); the rest went over connections it opened. 0 for a rank nobody can dial.
     :param behind: this group was behind the round's others' outer step and sat the round out (ok=False; see
         ``group_round.abreast``).
     """
@@ -43,6 +45,7 @@ class RoundReport:
     round_id: str = ""
     dropped: int = 0
     behind: bool = False
+    bytes_inbound: int = 0
 
 
 def round_id(group_id: bytes) -> str:

@@ -252,6 +252,7 @@ class Round:
         self._sends = [self.schedule.sent_to(j) for j in range(self.k)]  # our parts of each reducer's span
         self.tag = hashlib.sha256(group_id).digest()[:16]
         self.bytes_sent = self.bytes_received = 0
+        self.bytes_inbound = 0  # of both, over connections other peers opened to this one (as its reducer's)
         self.rejected = 0  # senders (this peer included) whose contribution this peer, as reducer, left out
         self.dropped = 0  # groupmates left out of our span for what they sent or did not send (frames, silence)
         self._cv = threading.Condition()
@@ -341,6 +342,7 @@ class Round:
         frames = _frames(sock, seal_keys(self.group_id, hello + nonce)[::-1] if self.sealed else None, self.deadline)
         with self._cv:
             self.bytes_sent += len(nonce) + hellos.MAC_SIZE
+            self.bytes_inbound += len(nonce) + hellos.MAC_SIZE
             self._threads.append(self._thread(self._read_parts, frames, sender))
             self._threads.append(self._thread(self._write_averages, frames, sender))
 
@@ -452,7 +454,7 @@ class Round:
                     self._cv.wait_for(lambda: self._aborted or sender in self._banned or q - self._reduced < WINDOW)
                     if self._aborted or sender in self._banned:
                         return
-                data = self._receive(frames, self.codec.max_bytes(part.numel))
+                data = self._receive(frames, self.codec.max_bytes(part.numel), inbound=True)
                 try:
                     values = self.codec.decode_part(data, part.numel, part.start)
                 except (ValueError, RuntimeError) as e:  # (torch's words for a buffer too short)
@@ -480,7 +482,7 @@ class Round:
                     if self._aborted or sender in self._banned:
                         return
                     encoded = self._results[q][1]
-                self._send(frames, encoded)
+                self._send(frames, encoded, inbound=True)
                 with self._cv:
                     self._replied[sender] = i + 1
                     self._release()
@@ -580,15 +582,17 @@ class Round:
         assert part.local is not None, "a part this peer does not take part in"
         return part.local, part.local + part.numel
 
-    def _send(self, frames: Frames, data) -> None:
+    def _send(self, frames: Frames, data, inbound: bool = False) -> None:
         sent = frames.send(data)
         with self._cv:
             self.bytes_sent += sent
+            self.bytes_inbound += sent if inbound else 0
 
-    def _receive(self, frames: Frames, max_bytes: int) -> memoryview:
+    def _receive(self, frames: Frames, max_bytes: int, inbound: bool = False) -> memoryview:
         data = frames.receive(max_bytes)
         with self._cv:
             self.bytes_received += frames.overhead + data.nbytes
+            self.bytes_inbound += frames.overhead + data.nbytes if inbound else 0
         return data
 
     def _receive_into(self, frames: Frames, view: memoryview) -> None:
