@@ -186,10 +186,13 @@ def open_door(hv: HvConfig, env: DistEnv, dht: Any, port: int) -> Door:
 
 
 def _say_reach(reach: Any, rank: int, announced: bool) -> None:
-    from diloco.swarm.rounds.reachability import OUTBOUND
+    from diloco.swarm.rounds.reachability import DIRECT, OUTBOUND
 
-    if reach.kind != OUTBOUND:
-        (log.info if rank == 0 else log.debug)("rank %d can be dialled: %s (%s)", rank, reach.kind, reach.detail)
+    say = log.info if rank == 0 else log.debug  # (every rank of a group sits on one network, as a rule)
+    if reach.kind == DIRECT:
+        say("rank %d can be dialled: direct (%s)", rank, reach.detail)
+    elif reach.kind != OUTBOUND:
+        say("rank %d: whether others can dial it is unchecked (%s); they will try", rank, reach.detail)
     elif announced:
         log.warning("--hv.announce-maddrs: nobody can dial this rank at the addresses announced (%s); it dials out "
                     "only (outbound only: it reduces nothing and serves no state)", reach.detail)  # fmt: skip
