@@ -43,6 +43,7 @@ class Beacon:
     model: ModelId | None
     peer: str
     batch: str = ""
+    reach: str = ""  # whether others can dial its rank 0 (``Swarm.reach``)
     tokens_per_s: float | None = None  # of the group: the median of the training loop's last metrics rows
     rates: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_ROWS))
     last_round: tuple[int, float] | None = None  # (num_peers, wall-clock end) of the last round
@@ -99,7 +100,7 @@ class Beacon:
             batch=self.batch,
             discarded_steps=self.discarded_steps,
             paused_until=self.paused_until,
-            reach=self.swarm.reach,
+            reach=self.reach,
         )
 
 

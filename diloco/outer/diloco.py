@@ -157,7 +157,7 @@ class DiLoCo(Admission):
         self.beacon = Beacon(
             swarm, group.is_main, world_rank, len(self.peers), sharding, transport,
             outer_setting(outer_lr, outer_momentum, outer_warmup, aggregation), schedule, final_step, model,
-            self.peers[0], batch,
+            self.peers[0], batch, reach=swarm.reach,
         )  # fmt: skip
 
     @property

@@ -201,11 +201,15 @@ def test_dht_takes_hivemind_dht_spellings(tmp_path: Path, monkeypatch: pytest.Mo
     from diloco.swarm.records import dht
 
     served = []
-    monkeypatch.setattr(dht, "serve_dht", lambda *args: served.append(args) or 0)
+    monkeypatch.setattr(dht, "serve_dht", lambda *args, **kwargs: served.append((args, kwargs)) or 0)
     argv = ["dht", "--identity_path", str(tmp_path / "id.pem"), "--host_maddrs", "/ip4/127.0.0.1/tcp/3101",
             "--announce_maddrs", "/ip4/10.0.0.1/tcp/3101"]  # fmt: skip
     assert run_app(build_app(), argv) == 0
-    assert served == [(tmp_path / "id.pem", ["/ip4/127.0.0.1/tcp/3101"], ["/ip4/10.0.0.1/tcp/3101"])]
+    from diloco.swarm.rounds import reachability
+
+    # (and it dials joining ranks back: they learn whether they can be dialled)
+    assert served == [((tmp_path / "id.pem", ["/ip4/127.0.0.1/tcp/3101"], ["/ip4/10.0.0.1/tcp/3101"]),
+                       {"services": [reachability.serve]})]  # fmt: skip
 
 
 def test_lora_flags(capsys: pytest.CaptureFixture[str]) -> None:
