@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,12 +91,14 @@ def start_peer(
     owner = None  # rank 0 publishes the group's records, under its own key; the others only check everyone's
     if env.rank == 0:
         owner = Owner.load(owner_key) if owner_key is not None else Owner.ephemeral()
-    dht = start_dht(
+    join_dht = partial(
+        start_dht,
         initial_peers=hv.initial_peers,
         host_maddrs=[offset_port(m, env.local_rank) for m in hv.host_maddrs],
         announce_maddrs=[offset_port(m, env.local_rank) for m in hv.announce_maddrs],
         validator=None if owner is None else owner.validator,
     )
+    dht = join_dht()
     run = run_key(run_id, model)
     # rank 0 matchmakes for its whole group under a key every shape shares (and one transport: their rounds travel
     # differently); rounds and states travel over the ranks' listeners, so the other ranks need no matchmaker
@@ -104,6 +107,11 @@ def start_peer(
     matchmaker = door = None
     try:
         door = open_door(hv, env, dht, port)
+        if not door.reach.dialable:
+            # a DHT peer nobody can dial would stay in the others' routing tables (each of its requests puts it back)
+            # and cost their lookups a timeout each: it rejoins as a client, which asks and stores but serves nothing
+            dht.shutdown()
+            dht = join_dht(client_mode=True)
         if env.rank == 0:  # a group whose rank 0 cannot be dialled never leads a matchmaking: it joins the others'
             matchmaker = Matchmaker(dht, prefix=prefix, matchmaking_time=default_wait(hv.matchmaking_time),
                                     averaging_timeout=fixed_timeout(hv.averaging_timeout),

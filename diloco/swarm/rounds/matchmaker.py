@@ -238,6 +238,10 @@ class Matchmaker:
         self._wait = matchmaking_time  # the wait the averager process has now
         self._planned: float | None = None  # the wait `expect` set for the next rounds
         self.target_group_size = self._expected = target_group_size
+        # a peer nobody can dial (hivemind's client mode) never leads: it joins leaders, which refuse a request that
+        # expires before their own declaration does. So it asks with a late expiration (its wait plus the averaging
+        # timeout) whatever it waits itself: a leader whose wait ends after the client's own still takes it in
+        self.client_mode = bool(averager.get("client_mode", False))
         self._averager = self.averager_type(
             [tensor.detach().clone() for tensor in tensors] or [torch.zeros(1)],
             dht,
@@ -335,8 +339,9 @@ class Matchmaker:
             self._averager.set_group_bits(format(round_index % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
         self._averager.stats.clear()
         self._averager.matched_id.raw = bytes(1 + GROUP_ID_MAX)  # no group yet: a failed round names none
+        leeway = self.averaging_timeout if self.client_mode else 0.0
         return self._averager.step(
-            weight=weight, scheduled_time=get_dht_time() + wait, timeout=wait + self.averaging_timeout,
+            weight=weight, scheduled_time=get_dht_time() + wait + leeway, timeout=wait + self.averaging_timeout,
             allow_retries=True, gather=gather, require_trigger=True, wait=False,
         )  # fmt: skip
 
