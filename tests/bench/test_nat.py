@@ -27,5 +27,5 @@ def test_nat_quick(tmp_path) -> None:
     # a home's ideal is its larger direction over its 100 Mbit/s uplink, and no round beats the bandwidth
     assert all(g["ideal_s"] == pytest.approx(max(g["bytes_sent"], g["bytes_received"]) * 8 / 100e6) for g in homes)
     assert data["groups"][0]["ideal_s"] is None and data["round_vs_ideal"] >= 0.9, data
-    assert data["swarm_rounds"] >= 1 and "| home 2 | 2 | outbound only |" in doc and "× the ideal" in doc
+    assert data["swarm_rounds"] >= 1 and "| home 2 | 2 | outbound only |" in doc and "×** the ideal" in doc
     assert_none_left(before, set(data["namespaces"]))
