@@ -148,11 +148,9 @@ class Door:
     reach: Any
 
     def close(self) -> None:
-        try:
-            if self.tunnel is not None:
-                self.tunnel.close()
-        finally:
-            self.listener.close()
+        from diloco.swarm.rounds.listener import close_with_tunnel
+
+        close_with_tunnel(self.listener, self.tunnel)
 
 
 def open_door(hv: HvConfig, env: DistEnv, dht: Any, port: int) -> Door:

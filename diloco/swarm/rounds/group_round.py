@@ -48,7 +48,7 @@ from diloco.swarm.rounds.layout import (
     replica_bounds,
     replica_slice,
 )
-from diloco.swarm.rounds.listener import Listener
+from diloco.swarm.rounds.listener import Listener, close_with_tunnel
 from diloco.swarm.rounds.screening import capped_weights
 
 log = logging.getLogger("diloco")
@@ -315,11 +315,7 @@ class GroupRounds:
 
     def close(self) -> None:
         """Stop taking connections (the tunnel's streams first)."""
-        try:
-            if self.tunnel is not None:
-                self.tunnel.close()
-        finally:
-            self.listener.close()
+        close_with_tunnel(self.listener, self.tunnel)
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: Callable[[], bool],
                 fragment: int | None = None, outer_step: int | None = None):  # fmt: skip

@@ -213,6 +213,16 @@ class Listener:
         close_socket(conn)
 
 
+def close_with_tunnel(listener: Listener, tunnel: object | None) -> None:
+    """Stop taking connections: the tunnel's streams first (``tunnel.Tunnel``, which feeds `listener`; None over
+    TCP), then the listener."""
+    try:
+        if tunnel is not None:
+            tunnel.close()  # type: ignore[attr-defined]
+    finally:
+        listener.close()
+
+
 class _NoRound(ConnectionError):
     """A hello for a round this rank does not hold (any more): late, or replayed."""
 
