@@ -114,6 +114,15 @@ def test_something_else_at_the_address_or_a_peer_that_lies_does_not_make_a_rank_
 
     assert check(StandInDHT(liar), [PEER], (["127.0.0.1"], 1234), probes).kind == OUTBOUND
 
+    async def noisy(_info, reader, writer) -> None:  # what it says is quoted in the rank's log: only what is ours
+        await reachability._read(reader)
+        writer.write(reachability._framed({"reached": ["\x1b[2J" * 50], "observed": "\x1b[2J evil"}))
+        await writer.drain()
+        writer.close()
+
+    reach = check(StandInDHT(noisy), [PEER], (["127.0.0.1"], 1234), probes)
+    assert reach.kind == OUTBOUND and "\x1b" not in reach.detail and "evil" not in reach.detail, reach
+
 
 def test_no_peer_that_answers_leaves_the_rank_unchecked_and_dialable(listening) -> None:
     _, probes, port = listening

@@ -124,13 +124,23 @@ def check(dht: Any, peers: Sequence[str], endpoint: tuple[Sequence[str], int], p
         if not isinstance(answer, dict) or "error" in answer:  # no stream to it, a peer without the protocol, late
             log.debug("dial-back: %s did not answer: %s", peer, answer.get("error") if isinstance(answer, dict) else "")
             continue
-        reached, seen_at = answer.get("reached"), answer.get("observed")
+        # what a peer answers goes into this rank's log: only our own hosts and an IP address are quoted
+        reached = [h for h in hosts if isinstance(answer.get("reached"), list) and h in answer["reached"]]
+        seen_at = answer.get("observed")
         if probes.arrived(nonce, ARRIVAL_WAIT_S):
-            where = ", ".join(map(str, reached)) if isinstance(reached, list) and reached else "its announced host"
+            where = ", ".join(reached) or "its announced host"
             return Reach(DIRECT, f"peer {peer[-8:]} dialled it back at {where} port {port}")
-        seen = f"; that peer sees it at {seen_at}" if isinstance(seen_at, str) and seen_at else ""
+        seen = f"; that peer sees it at {seen_at}" if _is_ip(seen_at) else ""
         return Reach(OUTBOUND, f"peer {peer[-8:]} could not dial {' or '.join(hosts)} port {port}{seen}")
     return Reach(UNCHECKED, "no initial peer answered a dial-back request")
+
+
+def _is_ip(value: object) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in str(value) else socket.AF_INET, str(value))
+    except OSError:
+        return False
+    return isinstance(value, str)
 
 
 def serve(dht: Any) -> None:
