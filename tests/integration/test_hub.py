@@ -96,7 +96,6 @@ def test_ids_missing_from_the_cache_are_downloaded_once_per_machine(tmp_path: Pa
     assert (tmp_path / "hf" / "hub" / "models--tiny-org--llama" / "snapshots").is_dir()
 
 
-@pytest.mark.slow  # (its hub retries take half a minute: bin/test stays under 10)
 def test_an_id_the_hub_does_not_have_is_one_line(tmp_path: Path) -> None:
     work = tmp_path / "cwd"
     work.mkdir()

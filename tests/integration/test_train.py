@@ -126,7 +126,6 @@ def sha(run_dir: Path) -> str:
     return summary(run_dir)["params_sha256"]
 
 
-@pytest.mark.slow  # (over a minute: bin/test stays under 10)
 @ONE_WORKER
 def test_sharding_strategies_and_checkpointing_compute_the_same_model(reference: Reference, variants: dict) -> None:
     """NO_SHARD (FSDP2, replicated), SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3, the reference), HYBRID_SHARD,
