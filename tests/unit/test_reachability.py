@@ -77,6 +77,19 @@ def test_a_rank_whose_listener_the_peer_reaches_is_direct(listening) -> None:
     assert "127.0.0.1" in reach.detail
 
 
+def test_strangers_probes_are_answered_and_kept_nowhere(listening) -> None:
+    """Probes of nonces this rank does not await (a stranger's, by the hundred) leave no trace and do not keep its
+    own from counting."""
+    _, probes, port = listening
+    for i in range(100):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(reachability.MAGIC + i.to_bytes(reachability.NONCE_SIZE, "big"))
+            assert conn.recv(1) == reachability.ACK
+    assert probes._awaited == {}
+    assert check(StandInDHT(), [PEER], (["127.0.0.1"], port), probes).kind == DIRECT
+    assert probes._awaited == {}
+
+
 def test_a_rank_nobody_reaches_is_outbound_only_and_hears_where_it_is_seen(listening) -> None:
     _, probes, port = listening
     reach = check(StandInDHT(), [PEER], (["127.0.0.2"], port), probes)  # (the listener is on 127.0.0.1 only)

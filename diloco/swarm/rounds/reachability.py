@@ -68,11 +68,12 @@ class Reach:
 
 class Probes:
     """The listener's side: a service for ``MAGIC`` connections that notes the nonces they bring
-    (``Listener.serve(MAGIC, probes)``)."""
+    (``Listener.serve(MAGIC, probes)``), of those this rank awaits (``expect``) alone: what strangers send is
+    answered and kept nowhere."""
 
     def __init__(self, timeout: float = DIAL_TIMEOUT_S):
         self._timeout = timeout
-        self._seen: set[bytes] = set()
+        self._awaited: dict[bytes, bool] = {}  # nonce -> a probe brought it
         self._cv = threading.Condition()
 
     def __call__(self, conn: socket.socket) -> None:
@@ -80,20 +81,23 @@ class Probes:
         conn.settimeout(self._timeout)
         recv_exact(conn, memoryview(nonce), time.monotonic() + self._timeout)
         with self._cv:
-            if len(self._seen) < 64:  # nonces this rank asked for are taken out again; a stranger's pile up no more
-                self._seen.add(bytes(nonce))
-            self._cv.notify_all()
+            if bytes(nonce) in self._awaited:
+                self._awaited[bytes(nonce)] = True
+                self._cv.notify_all()
         conn.sendall(ACK)
 
+    def expect(self, nonce: bytes) -> None:
+        """Await `nonce` (before asking a peer to bring it: its probe may come before the answer does)."""
+        with self._cv:
+            self._awaited[nonce] = False
+
     def arrived(self, nonce: bytes, wait: float) -> bool:
-        """Whether a probe brought `nonce` (waiting up to `wait` seconds for it); forgets it."""
+        """Whether a probe brought `nonce` (waiting up to `wait` seconds for it); no longer awaits it."""
         deadline = time.monotonic() + wait
         with self._cv:
-            while nonce not in self._seen and (left := deadline - time.monotonic()) > 0:
+            while not self._awaited.get(nonce) and (left := deadline - time.monotonic()) > 0:
                 self._cv.wait(left)
-            found = nonce in self._seen
-            self._seen.discard(nonce)
-            return found
+            return bool(self._awaited.pop(nonce, False))
 
 
 def peer_ids(maddrs: Sequence[str]) -> list[str]:
@@ -116,6 +120,7 @@ def check(dht: Any, peers: Sequence[str], endpoint: tuple[Sequence[str], int], p
     hosts, port = endpoint
     for peer in peers:
         nonce = secrets.token_bytes(NONCE_SIZE)
+        probes.expect(nonce)
         request = {"hosts": list(hosts)[:MAX_HOSTS], "port": int(port), "nonce": nonce.hex()}
         try:
             answer = dht.run_coroutine(partial(_ask, peer, _framed(request), timeout))
