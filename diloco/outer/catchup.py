@@ -253,7 +253,7 @@ def sources(records: Iterable[Progress], mine: Progress, alive: Callable[[Progre
     # a state whose holders all dial out only (behind home routers) cannot be downloaded: the next best is tried
     plan = [sorted((r for r in holders[s] if r.serves), key=lambda r: r.world_rank)
             for s in ranked[: ranked.index(mine.state)]]
-    return [holders_ for holders_ in plan if holders_]
+    return [held for held in plan if held]
 
 
 class Refused:

@@ -135,7 +135,7 @@ def start_peer(
     )  # fmt: skip
 
 
-@dataclass
+@dataclass(frozen=True)
 class Door:
     """How others reach this rank: its listener, its endpoint (TCP ``([hosts], port)``, or over p2pd
     ``((peer id,), 0)``), how it reaches theirs (`connect`), the p2pd `tunnel` (None over TCP), and whether it
@@ -176,19 +176,18 @@ def open_door(hv: HvConfig, env: DistEnv, dht: Any, port: int) -> Door:
                     reachability.Reach(reachability.UNCHECKED, "over libp2p"))  # fmt: skip
     listening = listen(listen_host(hv.host_maddrs), port)
     listener = Listener(listening, timeout, registration_timeout=fixed, idle_wait=IDLE_WAIT_S).start()
-    door = Door(listener, (tuple(announced_hosts(dht.get_visible_maddrs())), listening.getsockname()[1]),
-                tcp.connect, None, None)  # fmt: skip
+    endpoint = (tuple(announced_hosts(dht.get_visible_maddrs())), listening.getsockname()[1])
     try:
         probes = reachability.Probes()
         listener.serve(reachability.MAGIC, probes)
-        door.reach = reachability.check(dht, reachability.peer_ids(hv.initial_peers), door.endpoint, probes)
-        if door.reach.kind == reachability.DIRECT:
+        reach = reachability.check(dht, reachability.peer_ids(hv.initial_peers), endpoint, probes)
+        if reach.kind == reachability.DIRECT:
             reachability.serve(dht)
-        _say_reach(door.reach, env.rank, bool(hv.announce_maddrs))
+        _say_reach(reach, env.rank, bool(hv.announce_maddrs))
     except BaseException:
-        door.close()
+        listener.close()
         raise
-    return door
+    return Door(listener, endpoint, tcp.connect, None, reach)
 
 
 def _say_reach(reach: Any, rank: int, announced: bool) -> None:
