@@ -148,8 +148,9 @@ class HvConfig(_Strict):
         description="What a group that arrives after the swarm's round formed does with its inner steps since its "
         "last round: drop (reset to the loaded state, as OpenDiLoCo does) or keep (it moves its model along with the "
         "new outer state, so they land in its next round, weighted by their tokens; measured 4-5% worse in held-out "
-        "loss under fixed H: docs/outer-step.md). Either way the rows, summary.json and `diloco status` count the "
-        "inner steps thrown away.",
+        "loss under fixed H: docs/outer-step.md). A group whose round failed on its side while the group it loads "
+        "from took that round alone keeps them either way (docs/reliability.md). The rows, summary.json and "
+        "`diloco status` count the inner steps thrown away.",
     )
     skip_load_from_peers: bool = Field(False, description="Do not download the outer state from peers on join.")
     compression: Compression = Field(

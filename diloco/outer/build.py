@@ -34,6 +34,10 @@ from diloco.swarm.rounds.digest import Digest
 
 log = logging.getLogger("diloco")
 
+# a group that found the round under way gone without it waits this long for its source to land it (`DiLoCo.land_wait`):
+# a round lands once its average is in, seconds on the links diloco is made for
+LAND_WAIT_S = 10.0
+
 
 def build_outer(
     config: Config,
@@ -151,6 +155,7 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
         batch=f"{config.total_batch_size}x{config.seq_length}",
         late_work=hv.late_work,
         error_decay=hv.error_feedback(),
+        land_wait=LAND_WAIT_S,
     )
     if isinstance(pace, TokenBudget):  # a state the catch-up refused corroborates no claim of being ahead
         pace.refused = loop.catchup.refused.skipped

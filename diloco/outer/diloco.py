@@ -32,13 +32,13 @@ from diloco.outer.error_feedback import ErrorFeedback, NoFeedback
 from diloco.outer.fragments import Runs, fragment_of
 from diloco.outer.inflight import InFlight
 from diloco.outer.ledger import Ledger
-from diloco.outer.links import Group, RoundResult, State, Swarm
+from diloco.outer.links import Group, RoundResult, Swarm
 from diloco.outer.loop import OuterReport
 from diloco.outer.optimizer import OuterOptimizer
 from diloco.outer.pace import FixedSteps, Pace
 from diloco.outer.rows import round_row
+from diloco.outer.state_transfer import StateTransfer
 from diloco.swarm.records.fingerprint import ModelId
-from diloco.swarm.records.progress import Progress
 from diloco.swarm.records.status import Status
 from diloco.swarm.rounds.digest import Digest, ShardDigest
 from diloco.swarm.rounds.screening import all_finite
@@ -49,7 +49,7 @@ log = logging.getLogger("diloco")
 __all__ = ["DiLoCo", "JoinError"]
 
 
-class DiLoCo(Admission):
+class DiLoCo(Admission, StateTransfer):
     """The outer loop of one worker group in a swarm (one instance per rank; methods marked collective are
     called by every rank of the group together).
 
@@ -88,6 +88,8 @@ class DiLoCo(Admission):
     :param late_work: ``--hv.late-work``: after loading a newer state, ``keep`` the inner steps since the last round
         for the next one (the model moves with the outer parameters) or ``drop`` them (counted: ``Ledger``).
     :param error_decay: sparse rounds: the error feedback's decay (``diloco.outer.error_feedback``); None: none.
+    :param land_wait: seconds a group that just loaded the state, and found the round under way gone without it, waits
+        for a group to land that round, to load the result at once (`_join_round_or_catch_up`); 0: it does not wait.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class DiLoCo(Admission):
         claim_settle_s: float = 1.0,
         late_work: str = "drop",
         error_decay: float | None = None,
+        land_wait: float = 0.0,
     ) -> None:
         self.params = OuterOptimizer(shards, outer_lr, outer_momentum, outer_warmup, fragments)
         self.feedback = NoFeedback() if error_decay is None else ErrorFeedback(
@@ -132,8 +135,11 @@ class DiLoCo(Admission):
         self.tokens_per_step = tokens_per_step
         self.ledger = Ledger(self.fragments, tokens_per_step)  # the inner steps against the outer state
         self.keep_late = late_work == "keep"
+        # the last round this group took part in on time failed on its side (its inner steps carry over); and the
+        # last load kept this group's inner steps, which have not landed in a round since
+        self.round_failed = self.keeping = False
         self.swarm, self.group, self.world_rank = swarm, group, world_rank
-        self.stop, self.join_timeout = stop, join_timeout
+        self.stop, self.join_timeout, self.land_wait = stop, join_timeout, land_wait
         self.final_step, self.settle_timeout = final_step, settle_timeout
         self.step = 0  # inner steps done, as last seen; served with the state
         self.tainted = False
@@ -144,6 +150,7 @@ class DiLoCo(Admission):
         self.download: dict[str, float] = {}  # the last state download's seconds and MB (all ranks), for its row
         self.downloaded: list[dict[str, float]] = []  # every one of them, for the summary
         self.loaded_from: int | None = None  # world rank of the group whose state was loaded last
+        self.loaded_step: int | None = None  # and its inner step as it served that state
         self.token = group.broadcast(uuid.uuid4().hex)
         self.claims = Claims(swarm, world_rank, self.token)
         self.peers = tuple(group.gather(swarm.peer_id))
@@ -190,7 +197,7 @@ class DiLoCo(Admission):
             if loaded is not None:
                 self.step = step = loaded
                 if self.pace.in_round(step, self.outer_step):  # the swarm is averaging now: take part, no weight
-                    rows = self._join_round(step, self.loaded_from)
+                    step, rows = self._join_round_or_catch_up(step, self.loaded_from)
         elif self.group.is_main:
             log.info("not loading the swarm's state (as asked): starting from this group's own state")
         self.settled = True
@@ -261,7 +268,7 @@ class DiLoCo(Admission):
         else:
             # a group that was behind joins the round under way: with the inner steps it kept, or with nothing
             # (zeros, as its pseudo-gradient is gone)
-            rows = self._join_round(step, source)
+            step, rows = self._join_round_or_catch_up(step, source)
         return OuterReport(step, rows[-1] if rows else None, before + tuple(rows[:-1]))
 
     def _next_round_now(self, step: int) -> int | None:
@@ -270,7 +277,7 @@ class DiLoCo(Admission):
         take that round now, or its steps would never land (it would be as late at each round). Returns the inner
         step it continues from; None when it kept nothing, or under a token budget (due with everyone)."""
         boundary = self.pace.next_boundary(self._paced)
-        if not self.keep_late or boundary is None or boundary <= step or self.ledger.trained(step) == 0:
+        if not self._keeps or boundary is None or boundary <= step or self.ledger.trained(step) == 0:
             return None
         self.ledger.kept(0, boundary - step, boundary)
         self.step = boundary
@@ -289,11 +296,42 @@ class DiLoCo(Admission):
         index = self.pace.round_index(step, self._paced)
         fragment = self._fragment(index)
         tokens = self.ledger.fragment_tokens(step, fragment)
-        if self.keep_late and tokens > 0:
+        if self._keeps and tokens > 0:
             pseudo_gradient = self.params.pseudo_gradient(fragment)
-            return self._round(step, index, pseudo_gradient, self.pace.weight(tokens), source, tokens, overlap=False)
+            # the group it loaded from was at this very boundary: a round without it is one that group took meanwhile
+            late = self.loaded_step == step
+            return self._round(step, index, pseudo_gradient, self.pace.weight(tokens), source, tokens, overlap=False,
+                               late=late)  # fmt: skip
         zeros = torch.zeros(self.params.numel(fragment))
         return self._round(step, index, zeros, 0.0, source, overlap=False)
+
+    def _join_round_or_catch_up(self, step: int, source: int | None) -> tuple[int, list[dict[str, Any]]]:
+        """Collective, just after a load at inner step `step`: join the round under way (`_join_round`). When that
+        applied nothing (the round formed without this group: its download took longer than the others'
+        matchmaking), wait up to `land_wait` for a group to land that round, and load the result now; join again when
+        that load comes at a boundary, and so on. Else this group would come to its next round an outer step behind,
+        download again, and could miss that round as well, round after round. Returns the inner step to go on from
+        and the rows of the rounds joined and of the loads."""
+        rows: list[dict[str, Any]] = []
+        deadline = None  # (counted from the first round missed)
+        while True:
+            joined = self.outer_step
+            rows += self._join_round(step, source)
+            if self.outer_step > joined or not self.land_wait:
+                return step, rows
+            deadline = time.monotonic() + self.land_wait if deadline is None else deadline
+            # (rank 0 alone reads the clock: an empty plan, once the time is up, ends the wait on every rank)
+            plan = self.group.broadcast(self._plan_ahead(deadline) if self.group.is_main else None)
+            if not plan or (loaded := self._load_from(plan)) is None:
+                return step, rows
+            if self.group.is_main:
+                log.info("loaded the round this group missed as it landed (inner step %d -> %d)", step, loaded)
+            self.step = step = loaded
+            source = self.loaded_from
+            self._publish()
+            rows.append(self._row(step, source=source))
+            if not self.pace.in_round(step, self.outer_step):
+                return step, rows
 
     def _round(
         self,
@@ -304,11 +342,13 @@ class DiLoCo(Admission):
         source: int | None,
         tokens: int = 0,
         overlap: bool = True,
+        late: bool = False,
     ) -> list[dict[str, Any]]:
         """Collective: the round of boundary `step`: started in the background when rounds overlap the inner
         steps (its row comes when it lands), else averaged and applied now. At the run's last step every
         fragment then takes a blocking round of its own, so the final model holds all the inner steps. Returns
-        the rows of the rounds applied, in order (none: on the wire, or stopped)."""
+        the rows of the rounds applied, in order (none: on the wire, or stopped). `late`: this group joined, on loading
+        the state, the round its source was in (``_join_round``)."""
         fragment, last = self._fragment(index), self.pace.last_round(step, index)
         pseudo_gradient = self._fold(pseudo_gradient, weight, fragment)
         what = "" if fragment is None else f" fragment {fragment}"
@@ -322,7 +362,8 @@ class DiLoCo(Admission):
             self.pace.new_round(self._paced)
             return []
         report = self.swarm.average([pseudo_gradient], index, weight, self.stop, fragment, self.outer_step, last)
-        row = self._apply(step, fragment, report, pseudo_gradient, weight, source, tokens, mix=0.0)
+        row = self._apply(step, fragment, report, pseudo_gradient, weight, source, tokens, mix=0.0,
+                          late=late and not last)  # fmt: skip
         rows = [] if row is None else [row]
         for more in range(1, self.fragments if last and row is not None else 1):  # the other fragments, each
             fragment = self._fragment(index + more)  # with the inner steps since its own round
@@ -360,9 +401,10 @@ class DiLoCo(Admission):
 
     def _apply(self, step: int, fragment: int | None, report: RoundResult, pseudo_gradient: torch.Tensor,
                weight: float, source: int | None, tokens: int, mix: float,
-               landed: dict[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
+               landed: dict[str, Any] | None = None, late: bool = False) -> dict[str, Any] | None:  # fmt: skip
         """Collective: the outer step with a round's result (when every rank got it). None when stopped during
-        the round. `landed`: for a round that was on the wire, the pace's fields for its row as of its send."""
+        the round. `landed`: for a round that was on the wire, the pace's fields for its row as of its send;
+        `late`: this group joined, on loading the state, the round its source was in (not the run's last)."""
         if self.group.sum(1.0 if self.stop() else 0.0):
             log.warning("outer step %d: stopped during averaging; not applied", self.outer_step + 1)
             return None
@@ -374,10 +416,13 @@ class DiLoCo(Admission):
             all_ok, num_peers = False, 0
         # a lone round of a group that would keep its steps, while a live group is already past this outer step: its
         # round formed without this group. Applied alone, the step would be replaced at the next load, its inner
-        # steps lost; left out, they carry over and land in the swarm's next round
-        passed = all_ok and num_peers <= 1 and bool(weight) and self.keep_late and self._swarm_past()
+        # steps lost; left out, they carry over and land in the swarm's next round. A `late` group that found nobody
+        # knows that much without a record: the group it loaded from took the round meanwhile, whether or not its new
+        # record is readable yet (under load a DHT store can take longer than the round, or fail)
+        passed = all_ok and num_peers <= 1 and bool(weight) and self._keeps and (late or self._swarm_past())
         outer_before = self.outer_step
         with self.params.lock:  # a state served meanwhile has the digest of its parameters
+            self.round_failed = not all_ok and not report.behind
             if all_ok and num_peers > 1:
                 self.params.step(pseudo_gradient, fragment, mix)
                 self.tainted, self.ledger.alone_steps = False, 0
@@ -399,10 +444,12 @@ class DiLoCo(Admission):
                 )  # fmt: skip
                 self.feedback.failed(fragment)
             self._update_digest()
-        if self.outer_step > outer_before and landed is not None:  # its successor began at its send (`_round`)
-            self.ledger.reset_fragments(step, fragment)
-        elif self.outer_step > outer_before:
-            self._new_round(step, fragment)
+        if self.outer_step > outer_before:
+            self.keeping = False  # what a load kept landed in this step
+            if landed is not None:  # its successor began at its send (`_round`)
+                self.ledger.reset_fragments(step, fragment)
+            else:
+                self._new_round(step, fragment)
         self._publish()
         self.beacon.last_round = (num_peers, time.time())
         self._publish_status("training")
@@ -417,115 +464,17 @@ class DiLoCo(Admission):
         row |= {"tokens": tokens, "weight": weight} | self.params.timings  # (the gather: of this round's send)
         return row | (self.pace.summary(tokens) if landed is None else landed)
 
-    def _swarm_past(self) -> bool:
-        """Collective: whether a live group's record holds a later outer step than this group's (rank 0 reads)."""
-        past = None
-        if self.group.is_main:
-            past = any(r.outer_step > self.outer_step for holders in self._plan() for r in holders)
-        return bool(self.group.broadcast(past))
+    @property
+    def _keeps(self) -> bool:
+        """Whether this group's inner steps kept through a load go on to a round (``late_work`` keep, or a round
+        that failed on its side only: `_load_from`)."""
+        return self.keep_late or self.keeping
 
     def _row(self, step: int, *, source: int | None, **round_fields: Any) -> dict[str, Any]:
         """Collective: the metrics row of this group's outer state at `step` (``rows.round_row``), with the inner
         steps (tokens) thrown away since the last row, and those kept through a load (``carried_steps``)."""
         row = round_row(self.group, step, self.outer_step, self.digest, source=source, **round_fields)
         return row | self.ledger.row_fields() | (self.download if source is not None else {})
-
-    def _discard(self, steps: int) -> None:
-        """`steps` inner steps of this group were thrown away (its model reset without them)."""
-        if self.ledger.discard(steps):
-            self.beacon.discarded_steps = total = self.ledger.discarded_steps
-            if self.group.is_main:
-                log.warning("discarded %d inner step(s) of this group (%d in this run)", steps, total)
-
-    # ------------------------------------------------------------------ progress and state transfer
-
-    def _update_digest(self) -> None:
-        """Collective: the group's digest of its outer state (parameters and momentum: what a download loads)."""
-        started = time.monotonic()
-        with self.params.lock:
-            self.digest = self.digester.combine(self.group.gather(self.digester.partial(*self.params.tensors())))
-        self.params.timings["digest_s"] = time.monotonic() - started
-
-    def _record(self) -> Progress:
-        return Progress(
-            world_rank=self.world_rank,
-            outer_step=self.outer_step,
-            step=self.step,
-            digest=self.digest,
-            tainted=self.tainted,
-            settled=self.settled,
-            token=self.token,
-            peers=self.peers,
-            done=self.done,
-        )
-
-    def _publish(self) -> None:
-        if self.group.is_main:
-            self.swarm.publish(self._record())
-
-    def _plan(self) -> list[list[Progress]]:
-        """Rank 0: the states to load, best first (``CatchUp.plan``); other owners' claims of this group's world
-        rank are rejected on the way (``Claims.check``)."""
-        records = self.swarm.records()
-        self.claims.check(records)
-        return self.catchup.plan(self._record(), records)
-
-    def _current_state(self) -> State:
-        """This rank's outer state as served to other groups (called from the swarm's background thread)."""
-        with self.params.lock:  # the metadata and the tensors of one moment
-            meta = {
-                "outer_step": self.outer_step,
-                "step": self.step,
-                "digest": self.digest,
-                "tainted": self.tainted,
-                "world_rank": self.world_rank,
-            }
-            return meta, self.served.get(self.params.tensors())
-
-    def _load_from(self, plan: list[list[Progress]]) -> int | None:
-        """Collective: load the outer state of the first group of `plan` that sends every rank the same state
-        (``CatchUp.fetch``). Returns the inner step to continue from, or None when no group could."""
-        outer_before, started = self.outer_step, time.monotonic()
-        found = self.catchup.fetch(plan)
-        if found is None:
-            return None
-        record, meta, tensors = found
-        self.download = {"download_s": time.monotonic() - started,  # refused sources included; the digest checked
-                         "download_mb": self.group.sum(sum(t.nbytes for t in tensors) / 1e6)}  # fmt: skip
-        self.downloaded.append(self.download)  # (a load at the join has no row of its own)
-        trained = self.ledger.trained(self.step)
-        keep = self.keep_late and trained > 0  # (nothing trained: the model is reset to the state exactly)
-        if self.tainted:  # the round it applied alone is not in the state it loads
-            self._discard(self.ledger.alone_steps)
-        self.ledger.alone_steps = 0
-        self._load(meta, tensors, keep)
-        self.loaded_from = record.world_rank
-        if self.group.is_main:
-            log.info(
-                "loaded the outer state of worker group %d: outer step %d, inner step %d",
-                record.world_rank, meta["outer_step"], meta["step"],
-            )  # fmt: skip
-        # a group that was behind adopts the inner step count; one that diverged at the same outer step keeps its
-        # own (it did the same number of inner steps). Never backwards: a source that finished the round this group
-        # failed may not have reached this group's next boundary yet. Under a token budget every group keeps its own
-        ahead = meta["outer_step"] > outer_before and self.pace.adopts_step
-        step = max(meta["step"], self.step) if ahead else self.step
-        if keep:  # the model moved with the outer parameters: its inner steps since each reset stay in it
-            self.ledger.kept(trained, step - self.step, step)  # (an adopted step count moves the starts along)
-            self.pace.new_round(self._paced)
-        else:
-            self._discard(trained)
-            self._new_round(step)  # the model holds the loaded outer parameters: the inner steps since are gone
-        return step
-
-    def _load(self, meta: dict[str, Any], tensors: list[torch.Tensor], keep: bool = False) -> None:
-        with self.params.lock:
-            self.params.load(meta["outer_step"], tensors, keep)
-            self.tainted = bool(meta["tainted"])
-            self.feedback.reset()
-            self._update_digest()
-        self.loaded_from_peers = True
-        self.downloads += 1
 
     # ------------------------------------------------------------------ status for onlookers
 

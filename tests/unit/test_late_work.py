@@ -3,6 +3,7 @@ round it takes part in, weighted by their tokens; with ``drop`` they are thrown 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,18 +39,20 @@ class Spy(Member):
 
 
 class Solo(Member):
-    """The other side of a failed round: group 0 averages alone in `alone_round` (its partner's part failed)."""
+    """The other side of a failed round: group 0 averages alone in `alone_round` (its partner's part failed). With
+    `peers` 2 the round is torn instead: group 0 counts its partner in (its part may be in the average) and applies it
+    as an average."""
 
-    def __init__(self, hub: MemorySwarm, name: str, alone_round: int) -> None:
+    def __init__(self, hub: MemorySwarm, name: str, alone_round: int, peers: int = 1) -> None:
         super().__init__(hub, name)
-        self.alone_round = alone_round
+        self.alone_round, self.peers = alone_round, peers
 
     def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
                 fragment: object = None, outer_step: int | None = None, last: bool = False) -> Report:  # fmt: skip
         if round_index == self.alone_round:
             self.swarm.barrier.wait()
             self.swarm.barrier.wait()
-            return Report(num_peers=1)  # it applies its own pseudo-gradient
+            return Report(num_peers=self.peers)  # it applies its own pseudo-gradient
         return super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
 
 
@@ -79,12 +82,13 @@ def train(outers: dict[int, DiLoCo], nets: dict[int, torch.nn.Module], steps: ra
     return rows
 
 
-def late_pair(late_work: str) -> tuple[dict[int, torch.nn.Module], dict[int, DiLoCo], Spy]:
-    """Two groups, H = 2; group 1 misses round 1 (its side fails), so group 0 averages alone and moves ahead."""
+def late_pair(late_work: str, torn: bool = False) -> tuple[dict[int, torch.nn.Module], dict[int, DiLoCo], Spy]:
+    """Two groups, H = 2; group 1 misses round 1 (its side fails), so group 0 averages alone (`torn`: it applies the
+    round as an average) and moves ahead."""
     hub = MemorySwarm(2)
     nets = {g: net() for g in (0, 1)}
     spy = Spy(hub, "g1", fail_round=1)
-    members = {0: Solo(hub, "g0", alone_round=1), 1: spy}
+    members = {0: Solo(hub, "g0", alone_round=1, peers=2 if torn else 1), 1: spy}
     outers = {
         g: diloco(nets[g], members[g], lr=0.7, momentum=0.0, h=2, world_rank=g, tokens_per_step=TOKENS,
                   late_work=late_work)  # fmt: skip
@@ -132,8 +136,11 @@ def test_the_late_groups_next_round_after_a_load_carries_the_missed_steps() -> N
 
 
 def test_dropped_late_work_is_counted_in_the_rows_and_the_summary() -> None:
-    nets, outers, spy = late_pair("drop")
+    """A torn round 1: group 0 applied it as an average, which may hold group 1's part, so group 1 cannot keep its
+    steps without counting them twice; under drop it loads over them."""
+    nets, outers, spy = late_pair("drop", torn=True)
     train(outers, nets, range(0, 2))
+    assert not outers[0].tainted and outers[0].outer_step == 1 and outers[1].outer_step == 0
     rows = train(outers, nets, range(2, 4))
     [load] = rows[1]  # it loaded at the boundary and joined the round under way with no weight
     assert load["loaded_state_from"] == 0 and load["discarded_steps"] == 4
@@ -143,6 +150,20 @@ def test_dropped_late_work_is_counted_in_the_rows_and_the_summary() -> None:
     summary = outers[1].summary()
     assert (summary["discarded_steps"], summary["discarded_tokens"]) == (4, 4 * TOKENS)
     assert outers[1].beacon.discarded_steps == 4 and outers[0].summary()["discarded_steps"] == 0
+
+
+def test_under_drop_a_group_whose_round_failed_on_its_side_while_the_other_took_it_alone_keeps_its_steps() -> None:
+    """Group 1 was in round 1 on time; its side failed, and group 0 applied its own step alone (a split round). The
+    state group 1 then loads holds none of its 4 inner steps: it keeps them whatever --hv.late-work says, and they
+    land in round 2, as with keep."""
+    nets, outers, spy = late_pair("drop")
+    train(outers, nets, range(0, 2))
+    assert outers[0].tainted and (outers[0].outer_step, outers[1].outer_step) == (1, 0)
+    [landed] = train(outers, nets, range(2, 4))[1]
+    assert landed["loaded_state_from"] == 0 and landed["carried_steps"] == 4 and landed["discarded_steps"] == 0
+    assert spy.sent[2][1] == 2.0 and landed["num_peers"] == 2 and landed["tokens"] == 4 * TOKENS
+    assert torch.equal(outers[0].outer, outers[1].outer) and not outers[1].keeping
+    assert outers[1].summary()["discarded_steps"] == 0 and outers[0].summary()["discarded_steps"] == 0
 
 
 def test_a_group_that_averaged_alone_and_then_loads_another_state_counts_that_round_as_discarded() -> None:
@@ -215,19 +236,25 @@ class Overtaken(Lone):
         return super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
 
 
+def keeping_pair(members: dict[int, Member]) -> tuple[dict[int, torch.nn.Module], dict[int, DiLoCo]]:
+    """Two groups of `members` that keep late work (H = 2, fixed), joined; group 0 has taken round 1 (alone)."""
+    nets = {g: net() for g in (0, 1)}
+    outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.0, h=2, world_rank=g, tokens_per_step=TOKENS,
+                        final_step=10, late_work="keep") for g in (0, 1)}  # fmt: skip
+    for g in (0, 1):
+        outers[g].join(0)
+    train({0: outers[0]}, {0: nets[0]}, range(0, 2))
+    return nets, outers
+
+
 def test_a_lone_round_the_swarm_is_already_past_applies_nothing_and_the_kept_steps_carry_on() -> None:
     """Group 1 loads outer step 1 and takes its kept steps to round 2, which group 0 closes (alone) meanwhile. Group 1
     applies nothing alone (that step would be replaced at its next load, and its steps lost), carries them on, and
     brings all four to round 3 with nothing discarded. (Nobody past it: it applies its own step, as the paper; see
     the test above.)"""
     hub = MemorySwarm(2)
-    nets = {g: net() for g in (0, 1)}
     members = {0: Lone(hub, "g0"), 1: Overtaken(hub, "g1")}
-    outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.0, h=2, world_rank=g, tokens_per_step=TOKENS,
-                        final_step=10, late_work="keep") for g in (0, 1)}  # fmt: skip
-    for g in (0, 1):
-        outers[g].join(0)
-    train({0: outers[0]}, {0: nets[0]}, range(0, 2))  # group 0: round 1, alone
+    nets, outers = keeping_pair(members)
     members[1].meanwhile.append(lambda: train({0: outers[0]}, {0: nets[0]}, range(2, 4)))  # and round 2
     [row] = train({1: outers[1]}, {1: nets[1]}, range(0, 2))[1]
     assert row["loaded_state_from"] == 0 and outers[0].outer_step == 2
@@ -237,3 +264,84 @@ def test_a_lone_round_the_swarm_is_already_past_applies_nothing_and_the_kept_ste
     assert row["loaded_state_from"] == 0 and row["discarded_steps"] == 0 and "sat_out" not in row
     assert members[1].sent[3][1] == 2.0 and row["tokens"] == 4 * TOKENS  # round 3: two rounds' worth of tokens
     assert outers[1].summary()["discarded_steps"] == 0
+
+
+def test_a_group_that_joined_its_sources_round_and_found_nobody_sits_out_though_no_record_says_so() -> None:
+    """Group 1 loads the state group 0 serves while in round 2's matchmaking (outer step 1, inner step 4), so it joins
+    round 2 with its kept steps, and finds nobody: group 0's round formed without it (here: nobody meets anyone). No
+    record shows the swarm past round 2 yet (group 0 is still in it; under load its new record can also come late,
+    or not at all). Group 1 sits out all the same: applied alone, its step would be replaced at its next load and its
+    two inner steps thrown away. They land at round 3."""
+    hub = MemorySwarm(2)
+    members = {0: Overtaken(hub, "g0"), 1: Lone(hub, "g1")}
+    nets, outers = keeping_pair(members)
+    late: list[dict] = []
+    members[0].meanwhile.append(lambda: late.extend(train({1: outers[1]}, {1: nets[1]}, range(0, 2))[1]))
+    train({0: outers[0]}, {0: nets[0]}, range(2, 4))  # group 0's round 2, during which group 1 comes
+    [row] = late
+    assert row["loaded_state_from"] == 0 and outers[1].loaded_step == 4 and row["step"] == 4
+    assert row["sat_out"] is True and outers[1].outer_step == 1 and outers[1].ledger.alone_steps == 0
+    assert outers[0].outer_step == 2
+    [row] = train({1: outers[1]}, {1: nets[1]}, range(4, 6))[1]  # loads outer step 2, keeping both steps
+    assert row["loaded_state_from"] == 0 and row["discarded_steps"] == 0
+    assert members[1].sent[3][1] == 2.0 and row["tokens"] == 4 * TOKENS  # round 3: both rounds' steps
+    assert outers[1].summary()["discarded_steps"] == 0
+
+
+class Gate(Lone):
+    """A lone member that, in round `at`, first runs `meanwhile` on a thread of its own, and closes its round (alone)
+    only once `entered` is set: another group's round began meanwhile and found nobody."""
+
+    def __init__(self, hub: MemorySwarm, name: str, at: int) -> None:
+        super().__init__(hub, name)
+        self.at, self.entered = at, threading.Event()
+        self.meanwhile: Callable[[], object] = lambda: None
+        self.thread: threading.Thread | None = None
+
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
+                fragment: object = None, outer_step: int | None = None, last: bool = False) -> Report:  # fmt: skip
+        if round_index == self.at:
+            self.thread = threading.Thread(target=self.meanwhile)
+            self.thread.start()
+            assert self.entered.wait(10)
+        return super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
+
+
+class Entering(Lone):
+    """A lone member that says when it enters a round."""
+
+    def __init__(self, hub: MemorySwarm, name: str, entered: threading.Event) -> None:
+        super().__init__(hub, name)
+        self.entered = entered
+
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
+                fragment: object = None, outer_step: int | None = None, last: bool = False) -> Report:  # fmt: skip
+        self.entered.set()
+        return super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
+
+
+def test_a_group_that_missed_the_round_it_loaded_into_loads_its_result_as_it_lands_and_is_not_behind_next() -> None:
+    """Group 1 loads the state group 0 serves while group 0 is in round 2 (outer step 1, inner step 4) and joins that
+    round, which formed without it. Rather than come to round 3 an outer step behind (download again, and maybe miss
+    that round as well: round after round when rounds are on the wire), it waits for group 0 to land round 2 and
+    loads the result at once."""
+    hub = MemorySwarm(2)
+    gate = Gate(hub, "g0", at=2)
+    members = {0: gate, 1: Entering(hub, "g1", gate.entered)}
+    nets = {g: net() for g in (0, 1)}
+    outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.0, h=2, world_rank=g, tokens_per_step=TOKENS,
+                        final_step=10, land_wait=5.0) for g in (0, 1)}  # fmt: skip
+    for g in (0, 1):
+        outers[g].join(0)
+    train({0: outers[0]}, {0: nets[0]}, range(0, 2))  # round 1: group 0 alone
+    late: list[dict] = []
+    gate.meanwhile = lambda: late.extend(train({1: outers[1]}, {1: nets[1]}, range(0, 2))[1])
+    train({0: outers[0]}, {0: nets[0]}, range(2, 4))  # round 2, during which group 1 comes
+    assert gate.thread is not None
+    gate.thread.join(10)
+    missed, reloaded = late
+    assert missed["loaded_state_from"] == 0 and missed["outer_step"] == 1 and missed["num_peers"] == 1
+    assert reloaded["loaded_state_from"] == 0 and reloaded["outer_step"] == 2 and reloaded["step"] == 4
+    assert outers[1].outer_step == outers[0].outer_step == 2 and torch.equal(outers[1].outer, outers[0].outer)
+    assert not [r for holders in outers[1]._plan() for r in holders if r.outer_step > 2]  # not behind at round 3
+
