@@ -240,3 +240,13 @@ def test_a_non_finite_sparse_contribution_is_screened_out_and_the_others_average
         kept = images[:2] if span.reducer == (0, 0) else images
         assert torch.allclose(outs[0][span.start : span.stop], sum(kept)[span.start : span.stop] / len(kept),
                               atol=1e-6), span  # fmt: skip
+
+
+def test_a_sparse_round_where_nobody_has_weight_fails_everywhere():
+    """The relayed mean of contributions that all weigh 0 is 0/0: every peer's round fails rather than apply it."""
+    codec = sparse_codec(SHAPES, 1 / 8, 2)
+    layouts = [group_layout(SHAPES, Shape("FULL_SHARD", 1), codec.chunks) for _ in range(2)]
+    round_plan = plan(layouts, NUMEL, codec.chunks)
+    schedules = [plan_schedule(round_plan, layouts, (g, 0), codec.part_numel, codec.chunks) for g in range(2)]
+    outs, errors, _, _ = run_group([randn(NUMEL, g) for g in range(2)], codec, [0.0, 0.0], schedules=schedules)
+    assert all(error is not None and "NaN/Inf" in error for error in errors), errors

@@ -58,6 +58,15 @@ def test_two_peers_get_exactly_the_fp32_mean_and_weights_count():
     assert errors == [None, None] and torch.allclose(outs[0], 0.75 * a + 0.25 * b, atol=1e-6)
 
 
+@pytest.mark.parametrize("codec", [RAW, FP16], ids=["fp32", "fp16"])
+def test_a_round_where_nobody_has_weight_fails_everywhere_instead_of_returning_nan(codec: tcp.Codec):
+    """Two groups that both just loaded the swarm's state join a round with weight 0 each: the mean is 0/0. Applied,
+    that NaN would end both groups' training; the round fails at every peer instead (the inner steps carry over)."""
+    a, b = randn(300_000, 1), randn(300_000, 2)
+    outs, errors, _, _ = run_group([a, b], codec=codec, weights=[0.0, 0.0])
+    assert all(error is not None and "NaN/Inf" in error for error in errors), errors
+
+
 def test_fp16_sends_half_the_bytes_and_all_peers_hold_the_same_rounding():
     vectors = [randn(500_000, seed) for seed in range(3)]
     raw = run_group([v.clone() for v in vectors])

@@ -51,7 +51,7 @@ from diloco.swarm.rounds.dial import Connect, Endpoint, connect  # (tcp.connect:
 from diloco.swarm.rounds.frames import Frames, bytes_of, seal_keys
 from diloco.swarm.rounds.hello import Roster, public_bytes
 from diloco.swarm.rounds.layout import Part, Schedule, flat_schedule
-from diloco.swarm.rounds.screening import MAX_NORM_RATIO, part_norm, screen
+from diloco.swarm.rounds.screening import MAX_NORM_RATIO, all_finite, part_norm, screen
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -308,6 +308,8 @@ class Round:
                     ours = average if self.codec.raw else self.codec.decode_average(
                         memoryview(encoded), hi - lo, part.start, len(part.senders))  # fmt: skip
                     self.out[lo:hi].copy_(ours)
+                    if not all_finite(ours):
+                        self._fail(f"our average of part {q} holds NaN/Inf (no contribution of positive weight)")
                 with self._cv:
                     self._results[q] = (average, encoded)
                     self._parts[q] = None
@@ -482,6 +484,10 @@ class Round:
                 else:
                     data = self._receive(frames, self.codec.average_max_bytes(hi - lo, len(part.senders)))
                     self.out[lo:hi].copy_(self.codec.decode_average(data, hi - lo, part.start, len(part.senders)))
+                # applied, NaN/Inf would end every group's training (a reducer whose part had no contribution of
+                # positive weight, or a hostile one): the round fails instead, and the inner steps carry over
+                if not all_finite(self.out[lo:hi]):
+                    raise ValueError(f"its average of values [{part.start}, {part.stop}) holds NaN/Inf")
             with self._cv:
                 self._complete.add(reducer)
         except (OSError, ValueError, RuntimeError) as e:
