@@ -98,6 +98,8 @@ class SwarmPeer:
         self._storing: set[Future] = set()  # record stores under way (a future nobody holds drops its result)
         self._store_failed = False  # one warning, not one per heartbeat
         self._last_peers = 0  # groups in the last round that did not fail
+        self._last_others: set[int] = set()  # world ranks of the other groups counted for that round
+        self._counted: set[int] = set()  # ... and for the round being planned
         self.heartbeat = Heartbeat(self._store_status)  # rank 0's status, re-sent while the training loop sends none
         self.rejected_states = 0  # state downloads refused: short, malformed, unproven (``transfer.download``)
         self.malformed: Counter[tuple[str, str, int]] = Counter()  # (DHT key, owner, world rank): entries not records
@@ -124,7 +126,7 @@ class SwarmPeer:
         finally:
             self._round_ended = time.monotonic()
         if report.ok:
-            self._last_peers = report.num_peers
+            self._last_peers, self._last_others = report.num_peers, self._counted
         return report
 
     @property
@@ -137,17 +139,22 @@ class SwarmPeer:
 
     def expected_groups(self, records: list[Status] | None) -> int:
         """Rank 0: the groups that may come to the next round: this one, the others whose status record is not
-        stale and says they have rounds to come (not done, not left), and at least as many as the last round had.
-        Staleness is the rule the wait for arrivals uses (``arrivals.live``): every live group's rank 0 sends
-        a record at least every ``HEARTBEAT_S``, in rounds and pauses too (``Heartbeat``), so a group killed a moment
-        ago stops counting once its record is stale, and so does the wait for it. `records`: the status records
-        (None: unreadable, every group is expected)."""
+        stale and says they have rounds to come (not done, not left), and at least as many as the last round had
+        (a record the DHT read missed does not shrink the count) but for those of its groups whose record now says
+        they are gone. Staleness is the rule the wait for arrivals uses (``arrivals.live``): every live group's rank
+        0 sends a record at least every ``HEARTBEAT_S``, in rounds and pauses too (``Heartbeat``), so a group killed
+        a moment ago stops counting once its record is stale, and so does the wait for it. `records`: the status
+        records (None: unreadable, every group is expected)."""
         matchmaker = self.matchmaker
         if records is None:
             return matchmaker.target_group_size or 2
         now = time.time()
-        others = {r.world_rank for r in records if r.peer != self.peer_id and live(r, now)}
-        return max(1 + len(others), self._last_peers)
+        theirs = [r for r in records if r.peer != self.peer_id]
+        others = {r.world_rank for r in theirs if live(r, now)}
+        # (a restarted group has a stale record of its last life beside its live one: it is not gone)
+        gone = ({r.world_rank for r in theirs if not live(r, now)} & self._last_others) - others
+        self._counted = others
+        return max(1 + len(others), self._last_peers - len(gone))
 
     def round_wait(self, records: list[Status] | None, round_index: int, last: bool = False) -> float | None:
         """Rank 0: how long round `round_index` waits for the groups coming (``arrivals.plan_wait``: those whose

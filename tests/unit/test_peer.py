@@ -36,6 +36,34 @@ def test_a_trainer_expects_the_groups_whose_status_records_are_not_stale() -> No
     assert peer.expected_groups(None) == 4  # records unreadable: every group of the galaxy
 
 
+def test_a_group_of_the_last_round_whose_record_went_stale_no_longer_holds_the_count_up() -> None:
+    """The count never falls below the last round's (a DHT read that missed a record must not shrink it), but a
+    group of that round whose record now says it is gone (stale: killed; or done) is taken off it: the first round
+    after a death no longer waits out its whole wait for the dead group."""
+    from diloco.swarm.peer import SwarmPeer
+    from diloco.swarm.rounds.report import RoundReport
+
+    expected: list[int] = []
+    averager = SimpleNamespace(peer_id="me", matchmaking_time=5.0, averaging_timeout=20.0, target_group_size=3,
+                               expect=lambda groups, wait: expected.append(groups))  # fmt: skip
+    rounds = SimpleNamespace(average=lambda *a, **k: RoundReport(num_peers=3, seconds=0.1, bytes_sent=1,
+                                                                 bytes_received=1, ok=True))  # fmt: skip
+    peer = SwarmPeer(SimpleNamespace(), averager, "progress", 1.0, "status", rounds=rounds)
+    now = time.time()
+    alive = [record(0, peer="me", heard_at=now), record(1, peer="b", heard_at=now - 1),
+             record(2, peer="c", heard_at=now - 1)]  # fmt: skip
+    peer.status_records = lambda: alive  # type: ignore[method-assign]
+    assert peer.average([], 1, 1.0, lambda: False).num_peers == 3 and expected == [3]
+    assert peer.expected_groups(alive) == 3
+    assert peer.expected_groups(alive[:2]) == 3  # group 2's record missed by a read: still counted
+    dead = [*alive[:2], record(2, peer="c", heard_at=now - STALE_S - 2)]  # killed a while ago
+    assert peer.expected_groups(dead) == 2
+    done = [*alive[:2], record(2, peer="c", heard_at=now - 1, state="done")]
+    assert peer.expected_groups(done) == 2
+    back = [*dead, record(2, peer="c2", heard_at=now - 1, state="joining")]  # restarted: its old record is stale
+    assert peer.expected_groups(back) == 3
+
+
 def test_under_a_token_budget_the_last_round_waits_for_the_live_groups_whose_peers_answer() -> None:
     """Every group's round under a token budget is due at one moment: a round waits the floor for the others, but
     the run's last round (the outer loop says so) waits ``LAST_SLACK_S`` for them, as under fixed H: a group one
