@@ -50,11 +50,16 @@ class ProgressLine:
     def __init__(self, max_steps: int, out: TextIO | None = None) -> None:
         self.max_steps, self.out = max_steps, out
         self.first: tuple[float, int] | None = None  # (monotonic time, step) of the first train row
+        self.gone = False  # the output's reader went away: nothing more is printed
 
     def write(self, row: dict[str, Any]) -> None:
         line = self.format(row, time.monotonic())
-        if line:
+        if not line or self.gone:
+            return
+        try:
             print(line, file=self.out or sys.stdout, flush=True)
+        except BrokenPipeError:  # its reader left (`| head`): training goes on, the rows still reach metrics.jsonl
+            self.gone = True
 
     def close(self) -> None:
         pass
@@ -80,10 +85,14 @@ class ProgressLine:
 
 def outer_line(row: dict[str, Any]) -> str:
     """One outer step: its number, then what the round did (or where the state came from)."""
-    parts = [f"outer step {row['outer_step']}"]
     peers = row.get("num_peers")
+    # a round that applied nothing left the group's outer step where it was: the line names the step it was for, as
+    # the log's "outer step N: averaging" did
+    applied_nothing = peers == 0 or bool(row.get("sat_out"))
+    parts = [f"outer step {row['outer_step'] + int(applied_nothing)}"]
     if peers is not None:
-        parts.append({0: "round failed: nothing applied", 1: "alone"}.get(peers, f"peers {peers}"))
+        what = "sat out (the swarm was past it): nothing applied" if row.get("sat_out") else None
+        parts.append(what or {0: "round failed: nothing applied", 1: "alone"}.get(peers, f"peers {peers}"))
         if peers:
             megabytes = (row.get("bytes_sent", 0) + row.get("bytes_received", 0)) / 1e6
             parts += [f"{row['averaging_s']:.2f} s", f"{megabytes:.3g} MB"]

@@ -459,6 +459,7 @@ def finish(run: Run, status: str, started: float) -> dict[str, Any]:
         # per rank: the process's peak resident memory once the model was built, sharded and resumed (before a step)
         "startup_host_peak_mb_per_rank": [round(peak, 1) for peak in run.startup_host_peak_mb],
         "checkpoint_s": [round(seconds, 3) for seconds in run.checkpoint_s],  # (rank 0's clock)
+        "eval_s": [round(seconds, 3) for seconds in run.eval_s],
         "resume_s": run.resume_s,
     }
     if peaks[0][1] is not None:

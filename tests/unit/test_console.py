@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -17,6 +18,23 @@ def test_train_rows_are_one_short_line_with_the_eta_from_the_pace_so_far() -> No
     assert "ETA" not in line.format(row | {"step": 100}, now=95.0)  # done: nothing left to estimate
 
 
+def test_a_reader_that_went_away_stops_the_lines_not_the_training() -> None:
+    """`python -m diloco.train ... | head`: once `head` exits, a write raises BrokenPipeError. The sink prints
+    nothing more and raises nothing (the metrics file still gets every row)."""
+
+    class Closed(io.StringIO):
+        def write(self, text: str) -> int:
+            self.tries = getattr(self, "tries", 0) + 1
+            raise BrokenPipeError(32, "Broken pipe")
+
+    out = Closed()
+    line = ProgressLine(max_steps=100, out=out)
+    row = {"step": 10, "loss": 2.6, "lr": 3e-3, "tokens_per_s": 9120.0, "peak_memory_mb": 310.0, "time": 1.0}
+    line.write(row)
+    line.write(row | {"step": 11})
+    assert line.gone and out.tries == 1
+
+
 def test_outer_rows_say_what_the_round_did_without_digests() -> None:
     line = ProgressLine(max_steps=100)
     ok = {"step": 25, "outer_step": 1, "num_peers": 2, "averaging_s": 0.4123, "bytes_sent": 600_000,
@@ -24,8 +42,10 @@ def test_outer_rows_say_what_the_round_did_without_digests() -> None:
           "outer_digest": "cd" * 32}  # fmt: skip
     assert line.format(ok, now=0.0) == "outer step 1 | peers 2 | 0.41 s | 1.2 MB | tcp"
     assert line.format(ok | {"num_peers": 1, "transport": ""}, now=0.0).startswith("outer step 1 | alone |")
-    failed = line.format(ok | {"num_peers": 0, "rejected": 1}, now=0.0)
-    assert failed == "outer step 1 | round failed: nothing applied | rejected 1 | tcp"
+    failed = line.format(ok | {"num_peers": 0, "rejected": 1}, now=0.0)  # (outer step 1 stays: it was for step 2)
+    assert failed == "outer step 2 | round failed: nothing applied | rejected 1 | tcp"
+    sat_out = line.format(ok | {"num_peers": 1, "sat_out": True, "transport": ""}, now=0.0)
+    assert sat_out.startswith("outer step 2 | sat out (the swarm was past it): nothing applied | 0.41 s |"), sat_out
     loaded = {"step": 50, "outer_step": 2, "loaded_state_from": 1, "params_sha256": "ab" * 32}
     assert line.format(loaded, now=0.0) == "outer step 2 | loaded the state of group 1"
     assert line.format(loaded | {"discarded_steps": 0}, now=0.0) == "outer step 2 | loaded the state of group 1"
@@ -33,7 +53,7 @@ def test_outer_rows_say_what_the_round_did_without_digests() -> None:
         "outer step 2 | loaded the state of group 1 | lost 12 steps"
     )
     assert line.format(ok | {"num_peers": 0, "discarded_steps": 1}, now=0.0) == (
-        "outer step 1 | round failed: nothing applied | tcp | lost 1 step"
+        "outer step 2 | round failed: nothing applied | tcp | lost 1 step"
     )
     assert line.format({"step": 50, "eval_loss": 2.5, "eval_perplexity": 12.18}, 0.0) == (
         "step 50/100 | eval loss 2.5000 | ppl 12.18"
