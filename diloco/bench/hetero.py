@@ -35,7 +35,9 @@ moment late). Phases, one after another:
   full time);
 - each arm on the unequal trio, then on the equal one (`--quick`: tokens on the unequal trio), with
   galaxy size 3 and `--max-steps S`: under fixed H every group trains S inner steps (a late one under `keep` skips
-  the round it jumps over), under the token budget the swarm trains 3 × S steps' worth of tokens in as many rounds.
+  the round it jumps over), under the token budget the swarm trains 3 × S steps' worth of tokens in as many rounds;
+- a dead group (`diloco.bench.hetero_dead`) and, the full run only, a group away on evaluations
+  (`diloco.bench.hetero_pause`), both on the equal trio.
 
 An arm's wall time runs from the first inner step of any group to the last outer step of any group (metrics
 rows carry unix times); its tokens/s (a group's, the swarm's) is the tokens of the steps that began once every
@@ -74,6 +76,7 @@ import psutil
 from diloco import procs
 from diloco.bench import BenchError
 from diloco.bench.hetero_dead import DEAD_AFTER, DEAD_GROUP, dead_figures
+from diloco.bench.hetero_pause import PAUSE_EVAL_STEPS, PAUSED_GROUP, pause_figures
 from diloco.bench.hetero_report import (
     Counters,
     arm_figures,
@@ -108,6 +111,7 @@ ARM_FLAGS = {  # each arm's pace, rendezvous and late work; everything else at t
 ARMS = tuple(ARM_FLAGS)
 DIAGNOSTIC = {"tokens-group": ("unequal",)}  # runs on these trios only
 DEAD_ARM = "tokens"  # the dead-group arm's flags (`dead_arm`): the default pace
+PAUSE_ARM = "fixed"  # the paused-group arm's (`pause_arm`): rounds due at an inner step, as after a pause matters
 QUICK_ARMS = (("unequal", "tokens"),)  # a smoke test of the default pace; the full run compares the paces
 MOMENT = re.compile(r"inner AdamW moment (\w+)")  # the trainer's start-up line
 ENGAGE_POLL_S = 0.02  # how often a starting trainer is looked at: its quota is set within this of being ready
@@ -506,6 +510,25 @@ def dead_arm(setup: HeteroSetup, model: Path, work_dir: Path, peers: list[str],
     return dead | {"flags": ARM_FLAGS[DEAD_ARM]}, [shlex.join(x.command) for x in launches]
 
 
+def pause_arm(setup: HeteroSetup, model: Path, work_dir: Path, peers: list[str],
+              dht: CpuLimit) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """The equal trio under the `PAUSE_ARM`'s flags, group `PAUSED_GROUP` evaluating after each of its rounds
+    (`diloco.bench.hetero_pause`; the full run only). Returns its figures and its commands."""
+    name = "equal-fixed-paused"
+    evaluating = ["--eval-interval", str(setup.local_steps), "--eval-steps", str(PAUSE_EVAL_STEPS)]
+    launches = [Launch(f"{name}-{i}", c, train_command(setup, model, work_dir / name / f"group-{i}", setup.steps,
+                                                       [*arm_flags(setup, "equal", PAUSE_ARM, i, peers, name),
+                                                        *(evaluating if i == PAUSED_GROUP else [])]),
+                       work_dir / name / f"group-{i}") for i, c in enumerate(TRIOS["equal"])]  # fmt: skip
+    log.info("bench hetero %s: %s", name, shlex.join(launches[PAUSED_GROUP].command))
+    run_phase(launches, work_dir, setup.timeout_s, dht)
+    rows = [read_rows(x.run_dir) for x in launches]
+    paused = summary(launches[PAUSED_GROUP].run_dir)
+    others = [r for i, r in enumerate(rows) if i != PAUSED_GROUP]
+    figures = pause_figures(others, rows[PAUSED_GROUP], paused.get("eval_s") or [], len(launches))
+    return figures | {"flags": ARM_FLAGS[PAUSE_ARM]}, [shlex.join(x.command) for x in launches]
+
+
 def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
     """Solo (one group after the other; in a quick run all at once, a smoke test), then each arm on each trio
     (`arm_list`; see the module's docstring). Returns the result document."""
@@ -542,6 +565,9 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
             arms.append(arm_figures(arm, groups, cgroups[name], alone, Counters(series), trio))
             commands[name] = [shlex.join(x.command) for x in launches]
         dead, commands["equal-tokens-dead"] = dead_arm(setup, model, work_dir, peers, dht)
+        pause = None
+        if not quick:
+            pause, commands["equal-fixed-paused"] = pause_arm(setup, model, work_dir, peers, dht)
     solo_sum = sum(s["tokens_per_s"] for s in solo)
     result = {
         "model": MODEL,
@@ -556,6 +582,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
         "fixed_h_expected_ratio": len(CORES) * min(s["tokens_per_s"] for s in solo) / solo_sum,
         "arms": arms,
         "dead": dead,
+        "pause": pause,
         "targets": targets(arms),
         "cgroups": cgroups,
         "commands": commands,

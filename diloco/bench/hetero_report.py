@@ -15,6 +15,7 @@ import numpy as np
 from diloco.bench import BenchError, machine_line
 from diloco.bench.arms import row
 from diloco.bench.hetero_dead import dead_lines
+from diloco.bench.hetero_pause import pause_lines
 
 __all__ = ["Counters", "arm_figures", "explain", "markdown", "plot", "step_cpu", "targets"]
 
@@ -504,6 +505,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         *[f"- {line}" for line in explain(result)],
         *(dead_lines(result["dead"], " ".join(result["dead"]["flags"])) if "dead" in result else []),
+        *(pause_lines(result["pause"], " ".join(result["pause"]["flags"])) if result.get("pause") else []),
         "",
         verdict(result),
     ]

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from diloco.bench import BenchError, hetero, hetero_dead, hetero_report, throttle
+from diloco.bench import BenchError, hetero, hetero_dead, hetero_pause, hetero_report, throttle
 from diloco.bench.hetero import Launch
 from diloco.bench.hetero_report import Counters
 from diloco.bench.models import write_model
@@ -394,3 +394,25 @@ def test_a_dead_groups_rounds_are_sorted_by_when_they_began_against_its_kill_and
     assert not later["stale_costs_nothing"]
     text = "\n".join(hetero_dead.dead_lines(later, "--hv.pace tokens"))
     assert "| record stale | 2 | 2 | 3.2 | 6.0 |" in text and "then nothing" not in text and "**missed**" in text
+
+
+def test_a_paused_groups_evaluations_are_matched_with_the_next_round_the_others_began() -> None:
+    """Evaluations at steps 0 (before any round), 20, 40 and at the end (step 60): only those of 20 and 40 count.
+    Each is matched with the first round of the other groups that began after it started (a round's start: its row's
+    time less its averaging_s); all groups in both rounds meet the claim, a round one of the others took without
+    the paused group does not."""
+    paused = [{"step": 0, "eval_loss": 5.0, "time": 10.0}, {"step": 20, "eval_loss": 4.0, "time": 108.0},
+              {"step": 40, "eval_loss": 3.0, "time": 208.0}, {"step": 60, "eval_loss": 2.0, "time": 300.0}]
+    eval_s = [8.0, 8.0, 7.0, 9.0]
+    assert hetero_pause.evaluations(paused, eval_s) == [(100.0, 8.0), (201.0, 7.0)]
+    others = [[outer_row(99, 0.2, 3), outer_row(118, 8.5, 3, averaging_s=9.0), outer_row(218, 7.2, 3, 8.0)],
+              [outer_row(99.5, 0.1, 3), outer_row(118.2, 8.6, 3, 9.1), outer_row(218.1, 7.0, 3, 8.1)]]
+    pause = hetero_pause.pause_figures(others, paused, eval_s, groups=3)
+    assert [(p["evaluation"], p["num_peers"], p["wait_s"]) for p in pause["pauses"]] == [(1, 3, 8.6), (2, 3, 7.2)]
+    assert pause["pauses"][0]["round_began_s"] == pytest.approx(9.0)  # 109 − 100
+    assert pause["waited_for"] and pause["past_floor"] == 2
+    others[1][2] = outer_row(218.1, 5.0, 2, 8.1)  # the second: one of the others went without the paused group
+    late = hetero_pause.pause_figures(others, paused, eval_s, groups=3)
+    assert not late["waited_for"] and [p["num_peers"] for p in late["pauses"]] == [3, 2]  # a split is a miss
+    text = "\n".join(hetero_pause.pause_lines(late, "--hv.pace fixed"))
+    assert "| 2 | 7.0 | 9.0 | 2 | 7.2 |" in text and "**missed**" in text and "2 of 2 waited past" in text
