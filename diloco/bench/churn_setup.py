@@ -64,8 +64,8 @@ AUTO_WAIT_S, AUTO_DEADLINE_S = 60.0, 120.0
 
 def churn_setup(quick: bool) -> ChurnSetup:
     if quick:
-        return ChurnSetup(ranks=(1, 1, 1), long_lived=2, seq_length=64, batch=4, local_steps=5, baseline_rounds=3,
-                          soak_s=40.0, min_events=4, gap_s=(8.0, 14.0), tail_s=30.0, pace="fixed", matchmaking_s=3.0,
+        return ChurnSetup(ranks=(1, 1, 1), long_lived=2, seq_length=64, batch=4, local_steps=5, baseline_rounds=2,
+                          soak_s=40.0, min_events=4, gap_s=(8.0, 14.0), tail_s=20.0, pace="fixed", matchmaking_s=3.0,
                           averaging_timeout_s=15.0, cores=(0.5, 0.5, 0.5), start_timeout_s=150.0,
                           rss_reference_s=30.0)  # fmt: skip
     return ChurnSetup(ranks=(1, 1, 1, 2), long_lived=2, seq_length=64, batch=4, local_steps=20, baseline_rounds=10,

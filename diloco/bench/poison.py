@@ -37,6 +37,11 @@ __all__ = ["markdown", "measure", "plot"]
 K = 4  # honest groups
 TARGET = 0.02  # a robust rule under attack: within 2% of the attack-free mean's eval loss
 NONE = "none"  # the arm without an attacker
+QUICK_ATTACKS = ("scaled", "heavy")  # a smoke run: one forged value, one forged weight
+
+
+def attack_names(quick: bool) -> tuple[str, ...]:
+    return QUICK_ATTACKS if quick else tuple(ATTACKS)
 
 
 def arm_name(rule: str, attack: str) -> str:
@@ -50,7 +55,7 @@ def specs(w: Workload, quick: bool) -> list[ArmSpec]:
     arms = []
     for seed in w.seeds:
         for rule in AGGREGATIONS:
-            for attack in (NONE, *ATTACKS):
+            for attack in (NONE, *attack_names(quick)):
                 hostile = "" if attack == NONE else attack
                 arms.append(ArmSpec(arm_name(rule, attack), K, K + bool(hostile), w.batch, w.steps, h,
                                     (setting.lr, setting.momentum), outer_warmup=setting.warmup, seed=seed,
@@ -69,18 +74,18 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any], data: Path) -> di
     return {
         "workload": asdict(w) | {"model": str(w.model), "corpus": str(data.resolve()), "parameters": params},
         "honest_groups": K, "h": first.h, "outer": [*first.outer, first.outer_warmup], "scale": SCALE,
-        "workers": workers, **summarize(runs),
+        "workers": workers, "attacks": list(attack_names(quick)), **summarize(runs, attack_names(quick)),
     }  # fmt: skip
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], attacks: tuple[str, ...]) -> dict[str, Any]:
     """Per arm: eval loss per seed and its gaps (per seed, then averaged) to the same rule without the attacker
     and to the mean without it; per robust rule: its worst gap under attack and the verdict."""
     loss = {(r["name"], r["seed"]): r["final_eval_loss"] for r in runs}
     seeds = sorted({r["seed"] for r in runs})
     arms = []
     for rule in AGGREGATIONS:
-        for attack in (NONE, *ATTACKS):
+        for attack in (NONE, *attacks):
             name = arm_name(rule, attack)
             losses = [loss[name, s] for s in seeds]
             vs_rule = [loss[name, s] / loss[arm_name(rule, NONE), s] - 1 for s in seeds]
@@ -147,7 +152,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    attacks = [NONE, *ATTACKS]
+    attacks = [NONE, *result.get("attacks", ATTACKS)]
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(attacks)
     for i, attack in enumerate(attacks):

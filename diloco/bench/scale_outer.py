@@ -53,10 +53,10 @@ class OuterSetup:
 
 
 def outer_setup(quick: bool) -> OuterSetup:
-    """Quick: a 0.26M model, 30 rounds. Full: a 207M model (three groups of it fit in 24 GB, of 300M would not), 6
+    """Quick: a 0.26M model, 10 rounds. Full: a 207M model (three groups of it fit in 24 GB, of 300M would not), 6
     rounds."""
     if quick:
-        return OuterSetup(model="llama-2m-fresh", steps=60, timeout_s=300.0,
+        return OuterSetup(model="llama-2m-fresh", steps=20, timeout_s=300.0,
                           averaging_timeout="15")  # fmt: skip
     return OuterSetup(model="llama-200m-fresh", steps=12, timeout_s=1800.0,
                       averaging_timeout="auto")  # fmt: skip

@@ -1,5 +1,5 @@
 """`diloco bench wire`: bytes each worker sends and receives over a whole run, DiLoCo (compression none, fp16,
-int8, sparse) against DDP, counted by the kernel and by the trainer.
+int8, sparse; `--quick` leaves fp16 out) against DDP, counted by the kernel and by the trainer.
 
 Every worker runs in a network namespace of its own, joined to a bridge by a veth pair (`netns.hosts`); the
 kernel's byte counters on that veth are read before the worker starts and after it ends, so they hold all it
@@ -36,6 +36,7 @@ __all__ = ["markdown", "measure"]
 log = logging.getLogger("diloco")
 
 COMPRESSIONS = ("none", "fp16", "int8", "sparse")
+QUICK_COMPRESSIONS = ("none", "int8", "sparse")  # fp16 halves the bytes (test_swarm checks it): one arm spared
 WORKERS = 2  # DiLoCo worker groups (one rank each), and DDP ranks: one per namespace
 PARAM_BYTES = 4  # float32 parameters and gradients (--precision 32-true)
 DDP_PORT = 29500  # torchrun's store in the first namespace, which holds nothing else
@@ -55,13 +56,14 @@ class WireSetup:
     # a full group ends matchmaking at once, so a long window costs nothing when both groups come; it only lets a
     # group delayed by load (the quick bench runs inside the busy test suite) still meet the other one
     matchmaking_s: float
+    compressions: tuple[str, ...] = COMPRESSIONS  # the DiLoCo arms, in this order, then DDP
 
 
 def wire_setup(quick: bool) -> WireSetup:
     """Quick: a 0.26M-parameter model, 12 inner steps, H = 4. Full: 1.3M parameters, 240 steps, H = 40."""
     if quick:
         tiny = Workload("llama-2m-fresh", seq_length=32, per_device_batch=2, total_batch=2, steps=12, skip=0)
-        return WireSetup(tiny, local_steps=4, timeout_s=150.0, matchmaking_s=30.0)
+        return WireSetup(tiny, local_steps=4, timeout_s=150.0, matchmaking_s=30.0, compressions=QUICK_COMPRESSIONS)
     small = Workload("llama-1m-fresh", seq_length=64, per_device_batch=4, total_batch=4, steps=240, skip=0)
     return WireSetup(small, local_steps=40, timeout_s=600.0, matchmaking_s=10.0)
 
@@ -327,11 +329,11 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
     parameters are counted, each stopped when its arm ends). Returns the result document; bytes throughout."""
     setup = wire_setup(quick)
     setup = dataclasses.replace(setup, workload=setup.workload.written(work_dir / "models"))
-    with netns.hosts(WORKERS + len(COMPRESSIONS)) as hosts, ExitStack() as stack, ThreadPoolExecutor(1) as pool:
+    with netns.hosts(WORKERS + len(setup.compressions)) as hosts, ExitStack() as stack, ThreadPoolExecutor(1) as pool:
         counting = pool.submit(count_parameters, setup.workload.model)
-        workers, logs = hosts[:WORKERS], [work_dir / f"dht-{c}.log" for c in COMPRESSIONS]
+        workers, logs = hosts[:WORKERS], [work_dir / f"dht-{c}.log" for c in setup.compressions]
         dhts = [Dht(h, start_dht(stack, h, path), path) for h, path in zip(hosts[WORKERS:], logs)]
-        arms = [run_diloco(setup, workers, dht, c, work_dir) for dht, c in zip(dhts, COMPRESSIONS)]
+        arms = [run_diloco(setup, workers, dht, c, work_dir) for dht, c in zip(dhts, setup.compressions)]
         parameters = counting.result()
         arms.append(run_ddp(setup, workers, parameters, work_dir))
     for arm in arms:

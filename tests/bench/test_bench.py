@@ -329,13 +329,14 @@ def test_table_and_quartiles() -> None:
 
 @pytest.mark.slow
 def test_poison_quick(tmp_path: Path) -> None:
-    """Every aggregation rule with and without each attack, at equal honest tokens: the scaled attack drags the
-    mean far off, the gaps are against the same seed's attack-free arms, groups stay on one model, and the verdict
-    follows the worst gap."""
+    """Every aggregation rule with and without a forged value and a forged weight (the quick run's two attacks), at
+    equal honest tokens: the scaled attack drags the mean far off, the gaps are against the same seed's attack-free
+    arms, groups stay on one model, and the verdict follows the worst gap."""
     data, doc = bench("poison", tmp_path, "--data", str(CORPUS))
     arms = {arm["name"]: arm for arm in data["arms"]}
+    assert data["attacks"] == ["scaled", "heavy"]  # the quick run's (the full one adds sign-flip and noise)
     assert set(arms) == {f"{rule}/{attack}" for rule in ("mean", "trimmed-mean", "centered-clip")
-                         for attack in ("none", "scaled", "sign-flip", "noise", "heavy")}  # fmt: skip
+                         for attack in ("none", "scaled", "heavy")}  # fmt: skip
     assert all(arm["groups_identical"] for arm in data["arms"])
     assert [arm["groups"] for arm in data["arms"][:2]] == [4, 5]  # the attacker is a fifth group
     clean = arms["mean/none"]["final_eval_loss"][0]
@@ -343,7 +344,7 @@ def test_poison_quick(tmp_path: Path) -> None:
         assert arm["gap_vs_mean"] == pytest.approx(arm["final_eval_loss"][0] / clean - 1), arm["name"]
     assert arms["mean/scaled"]["gap_vs_mean"] > 0.05  # 50x its pseudo-gradient moves the mean
     for rule, verdict in data["verdicts"].items():
-        worst = max(arms[f"{rule}/{a}"]["gap_vs_mean"] for a in ("scaled", "sign-flip", "noise", "heavy"))
+        worst = max(arms[f"{rule}/{a}"]["gap_vs_mean"] for a in ("scaled", "heavy"))
         assert verdict["worst_gap_under_attack"] == pytest.approx(worst) and verdict["met"] == (worst <= 0.02)
     assert (tmp_path / "poison-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## poison (quick): " in doc and "| trimmed-mean | scaled |" in doc and "poison-quick.png" in doc

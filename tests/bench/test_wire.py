@@ -17,8 +17,8 @@ from diloco.bench.arms import Workload
 from tests.support.bench import bench
 from tests.support.netns import assert_none_left, namespaces
 
-ARMS = ["diloco-none", "diloco-fp16", "diloco-int8", "diloco-sparse", "ddp"]
-DILOCO = ARMS[:4]
+ARMS = ["diloco-none", "diloco-int8", "diloco-sparse", "ddp"]  # the quick run's: no fp16
+DILOCO = ARMS[:3]
 
 
 def used_namespaces(data: dict) -> set[str]:
@@ -60,9 +60,9 @@ def test_wire_quick(tmp_path: Path) -> None:
             assert w["ratio_sent"] == pytest.approx(w["os_sent_bytes"] / w["payload_sent_bytes"])
         assert arm["dht_os_sent_bytes"] > 0 and arm["dht_os_received_bytes"] > 0
     # two peers, butterfly all-reduce: each sends half its tensor and the averaged other half, about the model
-    none, fp16, int8, sparse = (sent(arms[n], 0, "payload") / arms[n]["rounds_with_all_peers"][0] for n in DILOCO)
+    none, int8, sparse = (sent(arms[n], 0, "payload") / arms[n]["rounds_with_all_peers"][0] for n in DILOCO)
     assert data["parameter_bytes"] <= none < 1.01 * data["parameter_bytes"]
-    assert 0.45 < fp16 / none < 0.55 and 0.2 < int8 / none < 0.3
+    assert 0.2 < int8 / none < 0.3
     assert sparse / none < 0.05  # a 64th of each 64-value row and its scale, sent and relayed
     ddp = arms["ddp"]
     computed = data["parameter_bytes"] * data["inner_steps"]  # 2·(n−1)/n = 1 for n = 2

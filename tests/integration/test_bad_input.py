@@ -231,6 +231,7 @@ def test_under_torchrun_only_rank_zero_reports(tmp_path: Path) -> None:
     assert ours == [expected], (result.returncode, result.output[-3000:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["corrupt", "a layer short"])
 def test_under_torchrun_weights_that_cannot_load_are_one_line_from_every_rank(tmp_path: Path, damage: str) -> None:
     """In an FSDP group each rank reads its own shards of the weights: a file that is not safetensors, or a
@@ -388,6 +389,7 @@ def free_port_below_a_busy_one() -> tuple[int, socket.socket]:
     raise AssertionError("no free port below a busy one")
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_rank_whose_port_is_taken_reports_it(tmp_path: Path) -> None:
     """Local rank r listens on the given port + r: only rank 1 meets the taken port, and it says so itself."""
     port, busy = free_port_below_a_busy_one()

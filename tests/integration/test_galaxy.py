@@ -115,20 +115,6 @@ def train_groups(tmp_path: Path, dht_peer: list[str], steps: int, groups: list[t
 
 
 @pytest.mark.slow
-def test_two_groups_sharded_over_two_ranks_stay_identical_with_int8(tmp_path: Path, dht_peer: list[str]) -> None:
-    """Two 2-rank groups, int8 on the wire, stay identical, and leave no multiprocessing temp folder (``pymp-*``, one
-    per rank) in their TMPDIR: a rank leaves without interpreter finalization, which would have removed it."""
-    int8 = ["--hv.compression", "int8"]
-    scratch = Path(tempfile.mkdtemp(prefix="dlg-"))  # short: torch's shared-memory socket lives in TMPDIR
-    try:
-        run_dirs = train_two_groups(tmp_path, dht_peer, 12, int8, int8, env={"TMPDIR": str(scratch)})
-        assert_trained_together(run_dirs, groups=2, outer_steps=3)
-        assert list(scratch.glob("pymp-*")) == []
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-@pytest.mark.slow
 def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
     """A 1-rank group, a 2-rank FULL_SHARD group and a 2-rank NO_SHARD group: whole groups meet in one round (rank 0
     matchmakes for its group), each rank sends its shard's parts to their reducers, the NO_SHARD replicas split
@@ -152,17 +138,15 @@ def test_over_p2pd_a_one_rank_and_a_two_rank_group_average_together(tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["tcp", "p2pd"])
-def test_fragments_overlapping_the_inner_steps_keep_one_outer_state(
-    tmp_path: Path, dht_peer: list[str], transport: str
+def test_fragments_overlapping_the_inner_steps_keep_one_outer_state_over_p2pd(
+    tmp_path: Path, dht_peer: list[str]
 ) -> None:
-    """--hv.fragments 2 --hv.overlap-steps 1, H = 4: a fragment's round every 2 steps, on the wire while the next
-    inner step runs (over TCP a 2-rank NO_SHARD group's round thread broadcasts and passes replica slices over
-    process groups of its own). Every fragment round leaves both groups one outer state, and the last step's
-    blocking rounds give them one final model."""
-    own = ["--hv.fragments", "2", "--hv.overlap-steps", "1", "--hv.transport", transport]
-    second = (2, [*own, "--sharding-strategy", "NO_SHARD"]) if transport == "tcp" else (1, own)
-    run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, own), second])
+    """--hv.fragments 2 --hv.overlap-steps 1, H = 4, over libp2p streams: a fragment's round every 2 steps, on the
+    wire while the next inner step runs. Every fragment round leaves both groups one outer state, and the last
+    step's blocking rounds give them one final model. (Over TCP, with a 2-rank NO_SHARD group whose round thread
+    broadcasts and passes replica slices over process groups of its own: the token-budget test below.)"""
+    own = ["--hv.fragments", "2", "--hv.overlap-steps", "1", "--hv.transport", "p2pd"]
+    run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, own), (1, own)])
     assert_fragment_rounds_shared(run_dirs)
 
 
@@ -194,13 +178,22 @@ def test_fragments_overlapped_under_a_token_budget_keep_one_outer_state(tmp_path
 
 
 @pytest.mark.slow
-def test_a_ddp_group_and_a_zero1_group_average_their_full_replicas(tmp_path: Path, dht_peer: list[str]) -> None:
+def test_a_ddp_and_a_zero1_group_average_their_full_replicas_in_int8(tmp_path: Path, dht_peer: list[str]) -> None:
     """Under DDP and ZERO1 every rank's local shards are the whole model (as under NO_SHARD): the replicas of a
-    group each exchange a slice of it and pass each other the averages, and both groups end on one model."""
-    ddp, zero1 = ["--sharding-strategy", "DDP"], ["--sharding-strategy", "ZERO1"]
-    # three rounds: under CI's load the first round once failed and the next one became a catch-up, which left
-    # two rounds with none that both groups averaged in
-    assert_trained_together(train_two_groups(tmp_path, dht_peer, 12, ddp, zero1), groups=2, outer_steps=3)
+    group each exchange a slice of it, int8 on the wire, and pass each other the averages; both groups end on one
+    model. No rank leaves a multiprocessing temp folder (``pymp-*``, one per rank) in its TMPDIR: a rank leaves
+    without interpreter finalization, which would have removed it."""
+    int8 = ["--hv.compression", "int8"]
+    ddp, zero1 = ["--sharding-strategy", "DDP", *int8], ["--sharding-strategy", "ZERO1", *int8]
+    scratch = Path(tempfile.mkdtemp(prefix="dlg-"))  # short: torch's shared-memory socket lives in TMPDIR
+    try:
+        # three rounds: under CI's load the first round once failed and the next one became a catch-up, which left
+        # two rounds with none that both groups averaged in
+        run_dirs = train_two_groups(tmp_path, dht_peer, 12, ddp, zero1, env={"TMPDIR": str(scratch)})
+        assert_trained_together(run_dirs, groups=2, outer_steps=3)
+        assert list(scratch.glob("pymp-*")) == []
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.mark.slow

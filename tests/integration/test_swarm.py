@@ -239,7 +239,8 @@ def run_peers(
             kill_tree(proc)
 
 
-@pytest.mark.parametrize(("num_peers", "transport"), [(2, "tcp"), (3, "tcp"), (2, "p2pd")])
+@pytest.mark.parametrize(("num_peers", "transport"), [(2, "tcp"), pytest.param(3, "tcp", marks=pytest.mark.slow),
+                                                     pytest.param(2, "p2pd", marks=pytest.mark.slow)])
 def test_peers_end_bit_identical(bootstrap, num_peers: int, transport: str):
     results, leftovers = run_peers(num_peers, visible_maddrs(bootstrap), transport)
     for compression, rows in results.items():

@@ -106,20 +106,37 @@ VARIANTS |= {"straight": [*RESUME, "--ckpt.interval", "5"]}
 VARIANTS |= {f"straight-{s}": [*args, "--ckpt.interval", "4"] for s, args in RESUME_BY_STRATEGY.items()}
 
 
+def resumes(root: Path) -> dict[str, list[str]]:
+    """Runs that resume the straight runs' checkpoints (in `root`): they run after them, in the same ranks. The
+    10-step schedule from step 5 into a fresh folder and from 'latest' in place (on to step 12); DDP and ZERO1
+    from step 4."""
+    straight = root / "straight" / "checkpoints"
+    return {
+        "resumed": [*RESUME, "--ckpt.resume", str(straight / "step-5")],
+        "latest": [*RESUME, "--max-steps", "12", "--ckpt.path", str(straight), "--ckpt.resume", "latest"],
+        **{f"resumed-{s}": [*args, "--ckpt.resume", str(root / f"straight-{s}" / "checkpoints" / "step-4")]
+           for s, args in RESUME_BY_STRATEGY.items()},
+    }  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every VARIANTS run, one after another in the same two torchrun ranks (`tests.support.runs`: the real command
-    line, a process group of its own per run; it spares a torchrun and two torch imports per run). Their run folders by
-    name. The reference is a launch of its own, so a run that shared its processes and matches it proves that the
-    sharing changed nothing."""
+    """Every VARIANTS run, then the `resumes` of the straight ones, one after another in the same two torchrun ranks
+    (`tests.support.runs`: the real command line, a process group of its own per run; it spares a torchrun and two
+    torch imports per run). Their run folders by name. The reference is a launch of its own, so a run that shared
+    its processes and matches it proves that the sharing changed nothing."""
     root = tmp_path_factory.mktemp("variants")
+    named = VARIANTS | resumes(root)
     runs = root / "runs.json"
-    runs.write_text(json.dumps([[*args, "--run-dir", str(root / name)] for name, args in VARIANTS.items()]))
+    runs.write_text(json.dumps([[*args, "--run-dir", str(root / name)] for name, args in named.items()]))
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "tests.support.runs", str(runs)]
-    result = run_cmd(cmd, timeout=60 + 30 * len(VARIANTS))
+    result = run_cmd(cmd, timeout=60 + 30 * len(named))
+    stacks = sorted(root.glob("runs.stacks-rank*.txt"))  # (tests.support.runs.STACKS_FILE)
+    stuck = "".join(f"{p.name}:\n{p.read_text()}" for p in stacks if p.stat().st_size)
+    assert result.returncode == 0 or not stuck, stuck[-8000:]  # where a rank was stuck (tests.support.runs)
     assert_ok(result)
-    assert result.stdout.count(" EXIT 0") == len(VARIANTS), result.output[-3000:]
-    return {name: root / name for name in VARIANTS}
+    assert result.stdout.count(" EXIT 0") == len(named), result.output[-3000:]
+    return {name: root / name for name in named}
 
 
 def sha(run_dir: Path) -> str:
@@ -221,28 +238,20 @@ def test_torch_compile_single_process(run_dir: Path) -> None:
 
 
 @ONE_WORKER
-def test_resume_is_bit_exact(tmp_path: Path, variants: dict) -> None:
-    straight, resumed = variants["straight"], tmp_path / "resumed"
+def test_resume_is_bit_exact(variants: dict) -> None:
+    straight, resumed, latest = variants["straight"], variants["resumed"], variants["latest"]
     assert (straight / "checkpoints" / "step-10").is_dir()
-    # continue the same 10-step schedule from step 5 into a fresh folder, and from 'latest' in place
-    step5 = straight / "checkpoints" / "step-5"
-    assert_ok(torchrun([*RESUME, "--run-dir", str(resumed), "--ckpt.resume", str(step5)]))
     assert [r["step"] for r in metrics(resumed) if "loss" in r] == [6, 7, 8, 9, 10]
     assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
-    latest = tmp_path / "latest"
-    result = torchrun([*RESUME, "--max-steps", "12", "--run-dir", str(latest),
-                       "--ckpt.path", str(straight / "checkpoints"), "--ckpt.resume", "latest"])  # fmt: skip
-    assert_ok(result)
-    assert summary(latest)["steps"] == 12 and "at step 10" in result.output
+    # 'latest' is the step-10 checkpoint: its run trains steps 11 and 12 only
+    assert summary(latest)["steps"] == 12 and [r["step"] for r in metrics(latest) if "loss" in r] == [11, 12]
 
 
 @ONE_WORKER
 @pytest.mark.parametrize("strategy", ["DDP", "ZERO1"])
-def test_ddp_and_zero1_resume_is_bit_exact(tmp_path: Path, variants: dict, strategy: str) -> None:
+def test_ddp_and_zero1_resume_is_bit_exact(variants: dict, strategy: str) -> None:
     """DDP's state goes through DCP like FSDP's; ZERO1's AdamW partition and LR live in each rank's own file."""
-    straight, resumed = variants[f"straight-{strategy}"], tmp_path / "resumed"
-    step4 = straight / "checkpoints" / "step-4"
-    assert_ok(torchrun([*RESUME_BY_STRATEGY[strategy], "--run-dir", str(resumed), "--ckpt.resume", str(step4)]))
+    straight, resumed = variants[f"straight-{strategy}"], variants[f"resumed-{strategy}"]
     assert [r["step"] for r in metrics(resumed) if "loss" in r] == [5, 6, 7, 8]
     assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
 

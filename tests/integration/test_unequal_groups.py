@@ -95,7 +95,9 @@ def test_a_group_too_slow_to_wait_for_still_lands_its_inner_steps(tmp_path: Path
     keys = ("step", "outer_step", "num_peers", "sat_out", "carried_steps", "loaded_state_from")
     brief = {name: [{k: r.get(k) for k in keys} for r in rows] for name, rows in (("fast", fast), ("slow", slow))}
     alone = [line for line in (tmp_path / "w1.log").read_text().splitlines() if "no peer was ready" in line]
-    assert all(r["num_peers"] == 2 or r.get("sat_out") for r in rounds), (brief, alone)  # never a round applied alone
+    # never a round applied alone (one that failed applies nothing either: under the suite's load the slow group's
+    # first round once formed with the fast group a round ahead, could not reach it in time, and carried its steps)
+    assert all(r["num_peers"] != 1 or r.get("sat_out") for r in rounds), (brief, alone)
     assert any(r["num_peers"] == 2 and r["weight"] >= 1.0 for r in rounds), slow
 
 

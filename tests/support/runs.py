@@ -11,6 +11,7 @@ run on rank 0 and exits 0 only if every run did.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -22,6 +23,8 @@ from pathlib import Path
 from diloco.cli.app import build_app, run_app
 
 MEET_TIMEOUT_S = 600.0
+RUN_WATCH_S = 300.0  # a run of these tests takes under a minute, the wait for the other groups' torchruns included
+STACKS_FILE = "{runs}.stacks-rank{rank}.txt"  # two groups' torchruns can share a folder: named after the runs' file
 
 
 def meet(i: int, meeting: tuple[Path, int] | None) -> None:
@@ -55,16 +58,22 @@ def own_store(i: int) -> None:
 
 def main(path: Path, meeting: tuple[Path, int] | None = None) -> int:
     runs = json.loads(path.read_text())
+    # a rank stuck in a run or between runs (seen once: a rank that never reached the next run's store) writes every
+    # thread's stack to STACKS_FILE beside the runs' file after RUN_WATCH_S; a fixture shows it when the runs fail
+    stacks = (path.parent / STACKS_FILE.format(runs=path.stem, rank=os.environ.get("RANK", "0"))).open("w")
     codes = []
     agent_port = os.environ["MASTER_PORT"]
     for i, args in enumerate(runs):
         os.environ["MASTER_PORT"] = agent_port
+        faulthandler.dump_traceback_later(RUN_WATCH_S, file=stacks)
         meet(i, meeting)  # the other ranks wait for rank 0 in own_store
         own_store(i)
         try:
             code = run_app(build_app(train_only=True), args)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         codes.append(code)
         if os.environ.get("RANK", "0") == "0":
             print(f"RUN {i} EXIT {code}", flush=True)
