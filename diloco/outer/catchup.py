@@ -78,7 +78,8 @@ class CatchUp:
                 # an answer of another state than the signed one is cut after its metadata: no buffers for it
                 got = self.swarm.download_state(record, self.group.rank, functools.partial(named_in, record=record))
                 meta = self._valid(got, record)
-                seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"], meta["digest"]))
+                seen = self.group.gather(None if meta is None else (meta["outer_step"], meta["step"], meta["digest"],
+                                                                     meta.get("round_step")))  # fmt: skip
                 whole = all(s is not None for s in seen) and len(set(seen)) == 1
                 # the state its owner signed, not one the source names when asked; hashed only then (seconds for a
                 # large model) and on every rank together (`seen` is every rank's)
@@ -201,6 +202,8 @@ class CatchUp:
         try:
             typed = isinstance(meta, dict) and all(meta.get(name) is not None and valid(meta[name])
                                                    for name, valid in META.items())  # fmt: skip
+            typed = typed and all(meta.get(name) is None or valid(meta[name]) for name, valid in OPTIONAL.items())
+            typed = typed and (meta.get("round_step") is None or meta["round_step"] <= meta["step"])
             if typed and ((not tensors and not named_in(meta, record)) or self.params.fits(tensors)):
                 return meta  # (no tensors: an answer of another state, cut after its metadata)
         except (IndexError, KeyError, TypeError, AttributeError, RuntimeError):
@@ -225,6 +228,9 @@ META: dict[str, Callable[[Any], bool]] = {  # what a served state's metadata hol
     "digest": lambda value: isinstance(value, str) and len(value) <= 256,
     "tainted": lambda value: isinstance(value, bool),
     "world_rank": _count,
+}
+OPTIONAL: dict[str, Callable[[Any], bool]] = {  # ... and what it may hold (absent or None: not there)
+    "round_step": _count,  # (at most `step`)
 }
 
 

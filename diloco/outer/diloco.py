@@ -138,6 +138,9 @@ class DiLoCo(Admission, StateTransfer):
         # the last round this group took part in on time failed on its side (its inner steps carry over); and the
         # last load kept this group's inner steps, which have not landed in a round since
         self.round_failed = self.keeping = False
+        # the boundary of the round on the wire until it is applied (or fails): the state served until then is from
+        # before it (`_current_state`)
+        self.wire_step: int | None = None
         self.swarm, self.group, self.world_rank = swarm, group, world_rank
         self.stop, self.join_timeout, self.land_wait = stop, join_timeout, land_wait
         self.final_step, self.settle_timeout = final_step, settle_timeout
@@ -358,6 +361,7 @@ class DiLoCo(Admission, StateTransfer):
                 step, step + self.overlap, index, fragment, pseudo_gradient, weight, tokens, source,
                 self.outer_step, self.pace.summary(tokens),
             ).start(self.swarm, self.stop)
+            self.wire_step = step
             self.ledger.round_start = self.ledger.pace_start = step  # the next round's tokens count from here
             self.pace.new_round(self._paced)
             return []
@@ -444,6 +448,7 @@ class DiLoCo(Admission, StateTransfer):
                 )  # fmt: skip
                 self.feedback.failed(fragment)
             self._update_digest()
+            self.wire_step = None
         if self.outer_step > outer_before:
             self.keeping = False  # what a load kept landed in this step
             if landed is not None:  # its successor began at its send (`_round`)

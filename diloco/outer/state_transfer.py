@@ -62,6 +62,7 @@ class StateTransfer:
     download: dict[str, float]
     downloaded: list[dict[str, float]]
     stop: Callable[[], bool]
+    wire_step: int | None
     if TYPE_CHECKING:  # `DiLoCo`'s
 
         @property
@@ -134,6 +135,7 @@ class StateTransfer:
                 "digest": self.digest,
                 "tainted": self.tainted,
                 "world_rank": self.world_rank,
+                "round_step": self.wire_step,
             }
             return meta, self.served.get(self.params.tensors())
 
@@ -159,7 +161,12 @@ class StateTransfer:
             self._discard(self.ledger.alone_steps)
         self.ledger.alone_steps = 0
         self._load(meta, tensors, keep)
-        self.loaded_from, self.loaded_step = record.world_rank, int(meta["step"])
+        # a source with a round on the wire serves the state from before that round, with the inner steps it took since
+        # counted in its step: a group behind goes to that round's boundary instead, where its source stood, and joins
+        # the round (the source's matchmaking counts it in). At the source's step it would be out of that round, an
+        # outer step behind when it lands, and behind again at its next boundary, where the same happens
+        at = meta["step"] if meta.get("round_step") is None else meta["round_step"]
+        self.loaded_from, self.loaded_step = record.world_rank, at
         if self.group.is_main:
             log.info(
                 "loaded the outer state of worker group %d: outer step %d, inner step %d",
@@ -172,7 +179,7 @@ class StateTransfer:
         # own (it did the same number of inner steps). Never backwards: a source that finished the round this group
         # failed may not have reached this group's next boundary yet. Under a token budget every group keeps its own
         ahead = meta["outer_step"] > outer_before and self.pace.adopts_step
-        step = max(meta["step"], self.step) if ahead else self.step
+        step = max(at, self.step) if ahead else self.step
         if keep:  # the model moved with the outer parameters: its inner steps since each reset stay in it
             self.ledger.kept(trained, step - self.step, step)  # (an adopted step count moves the starts along)
             self.pace.new_round(self._paced)

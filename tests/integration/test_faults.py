@@ -498,9 +498,8 @@ def test_a_group_that_dies_or_stops_with_a_round_in_flight_resumes_and_matches(
     """Two groups with --hv.fragments 2 --hv.overlap-steps 1 (a fragment round every 6 of H = 12 steps, on the wire
     while the next step runs). Group 1 is killed with SIGKILL, or stopped with SIGTERM, just as a round went on
     the wire; group 0 goes on alone. Group 1 restarts from its checkpoint, loads the swarm's state, and both end
-    on one model. Whether group 1 then averages with group 0 again before the run ends is not asserted: with rounds
-    on the wire, a group that catches up at its boundary loads the state from before the round its source has in
-    flight, and can stay a round behind to the end (a known limit, docs/reliability.md: 3 runs of 8 under load)."""
+    on one model, after rounds together again: catching up at a boundary whose round its source has on the wire,
+    group 1 joins that round (at the source's step it would miss it, and be behind again at its next boundary)."""
     dirs, logs = [tmp_path / f"w{i}" for i in (0, 1)], [tmp_path / f"w{i}.log" for i in (0, 1)]
     streaming = ["--max-steps", "72", "--hv.fragments", "2", "--hv.overlap-steps", "1"]
     swarm = list(SWARM)
@@ -541,8 +540,10 @@ def test_a_group_that_dies_or_stops_with_a_round_in_flight_resumes_and_matches(
     resumed, finals = summary(dirs[1]), [summary(d) for d in dirs]
     assert resumed["status"] == "ok" and resumed["loaded_state_from_peers"] is True
     assert len({s["params_sha256"] for s in finals}) == 1 and len({s["outer_steps"] for s in finals}) == 1, finals
-    # group 0 went on after the restart (its rounds with group 1, or alone while group 1 sat out: see above)
-    assert outer_rows(dirs[0])[before:], "no round of group 0 after group 1's restart"
+    # the resumed group takes part again (not necessarily in the last round: under load that one may tear, and the
+    # settle then gives both groups its result)
+    after = [row.get("num_peers") for row in outer_rows(dirs[0])[before:]]  # (a loaded state's row has none)
+    assert 2 in after, after
     # the resumed group, behind at its first round after the restart, sat that round out rather than mix a
     # pseudo-gradient of older parameters into it
     assert divergent_rounds(dirs) == {}

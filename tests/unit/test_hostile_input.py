@@ -101,8 +101,10 @@ SIGNED = Progress(world_rank=0, outer_step=2, step=20, digest="ab", tainted=Fals
                   peers=("p",))
 
 
-def test_a_served_state_with_valid_metadata_is_taken() -> None:
-    assert catch_up()._valid((meta(), [torch.zeros(4)]), SIGNED) == meta()
+@pytest.mark.parametrize("served", [meta(), meta(round_step=None), meta(round_step=20), meta(round_step=0)],
+                         ids=["no round on the wire", "round_step None", "round_step at the step", "round_step 0"])
+def test_a_served_state_with_valid_metadata_is_taken(served: dict[str, Any]) -> None:
+    assert catch_up()._valid((served, [torch.zeros(4)]), SIGNED) == served
 
 
 def test_an_answer_cut_after_its_metadata_counts_only_when_it_names_another_state() -> None:
@@ -117,9 +119,10 @@ def test_an_answer_cut_after_its_metadata_counts_only_when_it_names_another_stat
 @pytest.mark.parametrize(
     "served",
     [meta(tainted="no"), meta(step=-1), meta(outer_step=1.5), meta(outer_step=True), meta(digest=["ab"]),
-     {k: v for k, v in meta().items() if k != "tainted"}, meta(world_rank=None), ["outer_step", 2]],
+     {k: v for k, v in meta().items() if k != "tainted"}, meta(world_rank=None), ["outer_step", 2],
+     meta(round_step="4"), meta(round_step=-1), meta(round_step=21)],
     ids=["tainted a string", "a negative step", "a float step", "a bool step", "a list digest", "no tainted",
-         "no world rank", "not a mapping"],
+         "no world rank", "not a mapping", "a string round step", "a negative round step", "a round after the step"],
 )  # fmt: skip
 def test_a_served_state_whose_metadata_is_malformed_is_refused_and_counted(served: Any) -> None:
     """What loading a state reads of its metadata must be there and of its type (a state without `tainted` raised a

@@ -4,6 +4,7 @@ round it takes part in, weighted by their tokens; with ``drop`` they are thrown 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -345,3 +346,56 @@ def test_a_group_that_missed_the_round_it_loaded_into_loads_its_result_as_it_lan
     assert outers[1].outer_step == outers[0].outer_step == 2 and torch.equal(outers[1].outer, outers[0].outer)
     assert not [r for holders in outers[1]._plan() for r in holders if r.outer_step > 2]  # not behind at round 3
 
+
+
+class OnTheWire(Member):
+    """A member that averages alone until round `at`; in that round, on the round's own thread (rounds overlap the
+    inner steps), it first starts `meanwhile` on a thread of its own, then meets the others as any member does."""
+
+    def __init__(self, hub: MemorySwarm, name: str, at: int) -> None:
+        super().__init__(hub, name)
+        self.at, self.thread = at, None
+        self.meanwhile: Callable[[], object] = lambda: None
+
+    def average(self, tensors: Sequence[torch.Tensor], round_index: int, weight: float, stop: object,
+                fragment: object = None, outer_step: int | None = None, last: bool = False) -> Report:  # fmt: skip
+        if round_index < self.at:
+            return Report(num_peers=1)
+        if round_index == self.at:
+            self.thread = threading.Thread(target=self.meanwhile)
+            self.thread.start()
+        return super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
+
+
+def test_a_group_behind_that_loads_from_a_group_with_a_round_on_the_wire_joins_that_round() -> None:
+    """Rounds overlap one inner step. Group 0 took round 1 alone and has round 2 (boundary 4) on the wire while it
+    takes inner step 5; the state it serves is from before round 2. Group 1, behind at its boundary 2, loads it and
+    goes to step 4, the round's boundary, not to step 5: there it joins round 2 (with no weight: its steps were
+    dropped), and both groups apply it. At step 5 it would be out of that round, and an outer step behind at its next
+    boundary, where the same happens again."""
+    hub = MemorySwarm(2)
+    hub.barrier = threading.Barrier(2, timeout=10)  # (a round nobody joins fails the test instead of hanging it)
+    wire = OnTheWire(hub, "g0", at=2)
+    members = {0: wire, 1: hub.member("g1")}
+    nets = {g: net() for g in (0, 1)}
+    outers = {g: diloco(nets[g], members[g], lr=0.7, momentum=0.0, h=2, world_rank=g, tokens_per_step=TOKENS,
+                        final_step=10, overlap_steps=1) for g in (0, 1)}  # fmt: skip
+    for g in (0, 1):
+        outers[g].join(0)
+    late: list[dict] = []
+
+    def group_1_comes() -> None:
+        deadline = time.monotonic() + 10
+        while outers[0].step < 5 and time.monotonic() < deadline:  # group 0 serves inner step 5, round 2 unlanded
+            time.sleep(0.01)
+        late.extend(train({1: outers[1]}, {1: nets[1]}, range(0, 2))[1])
+
+    wire.meanwhile = group_1_comes
+    landed = train({0: outers[0]}, {0: nets[0]}, range(0, 5))[0]  # rounds 1 (alone) and 2, landing at step 5
+    assert wire.thread is not None
+    wire.thread.join(10)
+    [joined] = late
+    assert joined["loaded_state_from"] == 0 and joined["step"] == 4 and joined["num_peers"] == 2
+    assert outers[1].loaded_step == 4 and outers[1].step == 4
+    assert [row["num_peers"] for row in landed] == [1, 2] and landed[-1]["round_step"] == 4
+    assert outers[1].outer_step == outers[0].outer_step == 2 and torch.equal(outers[1].outer, outers[0].outer)
