@@ -99,6 +99,11 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def stopping() -> bool:
+    """Whether a stop signal reached the bench (within `stop_on_signals`)."""
+    return _Signals.raised
+
+
 @contextmanager
 def shielded() -> Iterator[None]:
     """A cleanup that a stop signal must not cut in half (deleting namespaces, the temp folder): a signal that comes

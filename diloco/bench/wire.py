@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco import procs
-from diloco.bench import BenchError, machine_line, netns, shielded
+from diloco.bench import BenchError, machine_line, netns, shielded, stopping
 from diloco.bench.arms import Workload, workload_dict
 from diloco.errors import first_line
 
@@ -42,6 +42,7 @@ PARAM_BYTES = 4  # float32 parameters and gradients (--precision 32-true)
 DDP_PORT = 29500  # torchrun's store in the first namespace, which holds nothing else
 DHT_START_S = 60.0  # seconds the bootstrap peer may take to print its multiaddrs
 STOP_GRACE_S = 10.0  # seconds a process gets to exit after SIGINT before it and its descendants are killed
+STOPPED_GRACE_S = 2.0  # ... when the bench itself was stopped: nothing it would measure is kept
 POLL_S = 0.1
 MB = 1e6
 
@@ -91,12 +92,19 @@ def spawn(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess
 
 
 def started(stack: ExitStack, command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """`spawn`, with `procs.stop_tree` registered on `stack`: SIGINT, STOP_GRACE_S seconds to exit, then SIGKILL to
-    whatever is left of it and its descendants (p2pd, torchrun's ranks); gone when the stack closes, error or not."""
+    """`spawn`, with `stop` registered on `stack`: SIGINT, STOP_GRACE_S seconds to exit, then SIGKILL to whatever is
+    left of it and its descendants (p2pd, torchrun's ranks); gone when the stack closes, error or not."""
     with shielded():  # a stop signal between the two would leave the process running, unseen by the stack
         proc = spawn(command, log_path, env)
-        stack.callback(procs.stop_tree, proc, STOP_GRACE_S)
+        stack.callback(stop, proc)
     return proc
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """`procs.stop_tree` with SIGINT: STOP_GRACE_S to exit, or STOPPED_GRACE_S once a stop signal reached the bench
+    (`diloco.bench.stopping`): its processes are stopped one after another as its stacks unwind, and a user's stop
+    must not take 10 s a worker."""
+    procs.stop_tree(proc, STOPPED_GRACE_S if stopping() else STOP_GRACE_S)
 
 
 def last_line(log_path: Path) -> str:

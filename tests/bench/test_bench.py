@@ -291,14 +291,15 @@ def test_a_stop_signal_raises_once_after_a_shielded_section() -> None:
         try:
             with benches.shielded():
                 with benches.shielded():
+                    seen.append(f"stopping: {benches.stopping()}")
                     os.kill(os.getpid(), signal.SIGHUP)
                 seen.append("shielded section done")
             seen.append("went on after the signal")
         finally:
             os.kill(os.getpid(), signal.SIGTERM)
-            seen.append("cleanup done")
+            seen.append(f"cleanup done, stopping: {benches.stopping()}")  # (its processes get a short grace)
     assert stopped.value.signum == signal.SIGHUP and str(stopped.value) == "stopped by SIGHUP"
-    assert seen == ["shielded section done", "cleanup done"]
+    assert seen == ["stopping: False", "shielded section done", "cleanup done, stopping: True"]
     assert {sig: signal.getsignal(sig) for sig in benches.STOP_SIGNALS} == before
 
 
