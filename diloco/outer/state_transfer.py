@@ -168,9 +168,10 @@ class StateTransfer:
         at = meta["step"] if meta.get("round_step") is None else meta["round_step"]
         self.loaded_from, self.loaded_step = record.world_rank, at
         if self.group.is_main:
+            wire = "" if meta.get("round_step") is None else f" (its round of inner step {at} on the wire)"
             log.info(
-                "loaded the outer state of worker group %d: outer step %d, inner step %d",
-                record.world_rank, meta["outer_step"], meta["step"],
+                "loaded the outer state of worker group %d: outer step %d, inner step %d%s",
+                record.world_rank, meta["outer_step"], meta["step"], wire,
             )  # fmt: skip
             if keep and not self.keep_late:
                 log.info("keeping this group's %d inner step(s): its round failed on its side, and that group took "

@@ -3,6 +3,7 @@ round it takes part in, weighted by their tokens; with ``drop`` they are thrown 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -367,12 +368,15 @@ class OnTheWire(Member):
         return super().average(tensors, round_index, weight, stop, fragment, outer_step, last)
 
 
-def test_a_group_behind_that_loads_from_a_group_with_a_round_on_the_wire_joins_that_round() -> None:
+def test_a_group_behind_that_loads_from_a_group_with_a_round_on_the_wire_joins_that_round(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Rounds overlap one inner step. Group 0 took round 1 alone and has round 2 (boundary 4) on the wire while it
     takes inner step 5; the state it serves is from before round 2. Group 1, behind at its boundary 2, loads it and
     goes to step 4, the round's boundary, not to step 5: there it joins round 2 (with no weight: its steps were
     dropped), and both groups apply it. At step 5 it would be out of that round, and an outer step behind at its next
     boundary, where the same happens again."""
+    caplog.set_level(logging.INFO, logger="diloco")
     hub = MemorySwarm(2)
     hub.barrier = threading.Barrier(2, timeout=10)  # (a round nobody joins fails the test instead of hanging it)
     wire = OnTheWire(hub, "g0", at=2)
@@ -397,5 +401,6 @@ def test_a_group_behind_that_loads_from_a_group_with_a_round_on_the_wire_joins_t
     [joined] = late
     assert joined["loaded_state_from"] == 0 and joined["step"] == 4 and joined["num_peers"] == 2
     assert outers[1].loaded_step == 4 and outers[1].step == 4
+    assert "outer step 1, inner step 5 (its round of inner step 4 on the wire)" in caplog.text  # (the load's line)
     assert [row["num_peers"] for row in landed] == [1, 2] and landed[-1]["round_step"] == 4
     assert outers[1].outer_step == outers[0].outer_step == 2 and torch.equal(outers[1].outer, outers[0].outer)
