@@ -490,14 +490,22 @@ def group_figures(run_dir: Path, setup: HeteroSetup) -> dict[str, Any]:
 # ---------------------------------------------------------------- the bench
 
 
+def trio_launches(setup: HeteroSetup, model: Path, work_dir: Path, peers: list[str], trio: str, arm: str, name: str,
+                  extra: dict[int, list[str]] | None = None) -> list[Launch]:  # fmt: skip
+    """The groups of `trio` under `arm`'s flags, run `name` (its run id, and `work_dir / name` its folder), group i
+    with the flags `extra[i]` besides."""
+    return [Launch(f"{name}-{i}", cores, train_command(setup, model, work_dir / name / f"group-{i}", setup.steps,
+                                                       [*arm_flags(setup, trio, arm, i, peers, name),
+                                                        *(extra or {}).get(i, [])]),
+                   work_dir / name / f"group-{i}") for i, cores in enumerate(TRIOS[trio])]  # fmt: skip
+
+
 def dead_arm(setup: HeteroSetup, model: Path, work_dir: Path, peers: list[str],
              dht: CpuLimit) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
     """The equal trio under the `DEAD_ARM`'s flags, group `DEAD_GROUP` killed after its outer step `DEAD_AFTER`
     (`diloco.bench.hetero_dead`; the first in a quick run). Returns its figures and its commands."""
     name = "equal-tokens-dead"
-    launches = [Launch(f"{name}-{i}", c, train_command(setup, model, work_dir / name / f"group-{i}", setup.steps,
-                                                       arm_flags(setup, "equal", DEAD_ARM, i, peers, name)),
-                       work_dir / name / f"group-{i}") for i, c in enumerate(TRIOS["equal"])]  # fmt: skip
+    launches = trio_launches(setup, model, work_dir, peers, "equal", DEAD_ARM, name)
     log.info("bench hetero %s: %s", name, shlex.join(launches[-1].command))
     after = min(DEAD_AFTER, setup.steps // setup.local_steps // 2)  # (a quick run has 2 rounds)
     figures, _ = run_phase(launches, work_dir, setup.timeout_s, dht, kill=(DEAD_GROUP, after))
@@ -516,10 +524,7 @@ def pause_arm(setup: HeteroSetup, model: Path, work_dir: Path, peers: list[str],
     (`diloco.bench.hetero_pause`; the full run only). Returns its figures and its commands."""
     name = "equal-fixed-paused"
     evaluating = ["--eval-interval", str(setup.local_steps), "--eval-steps", str(PAUSE_EVAL_STEPS)]
-    launches = [Launch(f"{name}-{i}", c, train_command(setup, model, work_dir / name / f"group-{i}", setup.steps,
-                                                       [*arm_flags(setup, "equal", PAUSE_ARM, i, peers, name),
-                                                        *(evaluating if i == PAUSED_GROUP else [])]),
-                       work_dir / name / f"group-{i}") for i, c in enumerate(TRIOS["equal"])]  # fmt: skip
+    launches = trio_launches(setup, model, work_dir, peers, "equal", PAUSE_ARM, name, {PAUSED_GROUP: evaluating})
     log.info("bench hetero %s: %s", name, shlex.join(launches[PAUSED_GROUP].command))
     run_phase(launches, work_dir, setup.timeout_s, dht)
     rows = [read_rows(x.run_dir) for x in launches]
@@ -554,9 +559,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
         cgroups["dht"] = [{"cgroup": str(dht.folder)}]
         for trio, arm in arm_list(quick):
             name, cores = f"{trio}-{arm}", TRIOS[trio]
-            launches = [Launch(f"{name}-{i}", c, train_command(setup, model, work_dir / name / f"group-{i}",
-                                                               setup.steps, arm_flags(setup, trio, arm, i, peers)),
-                               work_dir / name / f"group-{i}") for i, c in enumerate(cores)]  # fmt: skip
+            launches = trio_launches(setup, model, work_dir, peers, trio, arm, name)
             log.info("bench hetero %s: %s", name, shlex.join(launches[-1].command))
             cgroups[name], series = run_phase(launches, work_dir, setup.timeout_s, dht)
             groups = [group_figures(x.run_dir, setup) | {"moment": moment(work_dir / f"{x.label}.log")}
