@@ -180,8 +180,8 @@ class HvConfig(_Strict):
     transport: Transport = Field(
         "tcp",
         description="What carries the averaging bytes once the DHT formed a group: tcp (direct sockets between "
-        "groups; they must reach each other's announced addresses) or p2pd (hivemind's libp2p: NAT traversal, "
-        "relays, encryption; several times slower).",
+        "groups; they must reach each other's announced addresses) or p2pd (hivemind's libp2p streams, "
+        "encrypted; several times slower; its relays carry too little for a round).",
     )
     averaging_port: int = Field(
         0,

@@ -215,7 +215,7 @@ class SwarmAverager(Matchmaker):
         is retried (with a new group) while the round is younger than ``matchmaking_time + averaging_timeout``.
     :param transport: what carries the tensor bytes once hivemind formed a group: "tcp" (plain TCP sockets
         between the groupmates; each peer must reach the others' announced addresses directly) or "p2pd"
-        (hivemind's libp2p streams: NAT traversal and relays, encrypted, several times slower). A group with any
+        (hivemind's libp2p streams: encrypted, several times slower). A group with any
         "p2pd" member averages over libp2p.
     :param tcp_host: address the TCP transport listens on ("0.0.0.0": every interface).
     :param tcp_port: port the TCP transport listens on (0: any free port).

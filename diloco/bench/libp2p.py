@@ -1,7 +1,7 @@
 """hivemind's libp2p all-reduce, made exact: after a round every groupmate holds the very same bytes, and reducers
 screen what they average as the TCP transport does.
 
-Used for groups with a ``--hv.transport p2pd`` member (NAT traversal, relays, encryption; several times slower than
+Used for groups with a ``--hv.transport p2pd`` member (libp2p streams, encrypted; several times slower than
 TCP). hivemind is pinned to 1.1.12, and this module subclasses its internals. It relies on these private names:
 
 * ``AllReduceRunner``: ``_communicate_with_peer`` (its own-part branch), ``_accumulate_parts_streaming``

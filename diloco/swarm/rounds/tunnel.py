@@ -1,6 +1,7 @@
 """A rank's listener reached over libp2p: with ``--hv.transport p2pd`` the rounds of whole groups (``tcp``) and their
 state downloads (``transfer``) travel as libp2p streams through the rank's p2pd daemon, which brings what p2pd is
-chosen for (NAT traversal, relays, encryption) to groups of any shape.
+chosen for (encryption, libp2p's routing) to groups of any shape. Not a way past two routers: the daemon's relays
+reset a relayed connection after 96 KiB (docs/outer-step.md, "Behind a router").
 
 A libp2p stream reaches this process as a Unix socket connected to the p2pd daemon, opened by hivemind's asyncio
 client. Once the stream is set up, that socket is taken off the asyncio loop and handed over as a plain blocking
