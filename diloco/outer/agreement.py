@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Iterable
 
 from diloco.errors import FieldError
+from diloco.outer.beacon import WIRE
 from diloco.swarm.records.fingerprint import ModelId
 from diloco.swarm.records.status import LEFT, Status
 
@@ -41,6 +42,22 @@ def schedule(final_step: int | None, local_steps: int, budget: tuple[int, int] |
     return ", ".join(parts)
 
 
+def wire_format(compression: str, density: float, bits: int, rule: str, decay: float) -> str:
+    """How a group's rounds travel, as its status record says it: ``--hv.compression``, and for sparse rounds the
+    density, bits, rule and error decay (the codec and the outer step every group of the run must share: a round
+    between two formats fails at every connection's hello)."""
+    return compression if compression != "sparse" else f"sparse/{density:g}/{bits}/{rule}/{decay:g}"
+
+
+def same_outer(theirs: str, ours: str) -> bool:
+    """Whether two status records' outer settings (``beacon.outer_setting``) agree: equal, or one says nothing (an
+    older trainer), or one says no wire format (a trainer from before it was said) and the rest is equal."""
+    if not theirs or not ours or theirs == ours:
+        return True
+    (lr, rule, wire), (our_lr, our_rule, our_wire) = _setting(theirs), _setting(ours)
+    return (lr, rule) == (our_lr, our_rule) and (not wire or not our_wire)
+
+
 def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], bool]) -> Status | None:
     """The status record of a live group of the run that trains another model, or runs a trainer from before
     fingerprints (its record has no model: it uses other keys and would never meet this group), or averages over
@@ -58,7 +75,7 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
         return None
     for record in records:
         same = record.model == mine.model and (not mine.transport or record.transport in ("", mine.transport))
-        same = same and (not mine.outer or record.outer in ("", mine.outer))
+        same = same and same_outer(record.outer, mine.outer)
         same = same and (not mine.schedule or record.schedule in ("", mine.schedule))
         if record.world_rank == mine.world_rank or same or record.state in LEFT:
             continue
@@ -81,9 +98,16 @@ def mismatch_error(
             "average with this one; run one diloco version in every group of a run, or give this one another run id"
         )
     if other.model == mine.fingerprint and other.transport in ("", transport):
-        if other.outer in ("", outer) or (schedule and other.schedule not in ("", schedule)):
+        if same_outer(other.outer, outer) or (schedule and other.schedule not in ("", schedule)):
             return _schedule_error(other, schedule, batch)
-        (theirs, their_rule), (ours, our_rule) = _setting(other.outer), _setting(outer)
+        (theirs, their_rule, their_wire), (ours, our_rule, our_wire) = _setting(other.outer), _setting(outer)
+        if (theirs, their_rule) == (ours, our_rule):
+            return FieldError(
+                f"{{compression}} {_said(our_wire)}: worker group {other.world_rank} (peer {other.peer}) sends its "
+                f"rounds as {_said(their_wire)}; the groups of a run must use one wire format: give every group the "
+                "same --hv.compression (and with sparse, --hv.sparse-density, --hv.sparse-bits, --hv.sparse-rule "
+                "and --hv.error-decay): a round between two formats fails"
+            )
         if theirs == ours:
             return FieldError(
                 f"{{aggregation}} {our_rule}: worker group {other.world_rank} (peer {other.peer}) combines "
@@ -151,7 +175,8 @@ def announced_budget(mine: Status, records: Iterable[Status], alive: Callable[[s
     candidates = []
     for record in records:
         theirs = _schedule_parts(record.schedule)
-        alike = record.model == mine.model and record.transport == mine.transport and record.outer == mine.outer
+        alike = record.model == mine.model and record.transport == mine.transport
+        alike = alike and bool(record.outer) == bool(mine.outer) and same_outer(record.outer, mine.outer)
         alike = alike and {k: v for k, v in theirs.items() if k in ("fragments", "overlap_steps")} == rest
         budget = budget_of(record.schedule)
         if record.world_rank == mine.world_rank or record.state in LEFT or not alike or budget is None:
@@ -192,7 +217,18 @@ def _schedule_parts(text: str) -> dict[str, str]:
     return parts
 
 
-def _setting(outer: str) -> tuple[str, str]:
-    """A status record's outer setting (``DiLoCo.outer_setting``) as (lr/momentum wN, aggregation)."""
+def _setting(outer: str) -> tuple[str, str, str]:
+    """A status record's outer setting (``beacon.outer_setting``) as (lr/momentum wN, aggregation, wire format; ""
+    when not said)."""
     words = outer.split()
-    return " ".join(words[:2]), " ".join(words[2:]) or "mean"
+    wire = [w[len(WIRE) :] for w in words[2:] if w.startswith(WIRE)]
+    rule = " ".join(w for w in words[2:] if not w.startswith(WIRE))
+    return " ".join(words[:2]), rule or "mean", wire[0] if wire else ""
+
+
+def _said(wire: str) -> str:
+    """A wire format (``wire_format``) as the flags give it."""
+    if not wire.startswith("sparse/"):
+        return wire
+    _, density, bits, rule, decay = (wire.split("/") + ["?"] * 5)[:5]
+    return f"sparse (density {density}, {bits} bits, {rule}, error decay {decay})"

@@ -24,7 +24,8 @@ RATE_ROWS = 5  # metrics rows whose median throughput a record carries
 class Beacon:
     """What a group says of itself that does not change over a run, and what it last measured.
 
-    :param outer: the outer setting, ``lr/momentum wN`` plus a robust aggregation's name (``outer_setting``).
+    :param outer: the outer setting, ``lr/momentum wN`` plus a robust aggregation's name and the wire format
+        (``outer_setting``).
     :param schedule: when rounds are due and the last inner step (``agreement.schedule``).
     :param max_steps: the run's last inner step; None: none.
     :param peer: the peer id of the group's rank 0.
@@ -104,8 +105,12 @@ class Beacon:
         )
 
 
-def outer_setting(lr: float, momentum: float, warmup: int, aggregation: str) -> str:
+def outer_setting(lr: float, momentum: float, warmup: int, aggregation: str, wire: str = "") -> str:
     """The outer setting as a status record carries it; the mean is left out, as records from before
-    ``--hv.aggregation`` have it."""
+    ``--hv.aggregation`` have it. `wire`: the round's wire format (``agreement.wire_format``; "": not said, as
+    records from before it)."""
     robust = "" if aggregation == "mean" else f" {aggregation}"
-    return f"{lr:g}/{momentum:g} w{warmup}{robust}"
+    return f"{lr:g}/{momentum:g} w{warmup}{robust}" + (f" {WIRE}{wire}" if wire else "")
+
+
+WIRE = "wire:"  # the outer setting's word that names the wire format

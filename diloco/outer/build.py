@@ -20,7 +20,7 @@ from diloco.config import Config
 from diloco.distenv import DistEnv
 from diloco.errors import FieldError
 from diloco.model import parameter_layers, trainable_parameters
-from diloco.outer.agreement import schedule
+from diloco.outer.agreement import schedule, wire_format
 from diloco.outer.auto import OuterSetting, outer_setting
 from diloco.outer.diloco import DiLoCo
 from diloco.outer.fragments import fragment_params, local_runs
@@ -151,6 +151,7 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
         overlap_steps=hv.overlap_steps,
         overlap_mix=hv.overlap_mix,
         aggregation=hv.aggregation,
+        wire=wire_format(hv.compression, hv.sparse_density, hv.sparse_bits, hv.sparse_rule, hv.error_decay),
         schedule=schedule(max_steps, hv.local_steps, pace.budget(), hv.fragments, hv.overlap_steps),
         batch=f"{config.total_batch_size}x{config.seq_length}",
         late_work=hv.late_work,

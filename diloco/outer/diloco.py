@@ -82,7 +82,7 @@ class DiLoCo(Admission, StateTransfer):
     :param overlap_steps: inner steps taken while a round is on the wire (``diloco.outer.inflight``); 0: blocking.
     :param overlap_mix: how much of its own values a parameter keeps when an overlapped round lands.
     :param aggregation: how reducers combine pseudo-gradients (``--hv.aggregation``): part of the outer setting the
-        groups of a run must share.
+        groups of a run must share, as is `wire`, the rounds' wire format (``agreement.wire_format``; "": not said).
     :param schedule: the group's schedule (``agreement.schedule``), which the groups of a run must share too;
         empty: not compared. `batch`: its inner step, ``<total batch size>x<sequence length>``.
     :param late_work: ``--hv.late-work``: after loading a newer state, ``keep`` the inner steps since the last round
@@ -117,6 +117,7 @@ class DiLoCo(Admission, StateTransfer):
         overlap_steps: int = 0,
         overlap_mix: float = 0.5,
         aggregation: str = "mean",
+        wire: str = "",
         schedule: str = "",
         batch: str = "",
         claim_settle_s: float = 1.0,
@@ -166,7 +167,7 @@ class DiLoCo(Admission, StateTransfer):
         self.model = model
         self.beacon = Beacon(
             swarm, group.is_main, world_rank, len(self.peers), sharding, transport,
-            outer_setting(outer_lr, outer_momentum, outer_warmup, aggregation), schedule, final_step, model,
+            outer_setting(outer_lr, outer_momentum, outer_warmup, aggregation, wire), schedule, final_step, model,
             self.peers[0], batch, reach=swarm.reach,
         )  # fmt: skip
 

@@ -19,6 +19,7 @@ from diloco.outer.agreement import (
     mismatch_error,
     rival_model,
     schedule,
+    wire_format,
     with_budget,
 )
 from diloco.outer.diloco import DiLoCo
@@ -173,6 +174,36 @@ def test_a_group_of_another_aggregation_leaves_naming_the_flag() -> None:
         "hv.aggregation mean: worker group 0 (peer peer-0) combines pseudo-gradients with trimmed-mean; the groups "
         "of a run must use one --hv.aggregation (a reducer with another rule decides the spans it reduces)"
     )
+
+
+def test_a_group_of_another_wire_format_leaves_naming_the_flag() -> None:
+    """A round between two wire formats fails at every connection's hello: the later group leaves at join with a line
+    naming --hv.compression (with the sparse settings in words), not round after round. A record that says no wire
+    format (a trainer from before it was said) is not held against anyone, and the default says none."""
+    hub = MemorySwarm(3)
+    sparse = wire_format("sparse", 1 / 64, 2, "sparseloco", 0.95)
+    first = group(hub, 0, net(), outer_lr=1.0, wire=sparse)
+    first.claim_world_rank()
+    first.join(0)
+    assert hub.statuses[0].outer == "1/0 w0 wire:sparse/0.015625/2/sparseloco/0.95"
+    group(hub, 1, net(seed=3), outer_lr=1.0, wire=sparse).claim_world_rank()  # the same format is welcome
+    with pytest.raises(FieldError) as refused:
+        group(hub, 2, net(seed=4), outer_lr=1.0, wire=wire_format("sparse", 1 / 64, 4, "sparseloco", 0.95)
+              ).claim_world_rank()  # fmt: skip
+    assert str(refused.value.within("hv")) == (
+        "hv.compression sparse (density 0.015625, 4 bits, sparseloco, error decay 0.95): worker group 0 (peer "
+        "peer-0) sends its rounds as sparse (density 0.015625, 2 bits, sparseloco, error decay 0.95); the groups of "
+        "a run must use one wire format: give every group the same --hv.compression (and with sparse, "
+        "--hv.sparse-density, --hv.sparse-bits, --hv.sparse-rule and --hv.error-decay): a round between two "
+        "formats fails"
+    )
+    assert wire_format("int8", 1 / 64, 2, "sparseloco", 0.95) == "int8"
+    mine = status(1, "aaa", state="joining", outer="1/0 w0 wire:int8")
+    assert rival_model(mine, [status(0, "aaa", outer="1/0 w0")], lambda peer: True) is None  # from before
+    assert rival_model(mine, [status(0, "aaa", outer="1/0 w0 wire:fp16")], lambda peer: True) is not None
+    other = status(0, "aaa", outer="1/0 w0 trimmed-mean wire:int8")  # the rule still read beside the format
+    assert rival_model(mine, [other], lambda peer: True) is not None
+    assert "--hv.aggregation" in str(mismatch_error(other, ModelId("aaa", 0), "", mine.outer))
 
 
 def test_the_schedule_names_what_sets_the_rounds_and_the_end() -> None:
