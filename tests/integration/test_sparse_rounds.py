@@ -21,17 +21,19 @@ def tiny_parameters() -> int:
 
 
 @pytest.mark.slow
-def test_a_one_rank_and_a_two_rank_group_average_sparse_rounds_bit_identically(tmp_path: Path,
-                                                                              dht_peer: list[str]) -> None:  # fmt: skip
+@pytest.mark.parametrize("transport", ["tcp", "p2pd"])
+def test_a_one_rank_and_a_two_rank_group_average_sparse_rounds_bit_identically(tmp_path: Path, dht_peer: list[str],
+                                                                              transport: str) -> None:  # fmt: skip
     """A 1-rank group and a 2-rank FULL_SHARD group, a quarter of each row sent in 2 bits (the tiny model's rows are
     64 values; in 3 rounds a 64th would barely move it): bit-identical after every round, one final model, and each
-    round moves a small share of what float32 would."""
-    sparse = [*SPARSE, "--hv.sparse-density", "0.25"]
+    round moves a small share of what float32 would; over TCP and over libp2p streams alike (one round code)."""
+    sparse = [*SPARSE, "--hv.sparse-density", "0.25", "--hv.transport", transport]
     run_dirs = train_groups(tmp_path, dht_peer, 12, [(1, sparse), (2, sparse)])
     assert_trained_together(run_dirs, groups=2, outer_steps=3)
     dense = 2 * 4 * tiny_parameters()  # float32: the 1-rank group sends and receives the model once each
     rounds = [r for r in outer_rows(run_dirs[0]) if r.get("num_peers") == 2]
     assert rounds and all(r["bytes_sent"] + r["bytes_received"] < dense / 8 for r in rounds), (dense, rounds)
+    assert all(r["transport"] == transport for r in rounds), rounds
 
 
 @pytest.mark.slow
