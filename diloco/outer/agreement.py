@@ -227,7 +227,8 @@ def _setting(outer: str) -> tuple[str, str, str]:
 
 
 def _said(wire: str) -> str:
-    """A wire format (``wire_format``) as the flags give it."""
+    """A wire format (``wire_format``) as the flags give it (a stranger's record's: printable, and short)."""
+    wire = "".join(c for c in wire if c.isprintable())[:80]
     if not wire.startswith("sparse/"):
         return wire
     _, density, bits, rule, decay = (wire.split("/") + ["?"] * 5)[:5]

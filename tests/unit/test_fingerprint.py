@@ -204,6 +204,9 @@ def test_a_group_of_another_wire_format_leaves_naming_the_flag() -> None:
     other = status(0, "aaa", outer="1/0 w0 trimmed-mean wire:int8")  # the rule still read beside the format
     assert rival_model(mine, [other], lambda peer: True) is not None
     assert "--hv.aggregation" in str(mismatch_error(other, ModelId("aaa", 0), "", mine.outer))
+    stranger = status(0, "aaa", outer="1/0 w0 wire:\x1b[2J" + "x" * 10_000)  # quoted printable and short
+    line = str(mismatch_error(stranger, ModelId("aaa", 0), "", mine.outer))
+    assert "\x1b" not in line and len(line) < 600, line
 
 
 def test_the_schedule_names_what_sets_the_rounds_and_the_end() -> None:
