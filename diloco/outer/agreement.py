@@ -229,7 +229,8 @@ def _setting(outer: str) -> tuple[str, str, str]:
 def _said(wire: str) -> str:
     """A wire format (``wire_format``) as the flags give it (a stranger's record's: printable, and short)."""
     wire = "".join(c for c in wire if c.isprintable())[:80]
-    if not wire.startswith("sparse/"):
+    parts = wire.split("/")
+    if parts[0] != "sparse" or len(parts) != 5:
         return wire
-    _, density, bits, rule, decay = (wire.split("/") + ["?"] * 5)[:5]
+    _, density, bits, rule, decay = parts
     return f"sparse (density {density}, {bits} bits, {rule}, error decay {decay})"

@@ -18,6 +18,7 @@ from diloco.swarm.records.fingerprint import ModelId
 from diloco.swarm.records.status import DIGEST_CHARS, HEARTBEAT_S, Status
 
 RATE_ROWS = 5  # metrics rows whose median throughput a record carries
+WIRE = "wire:"  # the outer setting's word that names the wire format (``outer_setting``)
 
 
 @dataclass
@@ -112,5 +113,3 @@ def outer_setting(lr: float, momentum: float, warmup: int, aggregation: str, wir
     robust = "" if aggregation == "mean" else f" {aggregation}"
     return f"{lr:g}/{momentum:g} w{warmup}{robust}" + (f" {WIRE}{wire}" if wire else "")
 
-
-WIRE = "wire:"  # the outer setting's word that names the wire format
