@@ -67,24 +67,64 @@ _DHT_ANNOUNCE = Parameter(
 )
 
 
+_DHT_RELAY = Parameter(name="--relay-ports", help=(
+    "FIRST-LAST: relay for worker groups behind home routers (nobody can dial them): FIRST is the relay's control "
+    "port, the others are leased to such ranks (two for a group's rank 0, one for each other rank). Open them all "
+    "to the internet. Every byte of a round to a relayed rank crosses this machine twice."
+))
+
+
 def dht(
     *,
     identity: Annotated[Path, _DHT_IDENTITY] = Path("keys/id.pem"),
     host_maddrs: Annotated[list[str], _DHT_HOSTS] = ["/ip4/0.0.0.0/tcp/0"],  # noqa: B006
     announce_maddrs: Annotated[list[str], _DHT_ANNOUNCE] = [],  # noqa: B006
+    relay_ports: Annotated[str | None, _DHT_RELAY] = None,
 ) -> int:
     """Run a hivemind DHT bootstrap peer with a stable peer id until SIGINT/SIGTERM."""
+    from functools import partial
+
     from diloco.config import HvConfig
 
     setup_logging(0)
     warnings.showwarning = log_warning  # e.g. a readable identity file: one line, not Python's two
     HvConfig(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs)  # the same multiaddr checks as training
+    ports = _port_range(relay_ports) if relay_ports is not None else None
     # hivemind: only once the flags are valid
     from diloco.swarm.records.dht import serve_dht
+    from diloco.swarm.relay.server import Relay
     from diloco.swarm.rounds import reachability
 
-    # (its FieldErrors name this command's parameters); it dials joining ranks back: they learn if they are reachable
-    return serve_dht(identity, host_maddrs, announce_maddrs, services=[reachability.serve])
+    relay = None
+    if ports is not None:
+        try:
+            relay = Relay("0.0.0.0", ports[0], ports[1:]).start()
+        except OSError as e:
+            raise UsageError(f"--relay-ports {relay_ports}: cannot listen on port {ports[0]}: {e.strerror or e}"
+                             ) from None  # fmt: skip
+        logging.getLogger("diloco").info("relaying for ranks nobody can dial: control port %d, %d port(s) to lease",
+                                         ports[0], len(ports) - 1)  # fmt: skip
+    try:
+        # (its FieldErrors name this command's parameters); it dials joining ranks back: they learn if they are
+        # reachable, and of the relay when they are not
+        serve = partial(reachability.serve, relay_port=relay.control_port if relay is not None else None)
+        return serve_dht(identity, host_maddrs, announce_maddrs, services=[serve])
+    finally:
+        if relay is not None:
+            relay.close()
+
+
+def _port_range(spec: str) -> list[int]:
+    """The ports of ``--relay-ports FIRST-LAST``: at least two, each in 1024..65535."""
+    first, _, last = spec.partition("-")
+    try:
+        ports = list(range(int(first), int(last or first) + 1))
+    except ValueError:
+        ports = []
+    if len(ports) < 2 or ports[0] < 1024 or ports[-1] > 65535:
+        raise UsageError(f"--relay-ports {spec}: give FIRST-LAST, two or more ports from 1024 to 65535 (FIRST is the "
+                         "control port, the others are leased)")  # fmt: skip
+    return ports
 
 
 _DEFAULT_RUN_ID = HvConfig.model_fields["run_id"].default  # the run id a worker group uses when given none

@@ -107,7 +107,10 @@ def start_peer(
     matchmaker = door = None
     try:
         door = open_door(hv, env, dht, port)
-        if not door.reach.dialable:
+        if door.dht_maddrs is not None:  # rank 0 at a relay: its DHT peer is dialled there too, so it may lead
+            dht.shutdown()
+            dht = join_dht(host_maddrs=door.dht_maddrs[0], announce_maddrs=door.dht_maddrs[1])
+        elif not door.reach.dialable or door.lease is not None:
             # a DHT peer nobody can dial would stay in the others' routing tables (each of its requests puts it back)
             # and cost their lookups a timeout each: it rejoins as a client, which asks and stores but serves nothing
             dht.shutdown()
@@ -138,19 +141,27 @@ def start_peer(
 @dataclass(frozen=True)
 class Door:
     """How others reach this rank: its listener, its endpoint (TCP ``([hosts], port)``, or over p2pd
-    ``((peer id,), 0)``), how it reaches theirs (`connect`), the p2pd `tunnel` (None over TCP), and whether it
-    can be dialled (`reach`, ``rounds.reachability``)."""
+    ``((peer id,), 0)``), how it reaches theirs (`connect`), the p2pd `tunnel` (None over TCP), whether it
+    can be dialled (`reach`, ``rounds.reachability``), and for a rank dialled through a relay its ports there
+    (`lease`, ``relay.lease.Lease``) and, for rank 0, the multiaddrs its DHT peer restarts with to be dialled
+    there too (`dht_maddrs`: host, announce)."""
 
     listener: Any
     endpoint: tuple[tuple[str, ...], int]
     connect: Callable[..., Any]
     tunnel: Any
     reach: Any
+    lease: Any = None
+    dht_maddrs: tuple[list[str], list[str]] | None = None
 
     def close(self) -> None:
         from diloco.swarm.rounds.listener import close_with_tunnel
 
-        close_with_tunnel(self.listener, self.tunnel)
+        try:
+            close_with_tunnel(self.listener, self.tunnel)
+        finally:
+            if self.lease is not None:
+                self.lease.close()
 
 
 def open_door(hv: HvConfig, env: DistEnv, dht: Any, port: int) -> Door:
@@ -183,6 +194,12 @@ def open_door(hv: HvConfig, env: DistEnv, dht: Any, port: int) -> Door:
         reach = reachability.check(dht, reachability.peer_ids(hv.initial_peers), endpoint, probes)
         if reach.kind == reachability.DIRECT:
             reachability.serve(dht)
+        if reach.kind == reachability.OUTBOUND and reach.relay is not None:
+            relayed = _at_relay(hv, env, dht, listener, probes, reach)
+            if relayed is not None:
+                lease, reach, endpoint, dht_maddrs = relayed
+                _say_reach(reach, env.rank, False)
+                return Door(listener, endpoint, tcp.connect, None, reach, lease, dht_maddrs)
         _say_reach(reach, env.rank, bool(hv.announce_maddrs))
     except BaseException:
         listener.close()
@@ -190,12 +207,55 @@ def open_door(hv: HvConfig, env: DistEnv, dht: Any, port: int) -> Door:
     return Door(listener, endpoint, tcp.connect, None, reach)
 
 
+def _at_relay(hv: HvConfig, env: DistEnv, dht: Any, listener: Any, probes: Any, reach: Any) -> tuple | None:
+    """For a rank nobody can dial, whose dial-back peer offers a relay: ports leased at the relay (its listener's,
+    and rank 0's DHT peer's), checked as the rank's own were (the peer dials the leased port back). Returns (the
+    lease, the new reach, the endpoint at the relay, rank 0's DHT multiaddrs or None), or None (said why) when the
+    relay leases nothing or cannot be dialled back: the rank then dials out only."""
+    from diloco.swarm.relay.lease import Lease, forward_to
+    from diloco.swarm.rounds import reachability
+
+    peer, control_port = reach.relay
+    hosts = reachability.hosts_of(hv.initial_peers, peer)
+    dht_port = _free_port() if env.rank == 0 else None
+    targets = [listener.handle] + ([forward_to(dht_port)] if dht_port is not None else [])
+    try:
+        lease = Lease((hosts, control_port), targets)
+    except ConnectionError as e:
+        log.warning("rank %d cannot be dialled, and the relay of peer %s leased it no port (%s)", env.rank,
+                    peer[-8:], e)  # fmt: skip
+        return None
+    endpoint = ((lease.host,), lease.ports[0])
+    verdict = reachability.check(dht, [peer], endpoint, probes)
+    if verdict.kind != reachability.DIRECT:
+        lease.close()
+        log.warning("rank %d cannot be dialled, and peer %s could not dial it at its relay either (%s)", env.rank,
+                    peer[-8:], verdict.detail)  # fmt: skip
+        return None
+    relayed = reachability.Reach(reachability.RELAYED, f"at {lease.host} port {lease.ports[0]}, leased from the "
+                                 f"relay of peer {peer[-8:]}; {reach.detail}")  # fmt: skip
+    dht_maddrs = None
+    if dht_port is not None:
+        dht_maddrs = ([f"/ip4/0.0.0.0/tcp/{dht_port}"], [f"/ip4/{lease.host}/tcp/{lease.ports[1]}"])
+    return lease, relayed, endpoint, dht_maddrs
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now (for a daemon started right after)."""
+    import socket
+
+    with socket.create_server(("0.0.0.0", 0)) as probe:
+        return int(probe.getsockname()[1])
+
+
 def _say_reach(reach: Any, rank: int, announced: bool) -> None:
-    from diloco.swarm.rounds.reachability import DIRECT, OUTBOUND
+    from diloco.swarm.rounds.reachability import DIRECT, OUTBOUND, RELAYED
 
     say = log.info if rank == 0 else log.debug  # (every rank of a group sits on one network, as a rule)
     if reach.kind == DIRECT:
         say("rank %d can be dialled: direct (%s)", rank, reach.detail)
+    elif reach.kind == RELAYED:
+        say("rank %d can be dialled through a relay: relayed (%s)", rank, reach.detail)
     elif reach.kind != OUTBOUND:
         say("rank %d: whether others can dial it is unchecked (%s); they will try", rank, reach.detail)
     elif announced:
@@ -229,7 +289,8 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
     shape = Shape(sharding or "FULL_SHARD", env.world_size, env.num_nodes)
     timeout = fixed_timeout(hv.averaging_timeout) / tcp.ROUND_STEPS
     signer = Ed25519PrivateKey.generate()
-    endpoints, public_keys, dialable = zip(*gather((door.endpoint, public_bytes(signer), door.reach.dialable)))
+    endpoints, public_keys, dialable, relayed = zip(*gather((door.endpoint, public_bytes(signer), door.reach.dialable,
+                                                             door.lease is not None)))  # fmt: skip
     replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None
     if hv.overlap_steps and env.world_size > 1:  # (after the replicas' groups: every rank makes them in one order)
         broadcast = side_broadcast()
@@ -237,7 +298,7 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
         matchmaker if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
         endpoints=endpoints, broadcast=broadcast, listener=door.listener, codec=rounds_codec(hv),
         timeout=timeout, replicas=replicas, transport=hv.transport, connect=door.connect, tunnel=door.tunnel,
-        dialable=dialable, reach=door.reach.kind,
+        dialable=dialable, reach=door.reach.kind, relayed=relayed,
         fragments=fragments, aggregation=hv.aggregation, key=key, signer=signer, public_keys=public_keys, model=model,
         deadlines=Deadlines(hv.averaging_timeout) if env.rank == 0 else None,
     )  # fmt: skip

@@ -62,7 +62,8 @@ class Member:
     """A worker group in a round, as it announced itself in matchmaking: its shape, each rank's endpoint (in rank
     order), its weight in the average (before the round's cap), each rank's raw Ed25519 public key (in rank order;
     empty: none announced, and no round takes the group), its model's fingerprint ("": not announced) and which of
-    its ranks can be dialled (in rank order; empty: every one, as groups announce when all can)."""
+    its ranks can be dialled (in rank order; empty: every one, as groups announce when all can), and which of those
+    are dialled through a relay (empty: none)."""
 
     shape: Shape
     endpoints: tuple[Endpoint, ...]
@@ -70,10 +71,22 @@ class Member:
     keys: tuple[bytes, ...] = ()
     model: str = ""
     dialable: tuple[bool, ...] = ()
+    relayed: tuple[bool, ...] = ()
 
-    def reducers(self) -> tuple[bool, ...]:
-        """Which ranks may reduce a span: those others can dial."""
-        return self.dialable or (True,) * self.shape.world_size
+    def reducers(self, direct_only: bool = False) -> tuple[bool, ...]:
+        """Which ranks may reduce a span: those others can dial (`direct_only`: not through a relay)."""
+        dialable = self.dialable or (True,) * self.shape.world_size
+        if not direct_only or not self.relayed:
+            return dialable
+        return tuple(d and not r for d, r in zip(dialable, self.relayed))
+
+
+def reducers(members: Sequence[Member]) -> list[tuple[bool, ...]]:
+    """Per member, which ranks reduce a round's spans: those dialled directly when the round has any, since every
+    byte to a relayed rank crosses its relay twice; otherwise those dialled through a relay (a swarm behind routers
+    only)."""
+    direct = [member.reducers(direct_only=True) for member in members]
+    return direct if any(any(ranks) for ranks in direct) else [member.reducers() for member in members]
 
 
 @dataclass(frozen=True)
@@ -145,7 +158,8 @@ def members_digest(members: Sequence[Member]) -> bytes:
     participants that read different announcements hold different digests, and refuse each other's connections."""
     canonical = [[[m.shape.strategy, m.shape.world_size, m.shape.nodes], [[list(h), p] for h, p in m.endpoints],
                   repr(float(m.weight)), [k.hex() for k in m.keys], m.model]
-                 + ([list(m.dialable)] if m.dialable else []) for m in members]  # fmt: skip
+                 + ([list(m.dialable)] if m.dialable else []) + ([["relayed", *m.relayed]] if m.relayed else [])
+                 for m in members]  # fmt: skip
     return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).digest()
 
 
@@ -185,7 +199,7 @@ def run_round(
     if chunks is not None and chunks.total != total:
         raise ValueError(f"a codec of a vector of {chunks.total} values for one of {total}")
     try:
-        round_plan = plan(layouts, total, chunks, [member.reducers() for member in info.members])
+        round_plan = plan(layouts, total, chunks, reducers(info.members))
     except Unreduced as e:  # every participant finds the same: the round fails alike everywhere, dialling no one
         log.warning("averaging: %s", e)
         return Outcome(False, 0, 0, 0, str(e))
@@ -266,6 +280,7 @@ class GroupRounds:
         deadlines: Deadlines | None = None,
         dialable: Sequence[bool] | None = None,
         reach: str = "",
+        relayed: Sequence[bool] | None = None,
     ):
         self.aggregation, self.key, self.model, self.deadlines = aggregation, key, model, deadlines
         self.signer = Ed25519PrivateKey.generate() if signer is None else signer
@@ -286,7 +301,11 @@ class GroupRounds:
         self.dialable = tuple(bool(d) for d in dialable) if dialable is not None else (True,) * shape.world_size
         if len(self.dialable) != shape.world_size:
             raise ValueError(f"{len(self.dialable)} reachabilities for {shape.world_size} ranks")
-        self.reach = reach  # rank 0's own (``reachability``: direct, outbound only, unchecked; "": not checked)
+        self.relayed = tuple(bool(r) for r in relayed) if relayed is not None else (False,) * shape.world_size
+        if len(self.relayed) != shape.world_size:
+            raise ValueError(f"{len(self.relayed)} relay flags for {shape.world_size} ranks")
+        # rank 0's own (``reachability``: direct, outbound only, relayed, unchecked; "": not checked)
+        self.reach = reach
         self._alone_warned = False
 
     def codec_for(self, shapes: Sequence[Sequence[int]]) -> tcp.Codec:
@@ -370,6 +389,8 @@ class GroupRounds:
             mine["model"] = self.model
         if not all(self.dialable):  # (a group all of whose ranks can be dialled announces as earlier versions did)
             mine["dialable"] = list(self.dialable)
+        if any(self.relayed):  # (read by earlier versions as dialable ranks: they are, through the relay)
+            mine["relayed"] = list(self.relayed)
         if outer_step is not None:
             mine["outer_step"] = outer_step
         # a keyed announcement's MAC binds it to this round and to the announcing peer: replayed into another round
@@ -458,7 +479,12 @@ def member_of(entry: object) -> Member:
     if not isinstance(dialable, list) or (dialable and len(dialable) != len(endpoints)) or not all(
             type(d) is bool for d in dialable):  # fmt: skip
         raise ValueError("a reachability that is not one bool per rank")
-    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight, keys, model, tuple(dialable))
+    relayed = entry.get("relayed", [])
+    if not isinstance(relayed, list) or (relayed and len(relayed) != len(endpoints)) or not all(
+            type(r) is bool for r in relayed):  # fmt: skip
+        raise ValueError("relay flags that are not one bool per rank")
+    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight, keys, model, tuple(dialable),
+                  tuple(relayed))  # fmt: skip
 
 
 def abreast(claims: list[object], round_index: int) -> list[int]:

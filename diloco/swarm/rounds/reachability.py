@@ -50,15 +50,18 @@ MAX_MESSAGE = 4096
 AT_ONCE = 8  # requests a serving peer dials for at once; more wait
 
 DIRECT, OUTBOUND, UNCHECKED = "direct", "outbound only", "unchecked"
+RELAYED = "relayed"  # dialled at ports a relay leased it (``diloco.swarm.relay``), checked as a direct rank is
 _LENGTH = struct.Struct("!H")
 
 
 @dataclass(frozen=True)
 class Reach:
-    """What a rank learnt of itself: `kind` (``DIRECT``, ``OUTBOUND`` or ``UNCHECKED``), and in words how."""
+    """What a rank learnt of itself: `kind` (``DIRECT``, ``OUTBOUND``, ``RELAYED`` or ``UNCHECKED``), in words how,
+    and a relay that a peer offered (its libp2p peer id and control port; None: none offered)."""
 
     kind: str
     detail: str = ""
+    relay: tuple[str, int] | None = None
 
     @property
     def dialable(self) -> bool:
@@ -113,31 +116,62 @@ def peer_ids(maddrs: Sequence[str]) -> list[str]:
     return found
 
 
+def hosts_of(maddrs: Sequence[str], peer: str) -> list[str]:
+    """The IP addresses and DNS names at which `maddrs` (``.../p2p/<id>``) place the libp2p peer `peer`, in order."""
+    from multiaddr import Multiaddr
+
+    hosts: list[str] = []
+    for maddr in maddrs:
+        with contextlib.suppress(Exception):  # (validated at the edge)
+            parsed = Multiaddr(maddr)
+            if parsed.value_for_protocol("p2p") != peer:
+                continue
+            for protocol in ("ip4", "ip6", "dns", "dns4", "dns6"):
+                with contextlib.suppress(Exception):  # the multiaddr has no such part
+                    if (host := parsed.value_for_protocol(protocol)) and host not in hosts:
+                        hosts.append(host)
+    return hosts
+
+
 def check(dht: Any, peers: Sequence[str], endpoint: tuple[Sequence[str], int], probes: Probes,
           timeout: float = ASK_TIMEOUT_S) -> Reach:  # fmt: skip
     """Ask `peers` (libp2p peer ids), one after another, to dial `endpoint` (``([hosts], port)``) back, until one
-    answers; `probes` must serve this rank's listener. Never raises."""
-    hosts, port = endpoint
+    answers; `probes` must serve this rank's listener. A rank found outbound only goes on asking the next peers
+    until one offers a relay (``Reach.relay``). Never raises."""
+    found: Reach | None = None
     for peer in peers:
-        nonce = secrets.token_bytes(NONCE_SIZE)
-        probes.expect(nonce)
-        request = {"hosts": list(hosts)[:MAX_HOSTS], "port": int(port), "nonce": nonce.hex()}
-        try:
-            answer = dht.run_coroutine(partial(_ask, peer, _framed(request), timeout))
-        except Exception as e:  # noqa: BLE001 - a DHT that is shutting down
-            answer = {"error": f"{type(e).__name__}: {e}"}
-        if not isinstance(answer, dict) or "error" in answer:  # no stream to it, a peer without the protocol, late
-            log.debug("dial-back: %s did not answer: %s", peer, answer.get("error") if isinstance(answer, dict) else "")
+        reach = _ask_one(dht, peer, endpoint, probes, timeout)
+        if reach is None:
             continue
-        # what a peer answers goes into this rank's log: only our own hosts and an IP address are quoted
-        reached = [h for h in hosts if isinstance(answer.get("reached"), list) and h in answer["reached"]]
-        seen_at = answer.get("observed")
-        if probes.arrived(nonce, ARRIVAL_WAIT_S):
-            where = ", ".join(reached) or "its announced host"
-            return Reach(DIRECT, f"peer {peer[-8:]} dialled it back at {where} port {port}")
-        seen = f"; that peer sees it at {seen_at}" if _is_ip(seen_at) else ""
-        return Reach(OUTBOUND, f"peer {peer[-8:]} could not dial {' or '.join(hosts)} port {port}{seen}")
-    return Reach(UNCHECKED, "no initial peer answered a dial-back request")
+        found = found or reach
+        if found.kind != OUTBOUND or reach.relay is not None:
+            return Reach(found.kind, found.detail, reach.relay)
+    return found or Reach(UNCHECKED, "no initial peer answered a dial-back request")
+
+
+def _ask_one(dht: Any, peer: str, endpoint: tuple[Sequence[str], int], probes: Probes, timeout: float
+             ) -> Reach | None:  # fmt: skip
+    """`peer`'s verdict on `endpoint`, with its relay offer; None when it did not answer."""
+    hosts, port = endpoint
+    nonce = secrets.token_bytes(NONCE_SIZE)
+    probes.expect(nonce)
+    request = {"hosts": list(hosts)[:MAX_HOSTS], "port": int(port), "nonce": nonce.hex()}
+    try:
+        answer = dht.run_coroutine(partial(_ask, peer, _framed(request), timeout))
+    except Exception as e:  # noqa: BLE001 - a DHT that is shutting down
+        answer = {"error": f"{type(e).__name__}: {e}"}
+    if not isinstance(answer, dict) or "error" in answer:  # no stream to it, a peer without the protocol, late
+        log.debug("dial-back: %s did not answer: %s", peer, answer.get("error") if isinstance(answer, dict) else "")
+        return None
+    # what a peer answers goes into this rank's log: only our own hosts and an IP address are quoted
+    reached = [h for h in hosts if isinstance(answer.get("reached"), list) and h in answer["reached"]]
+    seen_at = answer.get("observed")
+    relay = (peer, answer["relay"]) if type(answer.get("relay")) is int and 0 < answer["relay"] < 65536 else None
+    if probes.arrived(nonce, ARRIVAL_WAIT_S):
+        where = ", ".join(reached) or "its announced host"
+        return Reach(DIRECT, f"peer {peer[-8:]} dialled it back at {where} port {port}", relay)
+    seen = f"; that peer sees it at {seen_at}" if _is_ip(seen_at) else ""
+    return Reach(OUTBOUND, f"peer {peer[-8:]} could not dial {' or '.join(hosts)} port {port}{seen}", relay)
 
 
 def _is_ip(value: object) -> bool:
@@ -148,24 +182,27 @@ def _is_ip(value: object) -> bool:
     return isinstance(value, str)
 
 
-def serve(dht: Any) -> None:
-    """Answer dial-back requests on `dht`'s daemon from now on (in its DHT process). Raises what registering
-    raises (a second registration on one daemon)."""
-    dht.run_coroutine(_register)
+def serve(dht: Any, relay_port: int | None = None) -> None:
+    """Answer dial-back requests on `dht`'s daemon from now on (in its DHT process), offering the relay whose
+    control port is `relay_port` on this machine (``diloco.swarm.relay``) to ranks found outbound only. Raises what
+    registering raises (a second registration on one daemon)."""
+    dht.run_coroutine(partial(_register, relay_port))
 
 
 # ---------------------------------------------------------------- in the DHT process
 
 
-async def _register(_dht: Any, node: Any) -> None:
-    await node.p2p.add_binary_stream_handler(PROTOCOL, DialBack().answer)
+async def _register(relay_port: int | None, _dht: Any, node: Any) -> None:
+    await node.p2p.add_binary_stream_handler(PROTOCOL, DialBack(relay_port).answer)
 
 
 class DialBack:
-    """A serving peer's handler: dials each host of a request at its port and sends the nonce there."""
+    """A serving peer's handler: dials each host of a request at its port and sends the nonce there; tells of the
+    relay it offers (`relay_port`), if any."""
 
-    def __init__(self) -> None:
+    def __init__(self, relay_port: int | None = None) -> None:
         self._at_once = asyncio.Semaphore(AT_ONCE)
+        self._relay_port = relay_port
 
     async def answer(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -174,7 +211,10 @@ class DialBack:
                 reached = [host for host, ok in zip(hosts, await asyncio.gather(
                     *(_dial(host, port, nonce) for host in hosts))) if ok]  # fmt: skip
             observed = ips(info.addr) if getattr(info, "addr", None) is not None else []
-            writer.write(_framed({"reached": reached, "observed": observed[0] if observed else ""}))
+            answer: dict[str, Any] = {"reached": reached, "observed": observed[0] if observed else ""}
+            if self._relay_port is not None:
+                answer["relay"] = self._relay_port
+            writer.write(_framed(answer))
             await writer.drain()
         except Exception as e:  # noqa: BLE001 - a malformed request, a requester that left: this request only
             log.debug("dial-back request refused: %s: %s", type(e).__name__, e)
