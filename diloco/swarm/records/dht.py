@@ -34,6 +34,7 @@ from diloco.procs import check_tempdir, exit_with_parent
 from diloco.swarm.records.fork_locks import make_hivemind_locks_kill_safe
 from diloco.swarm.records.identity import ensure_identity
 from diloco.swarm.records.ownership import checking_validator
+from diloco.swarm.records.rejoin import keep_joined
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def start_dht(
                    start=False, **kwargs)  # fmt: skip
         try:
             dht.run_in_background(await_ready=True, timeout=left_s)
+            keep_joined(dht, initial_peers)  # a peer that lost all others (an outage) finds the swarm again
             return dht
         except BaseException as e:
             waited_s = time.monotonic() - started
