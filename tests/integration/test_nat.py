@@ -29,15 +29,18 @@ pytestmark = pytest.mark.xdist_group("netns")
 HOME = {"GLOO_SOCKET_IFNAME": "lo"}  # a group's ranks share their host: torch.distributed over its loopback
 
 
+RELAY_PORTS = "41000-41015"
+
+
 @contextlib.contextmanager
-def swarm_behind_routers(tmp_path: Path, homes: int = 2) -> Iterator[tuple[Topology, list[str]]]:
+def swarm_behind_routers(tmp_path: Path, homes: int = 2, *dht_flags: str) -> Iterator[tuple[Topology, list[str]]]:
     """The topology, and `diloco dht` running on its first public host (yields its --hv.initial-peers there)."""
     before = namespaces()
     with routed(public=2, homes=homes) as topology:
         used = {h.name for h in topology.public} | {x.name for home in topology.homes for x in (home.host, home.router)}
         bootstrap = topology.public[0]
         dht = spawn([*bootstrap.prefix(), str(DILOCO), "dht", "--identity", str(tmp_path / "id.pem"),
-                     "--host-maddrs", "/ip4/0.0.0.0/tcp/0"])  # fmt: skip
+                     "--host-maddrs", "/ip4/0.0.0.0/tcp/0", *dht_flags])  # fmt: skip
         try:
             maddrs = read_until(dht, r"--hv\.initial-peers (.+)").group(1).split()
             yield topology, [m for m in maddrs if f"/ip4/{bootstrap.ip}/" in m]
@@ -164,3 +167,81 @@ def test_an_undialable_announced_address_is_named_and_a_swarm_nobody_can_dial_sa
         assert output.count("found no group in the swarm that can") == 1, output[-3000:]
         assert "Traceback" not in output
         assert [r.get("num_peers") for r in outer_rows(run_dir)] == [1, 1], outer_rows(run_dir)
+
+
+@pytest.mark.slow
+def test_groups_behind_two_routers_average_through_a_relay(tmp_path: Path) -> None:
+    """No group can be dialled: a 1-rank group behind one router and a 2-rank FULL_SHARD group behind the other,
+    and `diloco dht --relay-ports` on the public bridge. Each rank learns it cannot be dialled, leases ports at the
+    relay and is dialled back there (relayed); rank 0's DHT peer is dialled there too, so the groups' matchmaking
+    forms, and every round has both groups, bit-identical after each."""
+    with swarm_behind_routers(tmp_path, 2, "--relay-ports", RELAY_PORTS) as (topology, peers):
+        hosts = [home.host for home in topology.homes]
+        started = [start(host, tmp_path, f"g{i}", peers, i, 2, ranks, 12)
+                   for i, (host, ranks) in enumerate(zip(hosts, (1, 2)))]  # fmt: skip
+        outputs = finish(started)
+    run_dirs = [run_dir for _, run_dir in started]
+    assert_trained_together(run_dirs, groups=2, outer_steps=3)
+    relayed = rf"rank (\d) can be dialled through a relay: relayed \(at {re.escape(topology.public[0].ip)} port 410"
+    for output in outputs:
+        assert re.findall(relayed, output) == ["0"], output[-3000:]  # rank 0 says it; the others at debug level
+    for run_dir in run_dirs:  # each reduced for the other, dialled at the relay
+        full = [r for r in outer_rows(run_dir) if r.get("num_peers") == 2]
+        assert full and all(r["bytes_inbound"] > 0 for r in full), full
+
+
+def relay_dht(host: Host, tmp_path: Path, port: int) -> subprocess.Popen[str]:
+    """`diloco dht --relay-ports` on `host`, its DHT at a fixed `port` (a restart keeps its multiaddrs)."""
+    return spawn([*host.prefix(), str(DILOCO), "dht", "--identity", str(tmp_path / "id.pem"), "--host-maddrs",
+                  f"/ip4/0.0.0.0/tcp/{port}", "--relay-ports", RELAY_PORTS])  # fmt: skip
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    kill_group(proc)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=20)
+
+
+@pytest.mark.slow
+def test_a_relay_killed_mid_run_fails_the_rounds_cleanly_and_they_recover_when_it_returns(tmp_path: Path) -> None:
+    """The two homes of the relay test train on; the relay (with the bootstrap peer: one `diloco dht`) is killed
+    with SIGKILL after two rounds and started again 10 s later with the same identity and ports. Each rank says once
+    that its relay is gone and once that it is back, with the ports it had; the rounds meanwhile find nobody or
+    fail, with no traceback, and once it is back the groups average together again and end on one model."""
+    before = namespaces()
+    with routed(public=1, homes=2) as topology:
+        used = {topology.public[0].name} | {x.name for home in topology.homes for x in (home.host, home.router)}
+        public = topology.public[0]
+        dht = relay_dht(public, tmp_path, 40999)
+        started: list[tuple[subprocess.Popen[str], Path]] = []
+        try:
+            maddrs = read_until(dht, r"--hv\.initial-peers (.+)").group(1).split()
+            peers = [m for m in maddrs if f"/ip4/{public.ip}/" in m]
+            started = [start(home.host, tmp_path, f"g{i}", peers, i, 2, ranks, 120)
+                       for i, (home, ranks) in enumerate(zip(topology.homes, (1, 2)))]  # fmt: skip
+            procs = [proc for proc, _ in started]
+            wait_for(lambda: all(sum(r.get("num_peers") == 2 for r in outer_rows(d)) >= 2 for _, d in started), 240,
+                     "two rounds of both groups", procs)  # fmt: skip
+            stop(dht)
+            wait_for(lambda: all("is gone" in said(d) for _, d in started), 60, "the ranks to see the relay go", procs)
+            time.sleep(10)
+            dht = relay_dht(public, tmp_path, 40999)
+            read_until(dht, r"--hv\.initial-peers")
+            wait_for(lambda: all("is back" in said(d) for _, d in started), 60, "the ranks to see it back", procs)
+            outputs = finish(started, timeout=600)
+        finally:
+            for proc, _ in started:
+                kill_group(proc)
+            stop(dht)
+    assert_none_left(before, used)
+    run_dirs = [run_dir for _, run_dir in started]
+    for output, ranks in zip(outputs, (1, 2)):
+        assert "Traceback" not in output, output[-3000:]
+        assert output.count("is gone") == ranks and output.count("is back") == ranks, output[-3000:]
+    rows = [outer_rows(d) for d in run_dirs]
+    finals = [summary(d) for d in run_dirs]
+    assert all(f["status"] == "ok" for f in finals) and len({f["params_sha256"] for f in finals}) == 1, finals
+    # together again after the relay returned: the last rounds have both groups, bit-identical
+    last = [{r["outer_step"]: r for r in per_group[-3:] if r.get("num_peers") == 2} for per_group in rows]
+    shared = set(last[0]) & set(last[1])
+    assert shared and all(last[0][s]["params_sha256"] == last[1][s]["params_sha256"] for s in shared), rows
