@@ -84,11 +84,14 @@ def finish(started: list[tuple[subprocess.Popen[str], Path]], timeout: float = 3
 
 
 @pytest.mark.slow
-def test_groups_behind_two_routers_and_a_public_group_average_bit_identically(tmp_path: Path) -> None:
+@pytest.mark.parametrize("relay", [False, True], ids=["no-relay", "relay"])
+def test_groups_behind_two_routers_and_a_public_group_average_bit_identically(tmp_path: Path, relay: bool) -> None:
     """A public 1-rank group, a 1-rank group behind one router and a 2-rank FULL_SHARD group behind the other: each
-    rank learns at join whether it can be dialled (the public one: direct; the homes' ranks: outbound only), the
-    homes' ranks reduce nothing and are never dialled, and all three groups stay bit-identical after every round."""
-    with swarm_behind_routers(tmp_path) as (topology, peers):
+    rank learns at join whether it can be dialled (the public one: direct; the homes' ranks: outbound only, or
+    relayed when the bootstrap peer offers a relay), the homes' ranks reduce nothing and are never dialled (a
+    direct reducer is cheaper than one behind a relay), and all three groups stay bit-identical after every round."""
+    flags = ["--relay-ports", RELAY_PORTS] if relay else []
+    with swarm_behind_routers(tmp_path, 2, *flags) as (topology, peers):
         hosts = [topology.public[1], topology.homes[0].host, topology.homes[1].host]
         started = [start(host, tmp_path, f"g{i}", peers, i, 3, ranks, 12)
                    for i, (host, ranks) in enumerate(zip(hosts, (1, 1, 2)))]  # fmt: skip
@@ -98,6 +101,9 @@ def test_groups_behind_two_routers_and_a_public_group_average_bit_identically(tm
     direct = r"rank 0 can be dialled: direct \(peer \w+ dialled it back at 10\."
     assert re.search(direct, outputs[0]), outputs[0][-3000:]
     for output, ranks in zip(outputs[1:], (1, 2)):
+        if relay:
+            assert re.findall(r"rank (\d) can be dialled through a relay: relayed", output) == ["0"], output[-3000:]
+            continue
         said = re.findall(r"rank (\d) cannot be dialled \(peer \w+ could not dial 192\.168\.1\.2", output)
         assert sorted(said) == [str(r) for r in range(ranks)], output[-3000:]
     # the homes sent their shards and received the averages over the connections they opened, every round

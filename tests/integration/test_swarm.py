@@ -121,6 +121,38 @@ def test_identity_created_0600_and_reused(tmp_path: Path):
 # ---------------------------------------------------------------------------------------------------------- DHT
 
 
+def test_a_peer_that_lost_every_other_finds_the_swarm_again_when_its_bootstrap_returns(tmp_path: Path):
+    """The bootstrap peer (the only other peer) goes away: hivemind drops it from the peer's routing table at the
+    first unanswered request, and would never meet it again. Started again (same identity and port), it is pinged
+    back within a check or two, and what the peer stores reaches it."""
+    from socket import create_server
+
+    with create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    identity, host = tmp_path / "id.pem", [f"/ip4/127.0.0.1/tcp/{port}"]
+    bootstrap = start_dht(initial_peers=[], host_maddrs=host, announce_maddrs=[], identity_path=identity)
+    peer = start_dht(initial_peers=visible_maddrs(bootstrap), host_maddrs=LOCAL, announce_maddrs=[])
+    try:
+        assert shutdown_dht(bootstrap) == []
+        assert peer.get("anything") is None  # the request to the gone peer fails: it leaves the routing table
+        assert peer.run_coroutine(_known_peers) == 0
+        bootstrap = start_dht(initial_peers=[], host_maddrs=host, announce_maddrs=[], identity_path=identity)
+        deadline = time.monotonic() + 30
+        while peer.run_coroutine(_known_peers) == 0:
+            assert time.monotonic() < deadline, "the peer never found its bootstrap peer again"
+            time.sleep(0.5)
+        assert peer.store("key", "value", get_dht_time() + 60)
+        assert bootstrap.get("key", latest=True).value == "value"
+    finally:
+        assert shutdown_dht(peer) == []
+        assert shutdown_dht(bootstrap) == []
+
+
+async def _known_peers(_dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+
 SERVE_SCRIPT = """
 import sys
 from pathlib import Path

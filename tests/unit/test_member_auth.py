@@ -248,7 +248,8 @@ def test_a_round_leaves_out_members_of_another_model_and_keeps_those_that_announ
 
 @pytest.mark.parametrize("bad", [{"keys": ["00" * 31]}, {"keys": ["zz" * 32]}, {"keys": ["00" * 32] * 2},
                                  {"model": 5}, {"dialable": [True, False]}, {"dialable": [1]},
-                                 {"dialable": "yes"}])  # fmt: skip
+                                 {"dialable": "yes"}, {"relayed": [True, True]}, {"relayed": [1]},
+                                 {"relayed": "yes"}])  # fmt: skip
 def test_an_announcement_with_malformed_keys_or_model_is_unreadable(bad: dict) -> None:
     from diloco.swarm.rounds.group_round import announced
 
@@ -267,6 +268,25 @@ def test_a_group_behind_a_router_announces_which_ranks_can_be_dialled_and_the_ot
     assert everyone.dialable == () and everyone.reducers() == (True, True)
     assert behind.reducers() == (True, False)
     assert members_digest([everyone]) != members_digest([behind])
+
+
+def test_ranks_behind_a_relay_reduce_only_in_a_round_without_a_direct_rank():
+    """Every byte to a relayed rank crosses the relay twice: a round with a rank dialled directly gives the spans to
+    such ranks; a round of groups all behind routers gives them to the relayed ones. The flags are announced (and
+    change the round's digest) only by a group with a relayed rank."""
+    from diloco.swarm.rounds.group_round import announced, reducers
+
+    def group(port: int, **flags: list[bool]) -> dict:
+        return {"shape": ["FULL_SHARD", 2, 1], "endpoints": [[["10.0.0.1"], port], [["10.0.0.1"], port + 1]],
+                "weight": 1.0, "keys": ["00" * 32, "11" * 32]} | flags  # fmt: skip
+
+    public = announced(group(1))
+    relayed = announced(group(3, relayed=[True, True]))
+    half = announced(group(5, relayed=[False, True], dialable=[False, True]))  # rank 0 outbound only, rank 1 relayed
+    assert relayed.relayed == (True, True) and relayed.reducers() == (True, True)
+    assert reducers([public, relayed, half]) == [(True, True), (False, False), (False, False)]
+    assert reducers([relayed, half]) == [(True, True), (False, True)]
+    assert members_digest([relayed]) != members_digest([announced(group(3))])
 
 
 def test_matchmaking_announces_every_ranks_key_and_the_model_and_leaves_out_keyless_and_other_model_groups():

@@ -203,3 +203,45 @@ def test_an_oversized_request_is_not_read() -> None:
 def test_peer_ids_come_from_the_p2p_part_of_each_initial_peer_once() -> None:
     assert peer_ids([f"/ip4/10.0.0.1/tcp/31337/p2p/{PEER}", f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER}",
                      "/ip4/10.0.0.2/tcp/1"]) == [PEER]  # fmt: skip
+
+
+def test_a_rank_outbound_only_asks_on_until_a_peer_offers_a_relay(listening) -> None:
+    """The first peer that answers gives the verdict; one without a relay is not the last asked when the rank cannot
+    be dialled: the next peer's offer (its control port) comes with the first peer's verdict."""
+    _, probes, port = listening
+    offering = StandInDHT(DialBack(relay_port=41000).answer)
+    plain = StandInDHT()
+    calls = []
+
+    def run_coroutine(fn):
+        calls.append(fn)
+        return StandInDHT.run_coroutine(plain if len(calls) == 1 else offering, fn)
+
+    other = PEER[:-1] + "v"
+    reach = check(SimpleNamespace(run_coroutine=run_coroutine), [PEER, other], (["127.0.0.2"], port), probes)
+    assert reach.kind == OUTBOUND and reach.relay == (other, 41000) and PEER[-8:] in reach.detail, reach
+    assert len(calls) == 2
+    # a direct rank is not sent on asking: it needs no relay
+    direct = check(StandInDHT(), [PEER, other], (["127.0.0.1"], port), probes)
+    assert direct.kind == DIRECT and direct.relay is None
+
+
+@pytest.mark.parametrize("offer", [0, 70000, "41000", True, None], ids=str)
+def test_a_relay_offer_that_is_no_port_is_no_offer(listening, offer) -> None:
+    _, probes, port = listening
+
+    async def odd(_info, reader, writer) -> None:
+        await reachability._read(reader)
+        writer.write(reachability._framed({"reached": [], "observed": "", "relay": offer}))
+        await writer.drain()
+        writer.close()
+
+    assert check(StandInDHT(odd), [PEER], (["127.0.0.2"], port), probes).relay is None
+
+
+def test_a_relay_is_dialled_at_the_hosts_its_initial_peer_multiaddrs_name() -> None:
+    other = PEER[:-1] + "v"
+    maddrs = [f"/ip4/10.0.0.1/tcp/31337/p2p/{PEER}", f"/ip4/10.0.0.9/tcp/1/p2p/{other}",
+              f"/dns4/relay.example.org/tcp/31337/p2p/{PEER}", f"/ip4/10.0.0.1/udp/9/quic/p2p/{PEER}"]  # fmt: skip
+    assert reachability.hosts_of(maddrs, PEER) == ["10.0.0.1", "relay.example.org"]
+    assert reachability.hosts_of(maddrs, "QmNobody") == []
