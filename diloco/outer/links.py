@@ -33,6 +33,7 @@ class RoundResult(Protocol):
     dropped: int  # groupmates this rank's reducer left out for their frames or their silence (not their values)
     behind: bool  # this group was behind the others' outer step and sat the round out (ok is False)
     bytes_inbound: int  # of its bytes, those over connections other ranks opened to it (0: nobody dialled it)
+    bytes_relayed: int  # of its bytes, those that crossed a relay (to or from a rank dialled at one)
 
 
 State = tuple[dict[str, Any], list[torch.Tensor]]  # (small metadata, tensors) of one rank's outer state
@@ -43,7 +44,8 @@ class Swarm(Protocol):
 
     peer_id: str  # this rank's peer id; others download this rank's state from it
     owner: str  # who signs this group's records (``Progress.owner``); "" on ranks that publish none
-    reach: str  # whether others can dial this group's rank 0: "direct", "outbound only", "unchecked"; "": unknown
+    # whether others can dial this group's rank 0: "direct", "relayed", "outbound only", "unchecked"; "": unknown
+    reach: str
 
     def average(
         self,

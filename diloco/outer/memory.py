@@ -51,6 +51,7 @@ class Report:
     dropped: int = 0
     behind: bool = False
     bytes_inbound: int = 0
+    bytes_relayed: int = 0
 
 
 class MemorySwarm:

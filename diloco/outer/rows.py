@@ -44,6 +44,8 @@ def round_row(
             # of both, over connections other groups' ranks opened (0 in a group nobody can dial); the rest went over
             # connections this group's ranks opened
             "bytes_inbound": int(group.sum(float(report.bytes_inbound))),
+            # of both, those that crossed a relay (to or from a rank dialled at one: diloco dht --relay-ports)
+            "bytes_relayed": int(group.sum(float(report.bytes_relayed))),
             "rejected": int(group.sum(float(report.rejected))),
             "dropped": int(group.sum(float(report.dropped))),
             "pseudo_grad_norm": math.sqrt(group.sum(float(pseudo_gradient.square().sum()))),

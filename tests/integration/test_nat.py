@@ -114,6 +114,7 @@ def test_groups_behind_two_routers_and_a_public_group_average_bit_identically(tm
         assert all(r["bytes_inbound"] == 0 for r in full), full
     public = [r for r in outer_rows(run_dirs[0]) if r.get("num_peers") == 3]  # it reduced every span
     assert public and all(r["bytes_inbound"] == r["bytes_sent"] + r["bytes_received"] for r in public), public
+    assert all(r["bytes_relayed"] == 0 for d in run_dirs for r in outer_rows(d) if "bytes_relayed" in r)
 
 
 @pytest.mark.slow
@@ -191,9 +192,10 @@ def test_groups_behind_two_routers_average_through_a_relay(tmp_path: Path) -> No
     relayed = rf"rank (\d) can be dialled through a relay: relayed \(at {re.escape(topology.public[0].ip)} port 410"
     for output in outputs:
         assert re.findall(relayed, output) == ["0"], output[-3000:]  # rank 0 says it; the others at debug level
-    for run_dir in run_dirs:  # each reduced for the other, dialled at the relay
+    for run_dir in run_dirs:  # each reduced for the other, dialled at the relay: every byte crossed it
         full = [r for r in outer_rows(run_dir) if r.get("num_peers") == 2]
         assert full and all(r["bytes_inbound"] > 0 for r in full), full
+        assert all(r["bytes_relayed"] == r["bytes_sent"] + r["bytes_received"] for r in full), full
 
 
 def relay_dht(host: Host, tmp_path: Path, port: int) -> subprocess.Popen[str]:

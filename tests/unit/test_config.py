@@ -207,9 +207,49 @@ def test_dht_takes_hivemind_dht_spellings(tmp_path: Path, monkeypatch: pytest.Mo
     assert run_app(build_app(), argv) == 0
     from diloco.swarm.rounds import reachability
 
-    # (and it dials joining ranks back: they learn whether they can be dialled)
-    assert served == [((tmp_path / "id.pem", ["/ip4/127.0.0.1/tcp/3101"], ["/ip4/10.0.0.1/tcp/3101"]),
-                       {"services": [reachability.serve]})]  # fmt: skip
+    # (and it dials joining ranks back: they learn whether they can be dialled; no relay unless asked)
+    (args, kwargs), = served
+    assert args == (tmp_path / "id.pem", ["/ip4/127.0.0.1/tcp/3101"], ["/ip4/10.0.0.1/tcp/3101"])
+    (service,) = kwargs["services"]
+    assert service.func is reachability.serve and service.keywords == {"relay_port": None}
+
+
+def test_dht_relays_on_the_ports_given_and_refuses_ranges_it_cannot_use(tmp_path: Path, capsys, monkeypatch) -> None:
+    """--relay-ports FIRST-LAST: the relay listens on FIRST while the DHT peer serves (joining ranks hear of it at
+    dial-back) and is closed after; a range of fewer than two ports, or outside 1024..65535, or a control port in
+    use: one line naming the flag, exit 2."""
+    import socket
+
+    from diloco.swarm.records import dht
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        first = probe.getsockname()[1]
+    seen = []
+
+    def serve(*args, **kwargs):
+        (service,) = kwargs["services"]
+        with socket.create_connection(("127.0.0.1", first), timeout=5):  # the relay listens while it serves
+            seen.append(service.keywords)
+        return 0
+
+    monkeypatch.setattr(dht, "serve_dht", serve)
+    argv = ["dht", "--identity", str(tmp_path / "id.pem"), "--relay-ports", f"{first}-{first + 3}"]
+    assert run_app(build_app(), argv) == 0 and seen == [{"relay_port": first}]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", first), timeout=5).close()  # closed with the DHT peer
+
+    def refused(spec: str) -> str:
+        with pytest.raises(SystemExit) as exited:
+            run_app(build_app(), ["dht", "--identity", str(tmp_path / "id.pem"), "--relay-ports", spec])
+        assert exited.value.code == 2
+        return capsys.readouterr().err
+
+    for bad in ["40000", "40001-40000", "80-90", "65535-65536", "a-b"]:
+        assert f"--relay-ports {bad}: give FIRST-LAST" in refused(bad)
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert f"--relay-ports {port}-{port + 1}: cannot listen on port {port}" in refused(f"{port}-{port + 1}")
+    assert seen == [{"relay_port": first}]  # nothing served after bad input
 
 
 def test_lora_flags(capsys: pytest.CaptureFixture[str]) -> None:

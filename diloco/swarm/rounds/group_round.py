@@ -112,6 +112,7 @@ class Outcome:
     error: str = ""
     dropped: int = 0  # groupmates this rank's reducer left out for their frames or their silence
     bytes_inbound: int = 0  # of its bytes, those over connections other ranks opened to it (it reduced for them)
+    bytes_relayed: int = 0  # of its bytes, those that crossed a relay (to or from a rank dialled through one)
 
 
 def replica_ranks(shape: Shape) -> list[list[int]]:
@@ -219,8 +220,11 @@ def run_round(
         log.warning("averaging: this rank's part of the round failed: %s", error)
     finally:
         listener.unregister(round_)
+    relayed = [r for member in info.members for r in (member.relayed or (False,) * member.shape.world_size)]
+    through_relay = round_.bytes_inbound if relayed[schedule.me] else 0
+    through_relay += sum(size for j, size in enumerate(round_.bytes_to) if relayed[j] and j != schedule.me)
     return Outcome(not error, round_.bytes_sent, round_.bytes_received, round_.rejected, error, round_.dropped,
-                   round_.bytes_inbound)
+                   round_.bytes_inbound, through_relay)
 
 
 class GroupRounds:
@@ -376,6 +380,7 @@ class GroupRounds:
             len(info.members), ended - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
             rejected=outcome.rejected, transport=self.transport, allreduce_seconds=ended - formed,
             round_id=round_id(info.group_id), dropped=outcome.dropped, bytes_inbound=outcome.bytes_inbound,
+            bytes_relayed=outcome.bytes_relayed,
         )  # fmt: skip
 
     def _match(self, round_index: int, weight: float, stop: Callable[[], bool], outer_step: int | None

@@ -30,6 +30,8 @@ class RoundReport:
         rejected peer's round fails, the others complete without it (ok=True).
     :param bytes_inbound: of ``bytes_sent`` and ``bytes_received``, those over connections other peers opened to this
         one (it reduced their parts); the rest went over connections it opened. 0 for a rank nobody can dial.
+    :param bytes_relayed: of those bytes, the ones that crossed a relay (``diloco.swarm.relay``): to and from a rank
+        dialled at a relay, this one or its reducer. 0 when no rank of the round is relayed.
     :param behind: this group was behind the round's others' outer step and sat the round out (ok=False; see
         ``group_round.abreast``).
     """
@@ -46,6 +48,7 @@ class RoundReport:
     dropped: int = 0
     behind: bool = False
     bytes_inbound: int = 0
+    bytes_relayed: int = 0
 
 
 def round_id(group_id: bytes) -> str:

@@ -194,6 +194,7 @@ class Round:
         self.tag = hashlib.sha256(group_id).digest()[:16]
         self.bytes_sent = self.bytes_received = 0
         self.bytes_inbound = 0  # of both, over connections other peers opened to this one (as its reducer's)
+        self.bytes_to = [0] * self.k  # of both, over the connection this peer opened to each reducer
         self.rejected = 0  # senders (this peer included) whose contribution this peer, as reducer, left out
         self.dropped = 0  # groupmates left out of our span for what they sent or did not send (frames, silence)
         self._cv = threading.Condition()
@@ -467,7 +468,7 @@ class Round:
             receiver = self._thread(self._read_averages, frames, reducer)
             for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
-                self._send(frames, self.codec.encode_part(self.vector[lo:hi], part.start))
+                self._send(frames, self.codec.encode_part(self.vector[lo:hi], part.start), reducer=reducer)
             receiver.join()
         except Exception as e:  # OSError mostly; anything else must fail the round too, not just this thread
             self._fail(f"reducer #{reducer}: {type(e).__name__}: {e}")
@@ -480,9 +481,10 @@ class Round:
             for part in self._sends[reducer]:
                 lo, hi = self._bounds(part)
                 if self.codec.raw:  # straight into the output: no copy
-                    self._receive_into(frames, bytes_of(self.out[lo:hi]))
+                    self._receive_into(frames, bytes_of(self.out[lo:hi]), reducer)
                 else:
-                    data = self._receive(frames, self.codec.average_max_bytes(hi - lo, len(part.senders)))
+                    data = self._receive(frames, self.codec.average_max_bytes(hi - lo, len(part.senders)),
+                                         reducer=reducer)  # fmt: skip
                     self.out[lo:hi].copy_(self.codec.decode_average(data, hi - lo, part.start, len(part.senders)))
                 # applied, NaN/Inf would end every group's training (a reducer whose part had no contribution of
                 # positive weight, or a hostile one): the round fails instead, and the inner steps carry over
@@ -519,6 +521,7 @@ class Round:
             self._keys[reducer] = seal_keys(self.group_id, hello + nonce) if self.sealed else None
             self.bytes_sent += len(hello)
             self.bytes_received += len(nonce) + hellos.MAC_SIZE
+            self.bytes_to[reducer] += len(hello) + len(nonce) + hellos.MAC_SIZE
         return sock
 
     # ------------------------------------------------------------------------------------------------- helpers
@@ -529,23 +532,31 @@ class Round:
         assert part.local is not None, "a part this peer does not take part in"
         return part.local, part.local + part.numel
 
-    def _send(self, frames: Frames, data, inbound: bool = False) -> None:
+    def _send(self, frames: Frames, data, inbound: bool = False, reducer: int | None = None) -> None:
         sent = frames.send(data)
         with self._cv:
             self.bytes_sent += sent
-            self.bytes_inbound += sent if inbound else 0
+            self._count(sent, inbound, reducer)
 
-    def _receive(self, frames: Frames, max_bytes: int, inbound: bool = False) -> memoryview:
+    def _receive(self, frames: Frames, max_bytes: int, inbound: bool = False,
+                 reducer: int | None = None) -> memoryview:  # fmt: skip
         data = frames.receive(max_bytes)
         with self._cv:
             self.bytes_received += frames.overhead + data.nbytes
-            self.bytes_inbound += frames.overhead + data.nbytes if inbound else 0
+            self._count(frames.overhead + data.nbytes, inbound, reducer)
         return data
 
-    def _receive_into(self, frames: Frames, view: memoryview) -> None:
+    def _receive_into(self, frames: Frames, view: memoryview, reducer: int | None = None) -> None:
         frames.receive_into(view)
         with self._cv:
             self.bytes_received += frames.overhead + view.nbytes
+            self._count(frames.overhead + view.nbytes, False, reducer)
+
+    def _count(self, size: int, inbound: bool, reducer: int | None) -> None:
+        """(under ``_cv``) `size` bytes over a connection another peer opened (`inbound`) or ours to `reducer`."""
+        self.bytes_inbound += size if inbound else 0
+        if reducer is not None:
+            self.bytes_to[reducer] += size
 
     def _local(self, compute: Callable, *args):
         """``compute(*args)``; a failure of this process (not of the data) fails the round here and stops it, so
