@@ -88,9 +88,9 @@ BENCH_HELP = {
     "done, connections refused.",
     "fuzz": "Malformed, truncated, oversized, wrong-typed and deeply nested inputs thrown at every parser (records, "
     "announcements, seals, metadata, codecs, frames) and at a live listener and DHT: crashes, hangs, refusals.",
-    "nat": "Rounds through home routers: a public 1-rank group, and a 1-rank and a 2-rank group each behind a router "
-    "doing NAT (nftables) with a 100 Mbit/s uplink (network namespaces; needs root and nft): each group's path, bytes "
-    "and time on the wire per round against its uplink's ideal.",
+    "nat": "Rounds through home routers: a 1-rank and a 2-rank group each behind a router doing NAT (nftables) with a "
+    "100 Mbit/s uplink, beside a public 1-rank group, then alone with `diloco dht --relay-ports` (network namespaces; "
+    "needs root and nft): each group's path, bytes and time on the wire per round against its uplink's ideal.",
     "wan": "Time to a loss on a slow link: DDP, DiLoCo blocking, and fragments overlapping the inner steps (with int4) "
     "on real text, 2 workers behind tbf links of 100 Mbit/s and 1 Gbit/s (network namespaces; needs root).",
 }

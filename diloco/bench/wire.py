@@ -130,10 +130,11 @@ def wait_all(jobs: list[tuple[str, subprocess.Popen[bytes], Path]], timeout_s: f
         time.sleep(POLL_S)
 
 
-def start_dht(stack: ExitStack, host: netns.Host, log_path: Path) -> subprocess.Popen[bytes]:
-    """`diloco dht` inside `host`'s namespace, listening on its address (stopped when `stack` closes)."""
+def start_dht(stack: ExitStack, host: netns.Host, log_path: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """`diloco dht` inside `host`'s namespace, listening on its address, with `flags` (stopped when `stack`
+    closes)."""
     command = [*host.prefix(), sys.executable, "-m", "diloco", "dht", "--identity", str(log_path.with_suffix(".pem")),
-               "--host-maddrs", f"/ip4/{host.ip}/tcp/0"]  # fmt: skip
+               "--host-maddrs", f"/ip4/{host.ip}/tcp/0", *flags]  # fmt: skip
     return started(stack, command, log_path, procs.child_env())
 
 
