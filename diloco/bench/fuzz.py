@@ -6,7 +6,8 @@ Inputs come from a seeded mutator started from valid examples, built the way the
 them get past the first check. A refusal (None, False, or the ValueError a parser's contract names) is the expected
 outcome; a crash is any other exception escaping a parser that must never raise, or a value that breaks its
 contract; a hang is a parse that takes longer than ``HANG_S`` (a watchdog thread times every call). The socket
-targets throw connections at a live listener (``Net``), and the DHT target stores what it makes in a real DHT.
+targets throw connections at a live listener (``Net``) and a live relay's control port (``RelayNet``), and the DHT
+target stores what it makes in a real DHT.
 The in-process targets, one per parser, are in ``diloco.bench.fuzz_parsers``.
 """
 
@@ -147,39 +148,13 @@ class Net:
         return "completed" if bool((rounds[0].out == rounds[1].out).all()) else "outputs differ"
 
     def targets(self) -> list[Target]:
-        make = self._make
+        make = make_connection
         return [Target("listener.round_hello", self.hellos or [b"DLB2"], make, self._send, weight=0.25),
                 Target("listener.state_request", self.requests, make, self._send, weight=0.25)]  # fmt: skip
 
-    def _make(self, m: Mutator, seed: bytes) -> tuple[bytes, str]:
-        mode = m.rng.choices(["close", "open", "trickle"], [0.9, 0.07, 0.03])[0]
-        return m.bytes(seed), mode
-
     def _send(self, value: tuple[bytes, str]) -> None:
         """One connection: the listener must close it by its bound, whatever was sent and however slowly."""
-        data, mode = value
-        bound = time.monotonic() + self.handshake_s + self.SLACK_S
-        with socket.create_connection((self.endpoints[0][0][0], self.endpoints[0][1]), timeout=1) as sock:
-            try:
-                if mode == "trickle":
-                    for i in range(len(data)):
-                        if time.monotonic() > bound:
-                            raise Hung(f"still reading a trickled connection after {i} bytes")
-                        sock.sendall(data[i : i + 1])
-                        time.sleep(self.handshake_s / 4)
-                else:
-                    sock.sendall(data)
-                if mode == "close":
-                    sock.shutdown(socket.SHUT_WR)
-                while time.monotonic() < bound:
-                    sock.settimeout(max(bound - time.monotonic(), 0.01))
-                    if not sock.recv(2**16):
-                        raise Refused()
-            except (ConnectionError, socket.timeout, OSError) as e:
-                if isinstance(e, socket.timeout):
-                    raise Hung(f"connection ({mode}) not closed within {self.handshake_s + self.SLACK_S} s") from None
-                raise Refused() from None
-            raise Hung(f"connection ({mode}) not closed within {self.handshake_s + self.SLACK_S} s")
+        throw((self.endpoints[0][0][0], self.endpoints[0][1]), value, self.handshake_s, self.handshake_s + self.SLACK_S)
 
     def close(self) -> dict[str, Any]:
         """An honest round on the fuzzed listener (a new group id), then everything closed; what it found."""
@@ -193,6 +168,120 @@ class Net:
         left = sum(t.name.startswith("butterfly") and t.is_alive() for t in threading.enumerate())
         return {"honest_round_before": self.honest, "honest_round": after, "listener_refused": refused,
                 "listener_threads_left": left}  # fmt: skip
+
+
+def make_connection(m: Mutator, seed: bytes) -> tuple[bytes, str]:
+    """A mutated opening, sent whole then closed, sent and left open, or trickled."""
+    mode = m.rng.choices(["close", "open", "trickle"], [0.9, 0.07, 0.03])[0]
+    return m.bytes(seed), mode
+
+
+def throw(address: tuple[str, int], value: tuple[bytes, str], pace_s: float, bound_s: float,
+          answered: Any = None) -> None:  # fmt: skip
+    """One connection to `address`: the server must close it within `bound_s`, whatever was sent and however slowly
+    (`pace_s`: the trickle's pace) -- ``Refused``; or, where `answered(bytes)` says its answer is a valid one
+    (a relay's lease), this side closes and it returns (accepted). ``Hung`` otherwise."""
+    data, mode = value
+    bound = time.monotonic() + bound_s
+    heard = b""
+    with socket.create_connection(address, timeout=1) as sock:
+        try:
+            if mode == "trickle":
+                for i in range(len(data)):
+                    if time.monotonic() > bound:
+                        raise Hung(f"still reading a trickled connection after {i} bytes")
+                    sock.sendall(data[i : i + 1])
+                    time.sleep(pace_s / 4)
+            else:
+                sock.sendall(data)
+            if mode == "close":
+                sock.shutdown(socket.SHUT_WR)
+            while time.monotonic() < bound:
+                sock.settimeout(max(bound - time.monotonic(), 0.01))
+                if not (chunk := sock.recv(2**16)):
+                    raise Refused()
+                heard += chunk
+                if answered is not None and answered(heard):
+                    return
+        except (ConnectionError, socket.timeout, OSError) as e:
+            if isinstance(e, socket.timeout):
+                raise Hung(f"connection ({mode}) not closed within {bound_s} s") from None
+            raise Refused() from None
+        raise Hung(f"connection ({mode}) not closed within {bound_s} s")
+
+
+class RelayNet:
+    """A live relay on loopback (``diloco.swarm.relay``: ``diloco dht --relay-ports``) with four ports to lease.
+    ``targets`` throws connections at its control port as ``Net`` does at the listener: the relay must close each
+    within its hello timeout plus ``SLACK_S``, or grant a lease (which this side then ends: accepted). ``close``
+    then checks that every port is free again and that an honest lease still carries a connection."""
+
+    SLACK_S = 1.0
+    PORTS = 4
+
+    def __init__(self, hello_s: float = 0.3) -> None:
+        from diloco.swarm.relay import protocol
+        from diloco.swarm.relay.server import Relay
+
+        self.hello_s = hello_s
+        socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(1 + self.PORTS)]
+        control, *ports = [sock.getsockname()[1] for sock in socks]
+        for sock in socks:
+            sock.close()
+        self.relay = Relay("127.0.0.1", control, ports, hello_timeout=hello_s).start()
+        request = json.dumps({"count": 1, "want": []}, separators=(",", ":")).encode()
+        self.seeds = [protocol.LEASE + len(request).to_bytes(2, "big") + request,
+                      protocol.DATA + bytes(range(protocol.ID_SIZE))]  # fmt: skip
+
+    def targets(self) -> list[Target]:
+        return [Target("relay.control", self.seeds, make_connection, self._send, weight=0.25)]
+
+    def _send(self, value: tuple[bytes, str]) -> None:
+        throw(("127.0.0.1", self.relay.control_port), value, self.hello_s, self.hello_s + self.SLACK_S, _granted)
+
+    def close(self) -> dict[str, Any]:
+        """Every port free again (within a second: the relay sees the fuzzer's leases end), an honest lease of all
+        of them carrying a connection; then the relay closed. What it found."""
+        deadline = time.monotonic() + 5
+        while self.relay.free_ports < self.PORTS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        free = self.relay.free_ports
+        try:
+            outcome = self._honest()
+        except Exception as e:  # noqa: BLE001 - the outcome reported
+            outcome = f"{type(e).__name__}: {e}"[:300]
+        self.relay.close()
+        return {"relay_ports_free_after": f"{free} of {self.PORTS}", "relay_honest_lease": outcome}
+
+    def _honest(self) -> str:
+        from diloco.swarm.relay.lease import Lease
+
+        arrived: list[socket.socket] = []
+        lease = Lease((["127.0.0.1"], self.relay.control_port), [lambda conn, _: arrived.append(conn)] * self.PORTS)
+        try:
+            with socket.create_connection((lease.host, lease.ports[-1]), timeout=5) as caller:
+                caller.sendall(b"ping")
+                deadline = time.monotonic() + 5
+                while not arrived and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                if not arrived:
+                    return "no connection arrived"
+                arrived[0].settimeout(5)
+                got = arrived[0].recv(4)
+                arrived[0].close()
+                return "carried a connection" if got == b"ping" else f"carried {got!r}"
+        finally:
+            lease.close()
+
+
+def _granted(heard: bytes) -> bool:
+    """Whether a relay's answer (so far) is a lease granted: its length-prefixed JSON names ports."""
+    if len(heard) < 2 or len(heard) < 2 + int.from_bytes(heard[:2], "big"):
+        return False
+    try:
+        return isinstance(json.loads(heard[2 : 2 + int.from_bytes(heard[:2], "big")]).get("ports"), list)
+    except (ValueError, AttributeError):
+        return False
 
 
 class _Bounded:
@@ -281,6 +370,8 @@ def run_fuzz(inputs: int, seed: int, work_dir: Path, *, sockets: bool = True, dh
     targets = in_process_targets()
     net = Net() if sockets else None
     targets += net.targets() if net is not None else []
+    relay = RelayNet() if sockets else None
+    targets += relay.targets() if relay is not None else []
     store = DhtTarget() if dht else None
     targets += [store.target()] if store is not None else []
     total = sum(t.weight for t in targets)
@@ -292,6 +383,7 @@ def run_fuzz(inputs: int, seed: int, work_dir: Path, *, sockets: bool = True, dh
             tallies[target.name] = fuzz_target(target, count, mutator, watchdog)
     finally:
         after = net.close() if net is not None else {}
+        after |= relay.close() if relay is not None else {}
         if store is not None:
             store.close()
     result: dict[str, Any] = {
@@ -334,6 +426,9 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {t['hangs']} | {t['seconds']} |")  # fmt: skip
     if "honest_round" in result:
         lines.append(f"\nAn honest round on the fuzzed listener afterwards: **{result['honest_round']}**.")
+    if "relay_honest_lease" in result:
+        lines.append(f"\nThe fuzzed relay afterwards: {result['relay_ports_free_after']} ports free; an honest lease "
+                     f"**{result['relay_honest_lease']}**.")  # fmt: skip
     for name, t in result["targets"].items():
         for example in t["examples"]:
             lines.append(f"\n**{example['kind']}** in `{name}`: input `{example['input']}`\n\n```\n"

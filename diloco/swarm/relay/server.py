@@ -31,11 +31,13 @@ MAX_PAIRS = 512  # connections copied at once (each holds two threads)
 
 
 class Relay:
-    """Leases `ports` (bound on `host` when leased) to the ranks that ask at `host`:`control_port`; ``close()``
-    ends every lease and connection. Raises OSError when the control port cannot be bound."""
+    """Leases `ports` (bound on `host` when leased) to the ranks that ask at `host`:`control_port`; a connection's
+    first bytes, and a lease's request, must come within `hello_timeout` seconds. ``close()`` ends every lease and
+    connection. Raises OSError when the control port cannot be bound."""
 
-    def __init__(self, host: str, control_port: int, ports: Sequence[int]):
-        self._host = host
+    def __init__(self, host: str, control_port: int, ports: Sequence[int],
+                 hello_timeout: float = protocol.HELLO_TIMEOUT_S):  # fmt: skip
+        self._host, self._hello_timeout = host, hello_timeout
         self._control = socket.create_server((host, control_port), backlog=128)
         self.control_port = self._control.getsockname()[1]
         self._free = list(dict.fromkeys(p for p in ports if p != self.control_port))
@@ -46,6 +48,12 @@ class Relay:
         self._pairs = 0
         self._closed = False
         self._sockets: set[socket.socket] = set()  # leased ports' listening sockets and control connections
+
+    @property
+    def free_ports(self) -> int:
+        """Ports not leased now."""
+        with self._lock:
+            return len(self._free)
 
     def start(self) -> Relay:
         threading.Thread(target=self._accept, args=(self._control, self._first_bytes), daemon=True,
@@ -80,9 +88,9 @@ class Relay:
 
     def _first_bytes(self, conn: socket.socket, host: str) -> None:
         try:
-            conn.settimeout(protocol.HELLO_TIMEOUT_S)
+            conn.settimeout(self._hello_timeout)
             magic = bytearray(len(protocol.LEASE))
-            recv_exact(conn, memoryview(magic), time.monotonic() + protocol.HELLO_TIMEOUT_S)
+            recv_exact(conn, memoryview(magic), time.monotonic() + self._hello_timeout)
             if bytes(magic) == protocol.LEASE:
                 return self._lease(conn, host)
             if bytes(magic) == protocol.DATA:
@@ -94,7 +102,7 @@ class Relay:
 
     def _fetch(self, conn: socket.socket) -> None:
         conn_id = bytearray(protocol.ID_SIZE)
-        recv_exact(conn, memoryview(conn_id), time.monotonic() + protocol.HELLO_TIMEOUT_S)
+        recv_exact(conn, memoryview(conn_id), time.monotonic() + self._hello_timeout)
         with self._lock:
             waiting = self._pending.pop(bytes(conn_id), None)
             if waiting is not None and self._pairs >= MAX_PAIRS:
@@ -117,7 +125,7 @@ class Relay:
             self._sockets.add(conn)
         servers: list[socket.socket] = []
         try:
-            request = protocol.recv_message(conn, time.monotonic() + protocol.HELLO_TIMEOUT_S)
+            request = protocol.recv_message(conn, time.monotonic() + self._hello_timeout)
             count, want = request.get("count"), request.get("want", [])
             if type(count) is not int or not 0 < count <= protocol.MAX_PORTS or not isinstance(want, list):
                 raise ValueError("a malformed lease request")
