@@ -18,7 +18,7 @@ from diloco.errors import UsageError
 Precision = Literal["fp16-mixed", "bf16-mixed", "32-true"]
 ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "DDP", "ZERO1"]
 Compression = Literal["none", "fp16", "int8", "int4", "sparse"]
-Transport = Literal["tcp", "p2pd"]
+Transport = Literal["auto", "tcp", "p2pd"]
 Aggregation = Literal["mean", "trimmed-mean", "centered-clip"]  # see diloco.swarm.rounds.aggregation
 InnerMoment = Literal["group", "galaxy"]  # see diloco.galaxy_moment
 FragmentLayout = Literal["strided", "contiguous"]  # see diloco.outer.fragments
@@ -178,16 +178,17 @@ class HvConfig(_Strict):
         0.95, ge=0, le=1, description="With --hv.sparse-rule sparseloco: the error buffer's decay per round."
     )
     transport: Transport = Field(
-        "tcp",
-        description="What carries the averaging bytes once the DHT formed a group: tcp (direct sockets between "
-        "groups; they must reach each other's announced addresses) or p2pd (hivemind's libp2p streams, "
-        "encrypted; several times slower; its relays carry too little for a round).",
+        "auto",
+        description="How this rank prefers to carry the averaging bytes once the DHT formed a group; groups of any "
+        "preference share a run. auto (or tcp): TCP per pair of ranks, dialled directly, opened by the rank behind "
+        "a router, or through a relay. p2pd: libp2p streams through the p2pd daemons (encrypted; several times "
+        "slower) to ranks that prefer them too and can be dialled, TCP to the others.",
     )
     averaging_port: int = Field(
         0,
         ge=0,
         le=65535,
-        description="TCP port for the averaging bytes with --hv.transport tcp; 0 = any free port, a fixed port P "
+        description="TCP port for the averaging bytes; 0 = any free port, a fixed port P "
         "is P + local rank for each rank under torchrun.",
     )
     run_id: str = Field(

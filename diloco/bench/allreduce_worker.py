@@ -227,6 +227,7 @@ def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport:
             broadcast=lambda found: found, listener=listener, codec=WIRE_FORMATS["none"].tcp,
             timeout=AVERAGING_TIMEOUT_S / 4, replicas=None, transport=transport, connect=connect, tunnel=tunnel,
             key=SwarmKey(hashlib.sha256(prefix.encode()).digest()) if keyed else None,
+            p2p=[tunnel.peer_id] if tunnel is not None else None,
         )  # fmt: skip
     finally:
         if tunnel is not None:

@@ -66,7 +66,7 @@ class Admission:
         self._share_budget()
         if other_model is not None:
             b = self.beacon
-            error = mismatch_error(other_model, self.model, b.transport, b.outer, b.schedule, b.batch)
+            error = mismatch_error(other_model, self.model, b.outer, b.schedule, b.batch)
             if keyed:
                 raise error
             if self.group.is_main:

@@ -4,8 +4,8 @@ Rank 0 of a joining group compares its model's fingerprint (``diloco.swarm.recor
 records (``diloco.swarm.records.status``) of the groups already there, and in a keyed swarm leaves with one line
 naming both sides when they differ: only members can publish there, so a second model under one run id is an
 operator's mistake, and training on alone would hide it. The same goes for what else the groups of a run must
-share: the transport, the outer setting and the schedule (when rounds are due and the last inner step). In an open
-swarm anyone can publish a status record, so the same line is a warning and the group trains on
+share: the outer setting (wire format included) and the schedule (when rounds are due and the last inner step). In
+an open swarm anyone can publish a status record, so the same line is a warning and the group trains on
 (``DiLoCo.claim_world_rank``): a stranger's record must not stop groups.
 
 Plain Python over status records; no hivemind.
@@ -60,10 +60,9 @@ def same_outer(theirs: str, ours: str) -> bool:
 
 def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], bool]) -> Status | None:
     """The status record of a live group of the run that trains another model, or runs a trainer from before
-    fingerprints (its record has no model: it uses other keys and would never meet this group), or averages over
-    another ``--hv.transport`` (the two matchmake under different keys and reach ranks differently: they never
-    meet), or takes outer steps with another lr, momentum or lr warm-up (the same averaged pseudo-gradient would
-    then leave the groups on different outer parameters) or another ``--hv.aggregation`` (a reducer with the mean
+    fingerprints (its record has no model: it uses other keys and would never meet this group), or takes outer steps
+    with another lr, momentum or lr warm-up (the same averaged pseudo-gradient would then leave the groups on
+    different outer parameters) or another ``--hv.aggregation`` (a reducer with the mean
     would undo the others' robustness on its spans) or another schedule (``schedule``), and was there first; None
     if there is none.
 
@@ -74,8 +73,8 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
     if not mine.model:
         return None
     for record in records:
-        same = record.model == mine.model and (not mine.transport or record.transport in ("", mine.transport))
-        same = same and same_outer(record.outer, mine.outer)
+        # (the transport is a preference: groups of any share a run, each pair of ranks picks its own path)
+        same = record.model == mine.model and same_outer(record.outer, mine.outer)
         same = same and (not mine.schedule or record.schedule in ("", mine.schedule))
         if record.world_rank == mine.world_rank or same or record.state in LEFT:
             continue
@@ -86,10 +85,10 @@ def rival_model(mine: Status, records: Iterable[Status], alive: Callable[[str], 
 
 
 def mismatch_error(
-    other: Status, mine: ModelId, transport: str = "", outer: str = "", schedule: str = "", batch: str = ""
+    other: Status, mine: ModelId, outer: str = "", schedule: str = "", batch: str = ""
 ) -> FieldError:
     """The one line a group leaves with (in an open swarm: warns with) when `rival_model` found `other` (naming
-    ``run_id``, ``transport``, the field of the schedule that differs, ``outer_lr`` or ``aggregation``). A schedule
+    ``run_id``, the field of the schedule that differs, ``outer_lr``, ``aggregation`` or ``compression``). A schedule
     that differs comes first: what ``auto`` picks for the outer step follows it, so it is the flag that really
     differs. `batch`: this group's ``<total batch size>x<sequence length>`` (``Status.batch``)."""
     if not other.model:
@@ -97,7 +96,7 @@ def mismatch_error(
             f"{{run_id}}: worker group {other.world_rank} runs a diloco from before model fingerprints, which cannot "
             "average with this one; run one diloco version in every group of a run, or give this one another run id"
         )
-    if other.model == mine.fingerprint and other.transport in ("", transport):
+    if other.model == mine.fingerprint:
         if same_outer(other.outer, outer) or (schedule and other.schedule not in ("", schedule)):
             return _schedule_error(other, schedule, batch)
         (theirs, their_rule, their_wire), (ours, our_rule, our_wire) = _setting(other.outer), _setting(outer)
@@ -119,12 +118,6 @@ def mismatch_error(
             f"and warm-up {theirs}, this group with {ours}; the groups of a run must use one outer setting: "
             "give every group the same --hv.outer-lr, --hv.outer-momentum and --hv.outer-lr-warmup (auto picks "
             "them by H, galaxy size and --warmup-steps)"
-        )
-    if other.model == mine.fingerprint:
-        return FieldError(
-            f"{{transport}} {transport}: worker group {other.world_rank} (peer {other.peer}) averages over "
-            f"--hv.transport {other.transport}; the groups of a run must use one transport (a tcp group and a p2pd "
-            "group never meet)"
         )
     theirs = ModelId(other.model, other.parameters or 0)
     return FieldError(
@@ -167,7 +160,7 @@ def with_budget(schedule: str, budget: tuple[int, int]) -> str:
 
 
 def announced_budget(mine: Status, records: Iterable[Status], alive: Callable[[str], bool]) -> tuple[int, int] | None:
-    """The token budget a joining group adopts: that of the live group of the same model, transport, outer setting,
+    """The token budget a joining group adopts: that of the live group of the same model, outer setting,
     fragments and overlap that set it first (past joining first, then the oldest record, then the lowest world
     rank, as `rival_model` orders them); None when no such group has one, or this group is first."""
     ours = _schedule_parts(mine.schedule)
@@ -175,7 +168,7 @@ def announced_budget(mine: Status, records: Iterable[Status], alive: Callable[[s
     candidates = []
     for record in records:
         theirs = _schedule_parts(record.schedule)
-        alike = record.model == mine.model and record.transport == mine.transport
+        alike = record.model == mine.model
         alike = alike and bool(record.outer) == bool(mine.outer) and same_outer(record.outer, mine.outer)
         alike = alike and {k: v for k, v in theirs.items() if k in ("fragments", "overlap_steps")} == rest
         budget = budget_of(record.schedule)

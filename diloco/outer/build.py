@@ -142,7 +142,7 @@ def _diloco(config: Config, shards: list[torch.Tensor], swarm: Swarm, group: Gro
         final_step=max_steps,
         settle_timeout=default_wait(hv.matchmaking_time) + fixed_timeout(hv.averaging_timeout) + 5,  # the last round
         sharding=config.sharding_strategy,
-        transport=hv.transport,
+        transport="tcp" if hv.transport == "auto" else hv.transport,  # (auto is tcp, as earlier versions name it)
         pace=pace,
         tokens_per_step=tokens_per_step,
         model=model,

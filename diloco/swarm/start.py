@@ -4,8 +4,9 @@ groups, and the ``SwarmPeer`` that owns them all.
 Collective over the ranks of one worker group (every rank calls ``start_peer`` together). Nothing is ever gathered to
 one rank: groups average as wholes, one matchmaking per group (its rank 0), then every rank sends the parts of its
 shard to the ranks that reduce them, in whatever group and shape (``rounds.group_round``). The bytes go over plain
-TCP (``--hv.transport tcp``) or as libp2p streams through each rank's p2pd daemon (``p2pd``: ``rounds.tunnel``); the
-groups of a run use one transport.
+TCP, per pair of ranks dialled directly, opened by the rank behind a router, or through a relay; a rank that prefers
+libp2p streams (``--hv.transport p2pd``) and can be dialled takes them as well (``rounds.tunnel``), and two such
+ranks use them. Groups of any preference share a run.
 
 Each rank makes a signing key of its own once (``group_rounds``); rank 0 announces every rank's public key with the
 group in matchmaking, and a rank's round connections are signed with it (``rounds.hello``).
@@ -100,9 +101,9 @@ def start_peer(
     )
     dht = join_dht()
     run = run_key(run_id, model)
-    # rank 0 matchmakes for its whole group under a key every shape shares (and one transport: their rounds travel
-    # differently); rounds and states travel over the ranks' listeners, so the other ranks need no matchmaker
-    prefix = f"{run}-groups" + ("" if hv.transport == "tcp" else f"-{hv.transport}")
+    # rank 0 matchmakes for its whole group under a key every shape and transport preference shares; rounds and
+    # states travel over the ranks' listeners, so the other ranks need no matchmaker
+    prefix = f"{run}-groups"
     port = hv.averaging_port + env.local_rank if hv.averaging_port else 0
     matchmaker = door = None
     try:
@@ -154,6 +155,11 @@ class Door:
     lease: Any = None
     dht_maddrs: tuple[list[str], list[str]] | None = None
 
+    @property
+    def p2p(self) -> str:
+        """The libp2p peer id at which this rank takes streams as well ("": it does not)."""
+        return self.tunnel.peer_id if self.tunnel is not None else ""
+
     def close(self) -> None:
         from diloco.swarm.rounds.listener import close_with_tunnel
 
@@ -165,26 +171,17 @@ class Door:
 
 
 def open_door(hv: HvConfig, env: DistEnv, dht: Any, port: int) -> Door:
-    """This rank's listener (a TCP socket on `port`, or libp2p streams through a ``tunnel.Tunnel``), and over TCP
-    whether others can dial it: an initial peer dials it back (``rounds.reachability``). A rank found ``direct``
-    dials others back from then on too; one found ``outbound only`` says so, once."""
+    """This rank's listener (a TCP socket on `port`) and whether others can dial it: an initial peer dials it back
+    (``rounds.reachability``). A rank found ``direct`` dials others back from then on too; one found ``outbound
+    only`` leases ports at a relay when one is offered, or says so, once. With ``--hv.transport p2pd`` a rank that
+    can be dialled takes libp2p streams too (a ``tunnel.Tunnel`` into the same listener)."""
     from diloco.swarm.records.addresses import announced_hosts, listen_host
     from diloco.swarm.rounds import reachability, tcp
     from diloco.swarm.rounds.deadline import fixed_timeout
     from diloco.swarm.rounds.listener import Listener, listen
-    from diloco.swarm.rounds.tunnel import Tunnel
 
     fixed = fixed_timeout(hv.averaging_timeout)
     timeout = fixed / tcp.ROUND_STEPS  # a step of a round under a fixed --hv.averaging-timeout, and a hello's wait
-    if hv.transport != "tcp":
-        listener = Listener(None, timeout, registration_timeout=fixed, idle_wait=IDLE_WAIT_S).start()
-        try:
-            tunnel = Tunnel(dht, listener)
-        except BaseException:
-            listener.close()
-            raise
-        return Door(listener, ((tunnel.peer_id,), 0), tunnel.connect, tunnel,
-                    reachability.Reach(reachability.UNCHECKED, "over libp2p"))  # fmt: skip
     listening = listen(listen_host(hv.host_maddrs), port)
     listener = Listener(listening, timeout, registration_timeout=fixed, idle_wait=IDLE_WAIT_S).start()
     endpoint = (tuple(announced_hosts(dht.get_visible_maddrs())), listening.getsockname()[1])
@@ -199,12 +196,31 @@ def open_door(hv: HvConfig, env: DistEnv, dht: Any, port: int) -> Door:
             if relayed is not None:
                 lease, reach, endpoint, dht_maddrs = relayed
                 _say_reach(reach, env.rank, False)
-                return Door(listener, endpoint, tcp.connect, None, reach, lease, dht_maddrs)
+                return Door(listener, endpoint, connect_over(None), None, reach, lease, dht_maddrs)
         _say_reach(reach, env.rank, bool(hv.announce_maddrs))
+        tunnel = None
+        if hv.transport == "p2pd" and reach.kind in (reachability.DIRECT, reachability.UNCHECKED):
+            from diloco.swarm.rounds.tunnel import Tunnel
+
+            tunnel = Tunnel(dht, listener)  # (its DHT peer stays as it is: only an undialable one restarts)
     except BaseException:
         listener.close()
         raise
-    return Door(listener, endpoint, tcp.connect, None, reach)
+    return Door(listener, endpoint, connect_over(tunnel), tunnel, reach)
+
+
+def connect_over(tunnel: Any) -> Callable[..., Any]:
+    """How this rank dials an endpoint: TCP ``([hosts], port)``, or with a `tunnel` a libp2p peer id
+    ``((peer id,), 0)``."""
+    from diloco.swarm.rounds import tcp
+
+    if tunnel is None:
+        return tcp.connect
+
+    def connect(endpoint: Any, timeout: float, handshake: Any = None) -> Any:
+        return (tunnel.connect if endpoint[1] == 0 else tcp.connect)(endpoint, timeout, handshake)
+
+    return connect
 
 
 def _at_relay(hv: HvConfig, env: DistEnv, dht: Any, listener: Any, probes: Any, reach: Any) -> tuple | None:
@@ -289,8 +305,9 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
     shape = Shape(sharding or "FULL_SHARD", env.world_size, env.num_nodes)
     timeout = fixed_timeout(hv.averaging_timeout) / tcp.ROUND_STEPS
     signer = Ed25519PrivateKey.generate()
-    endpoints, public_keys, dialable, relayed = zip(*gather((door.endpoint, public_bytes(signer), door.reach.dialable,
-                                                             door.lease is not None)))  # fmt: skip
+    endpoints, public_keys, dialable, relayed, p2p = zip(*gather((door.endpoint, public_bytes(signer),
+                                                                  door.reach.dialable, door.lease is not None,
+                                                                  door.p2p)))  # fmt: skip
     replicas = Replicas(shape, env.rank) if env.world_size > 1 and shape.grid()[1] > 1 else None
     if hv.overlap_steps and env.world_size > 1:  # (after the replicas' groups: every rank makes them in one order)
         broadcast = side_broadcast()
@@ -298,7 +315,7 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
         matchmaker if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
         endpoints=endpoints, broadcast=broadcast, listener=door.listener, codec=rounds_codec(hv),
         timeout=timeout, replicas=replicas, transport=hv.transport, connect=door.connect, tunnel=door.tunnel,
-        dialable=dialable, reach=door.reach.kind, relayed=relayed,
+        dialable=dialable, reach=door.reach.kind, relayed=relayed, p2p=p2p,
         fragments=fragments, aggregation=hv.aggregation, key=key, signer=signer, public_keys=public_keys, model=model,
         deadlines=Deadlines(hv.averaging_timeout) if env.rank == 0 else None,
     )  # fmt: skip

@@ -198,7 +198,8 @@ def test_late_joiner_downloads_the_state_and_matches_after_its_first_round(
 ) -> None:
     """Over tcp the joiner is a 2-rank FULL_SHARD group in a swarm of 1-rank groups: each of its ranks downloads its
     half of the rows from the other shape. Over p2pd it is the other way round: a 1-rank group loads the state of
-    group 0, of two ranks, over libp2p streams. The digests of both shapes agree. With sparse rounds the joiner
+    group 0, of two ranks (over TCP: state downloads take it whatever the preference), and averages over libp2p
+    streams. The digests of both shapes agree. With sparse rounds the joiner
     starts with an empty error buffer and averages bit-identically from its first round."""
     dirs = [tmp_path / f"w{i}" for i in range(3)]
     logs = [tmp_path / f"w{i}.log" for i in range(3)]

@@ -127,14 +127,16 @@ def test_groups_of_one_and_two_ranks_and_of_any_sharding_average_together(tmp_pa
 
 
 @pytest.mark.slow
-def test_over_p2pd_a_one_rank_and_a_two_rank_group_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
-    """The same whole-group rounds with every byte on libp2p streams through the ranks' p2pd daemons (no TCP
-    listener at all), int4 on the wire."""
+def test_groups_that_prefer_p2pd_and_one_that_does_not_average_together(tmp_path: Path, dht_peer: list[str]) -> None:
+    """--hv.transport is a preference, not a swarm-wide switch: a 1-rank and a 2-rank group that prefer p2pd and a
+    1-rank group with the default share one run, int4 on the wire. Each pair of ranks that both prefer p2pd goes
+    over libp2p streams through their daemons, every other pair over TCP; all three stay bit-identical."""
     p2pd = ["--hv.transport", "p2pd", "--hv.compression", "int4"]
-    run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, p2pd), (2, p2pd)])
-    assert_trained_together(run_dirs, groups=2, outer_steps=2)
-    rows = [r for d in run_dirs for r in outer_rows(d) if r.get("num_peers") == 2]
-    assert rows and all(r["transport"] == "p2pd" for r in rows), rows
+    run_dirs = train_groups(tmp_path, dht_peer, 8, [(1, p2pd), (2, p2pd), (1, ["--hv.compression", "int4"])])
+    assert_trained_together(run_dirs, groups=3, outer_steps=2)
+    rows = [[r for r in outer_rows(d) if r.get("num_peers") == 3] for d in run_dirs]
+    assert all(rows) and all(r["transport"] == "tcp+p2pd" for per_group in rows[:2] for r in per_group), rows
+    assert all(r["transport"] == "tcp" for r in rows[2]), rows[2]
 
 
 @pytest.mark.slow

@@ -120,22 +120,17 @@ def test_in_an_open_swarm_a_status_record_of_another_model_gets_one_warning_and_
         group(hub, 1, net()).claim_world_rank()
 
 
-def test_a_group_of_another_transport_leaves_with_one_line() -> None:
-    """A tcp group and a p2pd group matchmake under different keys and reach ranks differently: they would never
-    meet, so the later one leaves (a record without a transport, from an older trainer, is not held against anyone)."""
+def test_groups_of_any_transport_preference_share_a_run() -> None:
+    """--hv.transport is a preference: a p2pd group joins a run of tcp groups (their ranks meet over TCP), and its
+    record says its preference."""
     hub = MemorySwarm(2)
     first = group(hub, 0, net(), transport="tcp")
     first.claim_world_rank()
     first.join(0)
-    with pytest.raises(FieldError) as refused:
-        group(hub, 1, net(seed=3), transport="p2pd").claim_world_rank()
-    assert str(refused.value.within("hv")) == (
-        "hv.transport p2pd: worker group 0 (peer peer-0) averages over --hv.transport tcp; the groups of a run must "
-        "use one transport (a tcp group and a p2pd group never meet)"
-    )
-    assert hub.statuses[0].transport == "tcp"
+    group(hub, 1, net(seed=3), transport="p2pd").claim_world_rank()
+    assert [hub.statuses[i].transport for i in (0, 1)] == ["tcp", "p2pd"]
     mine = status(1, "aaa", state="joining", transport="p2pd")
-    assert rival_model(mine, [status(0, "aaa", transport="")], lambda peer: True) is None
+    assert rival_model(mine, [status(0, "aaa", transport="tcp")], lambda peer: True) is None
 
 
 def test_a_group_of_another_outer_setting_leaves_with_one_line() -> None:
@@ -203,9 +198,9 @@ def test_a_group_of_another_wire_format_leaves_naming_the_flag() -> None:
     assert rival_model(mine, [status(0, "aaa", outer="1/0 w0 wire:fp16")], lambda peer: True) is not None
     other = status(0, "aaa", outer="1/0 w0 trimmed-mean wire:int8")  # the rule still read beside the format
     assert rival_model(mine, [other], lambda peer: True) is not None
-    assert "--hv.aggregation" in str(mismatch_error(other, ModelId("aaa", 0), "", mine.outer))
+    assert "--hv.aggregation" in str(mismatch_error(other, ModelId("aaa", 0), mine.outer))
     stranger = status(0, "aaa", outer="1/0 w0 wire:\x1b[2J" + "x" * 10_000)  # quoted printable and short
-    line = str(mismatch_error(stranger, ModelId("aaa", 0), "", mine.outer))
+    line = str(mismatch_error(stranger, ModelId("aaa", 0), mine.outer))
     assert "\x1b" not in line and len(line) < 600, line
 
 

@@ -249,7 +249,8 @@ def test_a_round_leaves_out_members_of_another_model_and_keeps_those_that_announ
 @pytest.mark.parametrize("bad", [{"keys": ["00" * 31]}, {"keys": ["zz" * 32]}, {"keys": ["00" * 32] * 2},
                                  {"model": 5}, {"dialable": [True, False]}, {"dialable": [1]},
                                  {"dialable": "yes"}, {"relayed": [True, True]}, {"relayed": [1]},
-                                 {"relayed": "yes"}])  # fmt: skip
+                                 {"relayed": "yes"}, {"p2p": ["12D3KooW"] * 2}, {"p2p": ["not base58!"]},
+                                 {"p2p": [5]}, {"p2p": ["1" * 65]}])  # fmt: skip
 def test_an_announcement_with_malformed_keys_or_model_is_unreadable(bad: dict) -> None:
     from diloco.swarm.rounds.group_round import announced
 
@@ -319,3 +320,21 @@ def test_matchmaking_announces_every_ranks_key_and_the_model_and_leaves_out_keyl
     assert ok and info is not None and groups == 4 and rounds.malformed == 1
     assert [m.endpoints[0][1] for m in info.members] == [1, 2, 5, 6]
     assert roster(info.members).weights == (1.0, 1.0, 1.0, 16.0)
+
+
+def test_a_rank_that_prefers_p2pd_is_dialled_at_its_peer_id_by_ranks_that_prefer_it_too():
+    """A group that takes libp2p streams announces a peer id per rank ("" for a rank that does not); a rank that
+    prefers p2pd dials those at their peer ids and everyone else over TCP; a rank that does not dials all over TCP."""
+    from diloco.swarm.rounds.group_round import announced, paths
+
+    def group(port: int, **flags: list) -> dict:
+        return {"shape": ["FULL_SHARD", 2, 1], "endpoints": [[["10.0.0.1"], port], [["10.0.0.2"], port + 1]],
+                "weight": 1.0, "keys": ["00" * 32, "11" * 32]} | flags  # fmt: skip
+
+    streams = announced(group(1, p2p=["12D3KooWAbc", ""]))
+    plain = announced(group(3))
+    assert streams.p2p == ("12D3KooWAbc", "") and plain.p2p == ()
+    assert members_digest([streams]) != members_digest([announced(group(1))])
+    assert paths([streams, plain], streams=True) == (
+        [(["12D3KooWAbc"], 0), (["10.0.0.2"], 2), (["10.0.0.1"], 3), (["10.0.0.2"], 4)], [True, False, False, False])
+    assert paths([streams, plain], streams=False)[1] == [False] * 4

@@ -140,6 +140,6 @@ def test_a_token_budget_group_of_another_batch_is_told_the_budget_flag_not_the_o
     warm-up) is told the budget's flag, the one the user really set differently."""
     other = budget_status("16x128", (65536, 10), warmup=0)
     mine = budget_status("32x128", (131072, 10), warmup=2)
-    error = mismatch_error(other, ModelId("fp", 10), "tcp", mine.outer, mine.schedule, mine.batch).within("hv")
+    error = mismatch_error(other, ModelId("fp", 10), mine.outer, mine.schedule, mine.batch).within("hv")
     line = str(error.spelled(lambda field: "--" + field.replace("_", "-")))
     assert line.startswith("--hv.target-tokens") and "outer-lr" not in line, line

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ log = logging.getLogger("diloco")
 
 Endpoint = tuple[tuple[str, ...], int]  # a rank's listener: TCP ([hosts], port), or p2pd ((peer id,), 0)
 STRATEGIES = set(get_args(ShardingStrategy))
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{0,64}")  # a libp2p peer id in base58, or "" (no streams)
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ class Member:
     order), its weight in the average (before the round's cap), each rank's raw Ed25519 public key (in rank order;
     empty: none announced, and no round takes the group), its model's fingerprint ("": not announced) and which of
     its ranks can be dialled (in rank order; empty: every one, as groups announce when all can), and which of those
-    are dialled through a relay (empty: none)."""
+    are dialled through a relay (empty: none), and the libp2p peer id at which each rank takes streams as well
+    (``--hv.transport p2pd``; "": it does not; empty: none does)."""
 
     shape: Shape
     endpoints: tuple[Endpoint, ...]
@@ -72,6 +75,7 @@ class Member:
     model: str = ""
     dialable: tuple[bool, ...] = ()
     relayed: tuple[bool, ...] = ()
+    p2p: tuple[str, ...] = ()
 
     def reducers(self, direct_only: bool = False) -> tuple[bool, ...]:
         """Which ranks may reduce a span: those others can dial (`direct_only`: not through a relay)."""
@@ -113,6 +117,7 @@ class Outcome:
     dropped: int = 0  # groupmates this rank's reducer left out for their frames or their silence
     bytes_inbound: int = 0  # of its bytes, those over connections other ranks opened to it (it reduced for them)
     bytes_relayed: int = 0  # of its bytes, those that crossed a relay (to or from a rank dialled through one)
+    transport: str = "tcp"  # what carried its connections: "tcp", "p2pd" (libp2p streams), or "tcp+p2pd"
 
 
 def replica_ranks(shape: Shape) -> list[list[int]]:
@@ -160,7 +165,7 @@ def members_digest(members: Sequence[Member]) -> bytes:
     canonical = [[[m.shape.strategy, m.shape.world_size, m.shape.nodes], [[list(h), p] for h, p in m.endpoints],
                   repr(float(m.weight)), [k.hex() for k in m.keys], m.model]
                  + ([list(m.dialable)] if m.dialable else []) + ([["relayed", *m.relayed]] if m.relayed else [])
-                 for m in members]  # fmt: skip
+                 + ([["p2p", *m.p2p]] if m.p2p else []) for m in members]  # fmt: skip
     return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).digest()
 
 
@@ -186,11 +191,14 @@ def run_round(
     signer: Ed25519PrivateKey,
     connect: tcp.Connect = tcp.connect,
     aggregation: Aggregation = "mean",
+    streams: bool = False,
 ) -> Outcome:
     """This rank's part of the round: `vector` is its local buffer (its shard of every parameter, concatenated in
     the model's order), and `out` receives the average of the runs it exchanges (the rest: ``Replicas.fill``); it may
     be `vector` itself. `signer`: this rank's key, the one its group announced for it. The round's connections end
-    by ``tcp.ROUND_STEPS`` x `timeout` from now.
+    by ``tcp.ROUND_STEPS`` x `timeout` from now. With `streams` (this rank prefers libp2p streams and has a tunnel),
+    a rank that takes streams too is dialled at its peer id (`connect` must take such endpoints,
+    ``((peer id,), 0)``); every other pair goes over TCP.
     Never raises on network failures."""
     chunks = codec.chunks  # a sparse round's cuts fall on its chunks' boundaries
     layouts = [group_layout(model_shapes, member.shape, chunks) for member in info.members]
@@ -205,7 +213,7 @@ def run_round(
         log.warning("averaging: %s", e)
         return Outcome(False, 0, 0, 0, str(e))
     schedule = plan_schedule(round_plan, layouts, (info.me, rank), codec.part_numel, chunks)
-    endpoints = [(list(hosts), port) for member in info.members for hosts, port in member.endpoints]
+    endpoints, over_streams = paths(info.members, streams)
     round_ = tcp.Round(
         vector, out, group_id=info.group_id, index=schedule.me, endpoints=endpoints, roster=roster(info.members),
         signer=signer, codec=codec, timeout=timeout, schedule=schedule, connect=connect, aggregation=aggregation,
@@ -223,8 +231,22 @@ def run_round(
     relayed = [r for member in info.members for r in (member.relayed or (False,) * member.shape.world_size)]
     through_relay = round_.bytes_inbound if relayed[schedule.me] else 0
     through_relay += sum(size for j, size in enumerate(round_.bytes_to) if relayed[j] and j != schedule.me)
+    others = [used for j, used in enumerate(over_streams) if j != schedule.me]
+    transport = "p2pd" if others and all(others) else "tcp+p2pd" if any(others) else "tcp"
     return Outcome(not error, round_.bytes_sent, round_.bytes_received, round_.rejected, error, round_.dropped,
-                   round_.bytes_inbound, through_relay)
+                   round_.bytes_inbound, through_relay, transport)
+
+
+def paths(members: Sequence[Member], streams: bool) -> tuple[list[tuple[list[str], int]], list[bool]]:
+    """Where to dial every participant (group by group, rank by rank): its TCP endpoint, or with `streams` its
+    libp2p peer id when it takes streams; and whether each is dialled so."""
+    endpoints, over_streams = [], []
+    for member in members:
+        for rank, (hosts, port) in enumerate(member.endpoints):
+            peer = member.p2p[rank] if streams and member.p2p else ""
+            endpoints.append(([peer], 0) if peer else (list(hosts), port))
+            over_streams.append(bool(peer))
+    return endpoints, over_streams
 
 
 class GroupRounds:
@@ -247,9 +269,10 @@ class GroupRounds:
         round's steps take `timeout`; the other ranks' own is never used).
     :param fragments: with ``--hv.fragments``: the indices of each fragment's parameters (``diloco.outer.fragments``);
         a round of fragment f is laid out over those parameters alone. None: rounds are of the whole model.
-    :param transport: what carries the bytes, "tcp" or "p2pd" (every group of a run uses one); ``connect``
-        reaches other ranks' listeners that way, and ``tunnel`` (over p2pd: a ``diloco.swarm.rounds.tunnel.Tunnel``)
-        brings their streams to ``listener``. ``close()`` closes both.
+    :param transport: this rank's preference (``--hv.transport``); ``connect`` reaches other ranks' listeners over
+        TCP, and with a ``tunnel`` (a ``diloco.swarm.rounds.tunnel.Tunnel``, which also brings their streams to
+        ``listener``) ranks that take libp2p streams at their peer id. ``close()`` closes both.
+    :param p2p: per rank, the libp2p peer id at which it takes streams ("": none), announced with the group.
     :param aggregation: how this rank combines the contributions to the spans it reduces (``--hv.aggregation``).
     :param key: the swarm key (``diloco.swarm.records.swarm_key``): announcements without its MAC are left out of the
         round, and the round's handshakes are keyed with it too. None: an open swarm.
@@ -285,6 +308,7 @@ class GroupRounds:
         dialable: Sequence[bool] | None = None,
         reach: str = "",
         relayed: Sequence[bool] | None = None,
+        p2p: Sequence[str] | None = None,
     ):
         self.aggregation, self.key, self.model, self.deadlines = aggregation, key, model, deadlines
         self.signer = Ed25519PrivateKey.generate() if signer is None else signer
@@ -305,6 +329,7 @@ class GroupRounds:
         self.dialable = tuple(bool(d) for d in dialable) if dialable is not None else (True,) * shape.world_size
         if len(self.dialable) != shape.world_size:
             raise ValueError(f"{len(self.dialable)} reachabilities for {shape.world_size} ranks")
+        self.p2p = tuple(str(p) for p in p2p) if p2p is not None else ("",) * shape.world_size
         self.relayed = tuple(bool(r) for r in relayed) if relayed is not None else (False,) * shape.world_size
         if len(self.relayed) != shape.world_size:
             raise ValueError(f"{len(self.relayed)} relay flags for {shape.world_size} ranks")
@@ -367,6 +392,7 @@ class GroupRounds:
         codec = self.codec_for(shapes)
         outcome = run_round(info, self.rank, shapes, vector, vector, listener=self.listener,
                             codec=codec, timeout=timeout, signer=self.signer, connect=self.connect,
+                            streams=self.tunnel is not None,
                             aggregation=self.aggregation)  # fmt: skip
         if self.replicas is not None:  # collective: also when this rank's part failed
             held = rank_layout(shapes, self.shape, self.rank).held
@@ -378,7 +404,7 @@ class GroupRounds:
             self.deadlines.record(ended - formed, tcp.ROUND_STEPS * timeout, outcome.ok)
         return RoundReport(
             len(info.members), ended - started, outcome.bytes_sent, outcome.bytes_received, outcome.ok,
-            rejected=outcome.rejected, transport=self.transport, allreduce_seconds=ended - formed,
+            rejected=outcome.rejected, transport=outcome.transport, allreduce_seconds=ended - formed,
             round_id=round_id(info.group_id), dropped=outcome.dropped, bytes_inbound=outcome.bytes_inbound,
             bytes_relayed=outcome.bytes_relayed,
         )  # fmt: skip
@@ -396,6 +422,8 @@ class GroupRounds:
             mine["dialable"] = list(self.dialable)
         if any(self.relayed):  # (read by earlier versions as dialable ranks: they are, through the relay)
             mine["relayed"] = list(self.relayed)
+        if any(self.p2p):  # (earlier versions dial its ranks over TCP, as every group that does not prefer p2pd)
+            mine["p2p"] = list(self.p2p)
         if outer_step is not None:
             mine["outer_step"] = outer_step
         # a keyed announcement's MAC binds it to this round and to the announcing peer: replayed into another round
@@ -488,8 +516,12 @@ def member_of(entry: object) -> Member:
     if not isinstance(relayed, list) or (relayed and len(relayed) != len(endpoints)) or not all(
             type(r) is bool for r in relayed):  # fmt: skip
         raise ValueError("relay flags that are not one bool per rank")
+    p2p = entry.get("p2p", [])
+    if not isinstance(p2p, list) or (p2p and len(p2p) != len(endpoints)) or not all(
+            type(p) is str and _PEER_ID.fullmatch(p) for p in p2p):  # fmt: skip
+        raise ValueError("libp2p peer ids that are not one short base58 string (or none) per rank")
     return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight, keys, model, tuple(dialable),
-                  tuple(relayed))  # fmt: skip
+                  tuple(relayed), tuple(p2p))  # fmt: skip
 
 
 def abreast(claims: list[object], round_index: int) -> list[int]:

@@ -1,5 +1,5 @@
 """Downloading a worker group's outer state into a group of any shape, rank by rank over the ranks' listeners (over
-TCP, or libp2p streams with ``--hv.transport p2pd``: ``diloco.swarm.rounds.tunnel``).
+TCP, whatever the groups' ``--hv.transport``).
 
 A group that is behind, diverged or just joined loads the swarm's state from a group that holds it, and that group
 may be sharded otherwise: its rank r holds other rows than this group's rank r. So each rank of the downloading

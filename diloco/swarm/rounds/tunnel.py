@@ -1,14 +1,14 @@
-"""A rank's listener reached over libp2p: with ``--hv.transport p2pd`` the rounds of whole groups (``tcp``) and their
-state downloads (``transfer``) travel as libp2p streams through the rank's p2pd daemon, which brings what p2pd is
-chosen for (encryption, libp2p's routing) to groups of any shape. Not a way past two routers: the daemon's relays
-reset a relayed connection after 96 KiB (docs/outer-step.md, "Behind a router").
+"""A rank's listener reached over libp2p: a rank that prefers p2pd (``--hv.transport p2pd``) and can be dialled takes
+the round connections (``tcp``) of ranks that prefer it too as libp2p streams through its p2pd daemon, which brings
+what p2pd is chosen for (libp2p's encryption) to groups of any shape; every other pair uses TCP. Not a way past two
+routers: the daemon's relays reset a relayed connection after 96 KiB (docs/outer-step.md, "Behind a router").
 
 A libp2p stream reaches this process as a Unix socket connected to the p2pd daemon, opened by hivemind's asyncio
 client. Once the stream is set up, that socket is taken off the asyncio loop and handed over as a plain blocking
 socket, so those protocols' socket code runs unchanged and their bytes go straight between their thread and the
 daemon, with no copy through Python on the way: the socket of an incoming stream goes to the rank's ``Listener`` as
-if it had been accepted there, and ``connect`` returns the socket of an outgoing one. Over p2pd a rank's endpoint is
-its libp2p peer id: ``((peer id,), 0)``.
+if it had been accepted there, and ``connect`` returns the socket of an outgoing one. Dialled over libp2p, a rank's
+endpoint is its libp2p peer id: ``((peer id,), 0)``.
 
 The streams are set up on one thread's asyncio loop with a replica of the DHT's libp2p peer (the same daemon, so
 the same peer id). hivemind is pinned to 1.1.12; this relies on ``DHT.run_coroutine``, ``DHTNode.p2p``, and
