@@ -141,11 +141,11 @@ def start_peer(
 
 @dataclass(frozen=True)
 class Door:
-    """How others reach this rank: its listener, its endpoint (TCP ``([hosts], port)``, or over p2pd
-    ``((peer id,), 0)``), how it reaches theirs (`connect`), the p2pd `tunnel` (None over TCP), whether it
-    can be dialled (`reach`, ``rounds.reachability``), and for a rank dialled through a relay its ports there
-    (`lease`, ``relay.lease.Lease``) and, for rank 0, the multiaddrs its DHT peer restarts with to be dialled
-    there too (`dht_maddrs`: host, announce)."""
+    """How others reach this rank: its listener, its TCP endpoint ``([hosts], port)``, how it reaches theirs
+    (`connect`), the `tunnel` that brings it libp2p streams too (None: it takes none), whether it can be dialled
+    (`reach`, ``rounds.reachability``), and for a rank dialled through a relay its ports there (`lease`,
+    ``relay.lease.Lease``) and, for rank 0, the multiaddrs its DHT peer restarts with to be dialled there too
+    (`dht_maddrs`: host, announce)."""
 
     listener: Any
     endpoint: tuple[tuple[str, ...], int]
