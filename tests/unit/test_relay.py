@@ -189,3 +189,27 @@ def test_a_connection_nobody_fetches_is_closed_after_its_wait(relay: Relay, monk
             assert caller.recv(1) == b""
     finally:
         held.close()
+
+
+def test_idle_connections_at_the_control_port_are_capped_and_a_held_lease_is_not_one(
+        relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Connections that have not sent their first bytes hold a thread each: past ``MAX_OPENING`` of them, a new one
+    is closed at once. A lease, once answered, no longer counts: a rank keeps its control connection for hours."""
+    monkeypatch.setattr(server_module, "MAX_OPENING", 1)
+    held = Lease(at(relay), [Taken()])
+    try:
+        with socket.create_connection(("127.0.0.1", relay.control_port), timeout=10):
+            time.sleep(0.2)  # (accepted, and waiting for its first bytes)
+            with socket.create_connection(("127.0.0.1", relay.control_port), timeout=10) as flood:
+                flood.settimeout(2)  # well before the 5 s hello timeout
+                assert flood.recv(1) == b""
+        deadline = time.monotonic() + 10
+        while True:  # the idle one gone, a rank gets its lease again
+            try:
+                Lease(at(relay), [Taken()]).close()
+                break
+            except ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    finally:
+        held.close()

@@ -156,3 +156,29 @@ def test_a_groups_other_ranks_run_the_round_under_the_timeout_rank_0_sent(monkey
 
     rounds, timeouts = rounds_with(monkeypatch, rank=1, deadlines=None, durations=[(1.0, True)], broadcast=broadcast)
     assert average(rounds, 0).ok and timeouts == [12.5]
+
+
+def test_a_step_given_up_as_its_group_formed_ends_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hivemind 1.1.12 sets the result of a step the caller has just cancelled, and its task ends with
+    InvalidStateError, which asyncio prints as a traceback in the trainer's output: the matchmaker's averager ends
+    that step quietly instead. Any other error still ends the task."""
+    import asyncio
+    from concurrent.futures import InvalidStateError
+
+    import hivemind
+
+    from diloco.swarm.rounds.matchmaker import ExactAverager
+
+    raised: list[BaseException] = []
+
+    async def hivemind_step(self, **kwargs) -> None:
+        raise raised[-1]
+
+    monkeypatch.setattr(hivemind.DecentralizedAverager, "_step", hivemind_step)
+    averager = object.__new__(ExactAverager)  # (no process: the coroutine alone)
+    averager._parent_pid = -1  # (its __del__ then stops no process)
+    raised.append(InvalidStateError("Can't set_result to a future that is CANCELLED"))
+    assert asyncio.run(averager._step(step=None, future_for_init=None)) is None
+    raised.append(KeyError("another"))
+    with pytest.raises(KeyError):
+        asyncio.run(averager._step(step=None, future_for_init=None))

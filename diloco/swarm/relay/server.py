@@ -16,7 +16,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from diloco.swarm.relay import protocol
 from diloco.swarm.relay.splice import splice
@@ -28,6 +28,7 @@ PENDING_S = 10.0  # a connection at a leased port waits this long for its rank t
 MAX_PENDING = 64  # waiting connections per leased port
 MAX_CONTROLS_PER_HOST = 16  # control connections from one IP address (a machine of 8 ranks needs 8)
 MAX_PAIRS = 512  # connections copied at once (each holds two threads)
+MAX_OPENING = 256  # connections at the control port not past their first bytes yet (each holds a thread)
 
 
 class Relay:
@@ -46,6 +47,7 @@ class Relay:
         self._pending: dict[bytes, tuple[socket.socket, float, socket.socket]] = {}
         self._controls: collections.Counter[str] = collections.Counter()  # open control connections per IP
         self._pairs = 0
+        self._opening = 0
         self._closed = False
         self._sockets: set[socket.socket] = set()  # leased ports' listening sockets and control connections
 
@@ -87,12 +89,32 @@ class Relay:
                 _close(conn)
 
     def _first_bytes(self, conn: socket.socket, host: str) -> None:
+        with self._lock:
+            full = self._opening >= MAX_OPENING
+            self._opening += not full
+        if full:  # a flood of idle connections: the newest are closed, each hello's wait bounds the others
+            _close(conn)
+            return
+        released = threading.Event()
+
+        def opened() -> None:  # past its first bytes (a lease then lasts as long as its rank keeps it)
+            with self._lock:
+                if not released.is_set():
+                    released.set()
+                    self._opening -= 1
+
+        try:
+            self._opened(conn, host, opened)
+        finally:
+            opened()
+
+    def _opened(self, conn: socket.socket, host: str, opened: Callable[[], None]) -> None:
         try:
             conn.settimeout(self._hello_timeout)
             magic = bytearray(len(protocol.LEASE))
             recv_exact(conn, memoryview(magic), time.monotonic() + self._hello_timeout)
             if bytes(magic) == protocol.LEASE:
-                return self._lease(conn, host)
+                return self._lease(conn, host, opened)
             if bytes(magic) == protocol.DATA:
                 return self._fetch(conn)
             raise ValueError("not a relay connection")
@@ -117,7 +139,7 @@ class Relay:
         with self._lock:
             self._pairs -= 1
 
-    def _lease(self, conn: socket.socket, host: str) -> None:
+    def _lease(self, conn: socket.socket, host: str, opened: Callable[[], None]) -> None:
         with self._lock:
             if self._controls[host] >= MAX_CONTROLS_PER_HOST:
                 raise ConnectionError(f"{MAX_CONTROLS_PER_HOST} leases from {host} at once")
@@ -134,6 +156,7 @@ class Relay:
                 protocol.send_message(conn, {"error": f"{count} port(s) asked, {len(servers)} free"})
                 return
             protocol.send_message(conn, {"ports": [s.getsockname()[1] for s in servers], "observed": host})
+            opened()
             log.info("relay: leased port(s) %s to %s", ", ".join(str(s.getsockname()[1]) for s in servers), host)
             self._serve_lease(conn, servers)
         finally:

@@ -12,6 +12,7 @@ Matchmaking runs in a background process (``ExactAverager``, a hivemind ``Decent
 rank's DHT daemon). Its class name is part of its RPC names, so it stays ``ExactAverager``: groups of earlier versions
 of diloco matchmake with it. hivemind is pinned to 1.1.12; this module relies on these private names of
 ``DecentralizedAverager``: ``_run_allreduce_inplace_`` (called once per all-reduce attempt once a group formed),
+``_step`` (the coroutine of one step, run as a task in the averager process),
 ``_running_groups`` (a future per group whose result must offer ``finalize`` and ``rpc_aggregate_part``),
 ``_matchmaking`` (its ``target_group_size``, ``min_matchmaking_time`` and ``request_timeout``, and its
 ``potential_leaders``' ``target_group_size`` and ``min_matchmaking_time``: set per round), ``_outer_pipe``,
@@ -95,6 +96,15 @@ class ExactAverager(hivemind.DecentralizedAverager):
 
     def prepare(self) -> None:
         """In the averager process, before it serves: what a subclass starts there."""
+
+    async def _step(self, **kwargs) -> None:
+        try:
+            await super()._step(**kwargs)
+        except InvalidStateError:
+            # the caller gave the round up (``cancel``) just as the group formed: hivemind then sets the result of a
+            # cancelled step and its task ends with this error, which asyncio would print as a traceback ("Task
+            # exception was never retrieved") in the trainer's output. The round is over either way
+            logger.debug("a round given up as its group formed: its step was already cancelled")
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
