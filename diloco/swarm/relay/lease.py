@@ -109,18 +109,7 @@ class Lease:
 
     def _serve(self, control: socket.socket) -> None:
         """Fetch what arrives until the relay leaves or falls silent."""
-        stop = threading.Event()
-        sending = threading.Lock()
-
-        def keepalive() -> None:
-            while not stop.wait(protocol.KEEPALIVE_S):
-                try:
-                    with sending:
-                        control.sendall(protocol.KEEPALIVE)
-                except OSError:
-                    return
-
-        threading.Thread(target=keepalive, daemon=True, name="relay-keepalive").start()
+        stop = protocol.keep_alive(control, threading.Lock())  # (this side's only writer of the connection)
         try:
             control.settimeout(protocol.DEAD_AFTER_S)
             while (kind := control.recv(1)) in (protocol.KEEPALIVE, protocol.ARRIVED):

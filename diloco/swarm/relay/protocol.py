@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
 import time
 
 from diloco.swarm.rounds.frames import recv_exact
@@ -68,3 +69,20 @@ def read_arrived(sock: socket.socket) -> tuple[bytes, int, str]:
     address = bytearray(head[-1])
     recv_exact(sock, memoryview(address), deadline)
     return bytes(head[:ID_SIZE]), head[ID_SIZE], address.decode("ascii", "replace")
+
+
+def keep_alive(sock: socket.socket, sending: threading.Lock) -> threading.Event:
+    """Send a ``KEEPALIVE`` byte on `sock` every ``KEEPALIVE_S`` (under `sending`, which every writer of `sock`
+    holds) from a thread of its own, until the returned event is set or a send fails."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(KEEPALIVE_S):
+            try:
+                with sending:
+                    sock.sendall(KEEPALIVE)
+            except OSError:
+                return
+
+    threading.Thread(target=beat, daemon=True, name="relay-keepalive").start()
+    return stop

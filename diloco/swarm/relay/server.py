@@ -204,17 +204,7 @@ class Relay:
         for index, server in enumerate(servers):
             handler = self._arrival(conn, sending, index)
             threading.Thread(target=self._accept, args=(server, handler), daemon=True, name="relay-port").start()
-        stop = threading.Event()
-
-        def keepalive() -> None:
-            while not stop.wait(protocol.KEEPALIVE_S):
-                try:
-                    with sending:
-                        conn.sendall(protocol.KEEPALIVE)
-                except OSError:
-                    return
-
-        threading.Thread(target=keepalive, daemon=True, name="relay-keepalive").start()
+        stop = protocol.keep_alive(conn, sending)
         try:
             conn.settimeout(protocol.DEAD_AFTER_S)
             while conn.recv(64):  # the rank's keepalives; end of file, silence or a reset end the lease
