@@ -73,7 +73,7 @@ class Relay:
 
     # ------------------------------------------------------------ connections at the control port
 
-    def _accept(self, server: socket.socket, handler) -> None:  # noqa: ANN001 - (conn, host) -> None
+    def _accept(self, server: socket.socket, handler: Callable[[socket.socket, str], None]) -> None:
         while True:
             try:
                 conn, address = server.accept()
@@ -214,7 +214,8 @@ class Relay:
         finally:
             stop.set()
 
-    def _arrival(self, control: socket.socket, sending: threading.Lock, index: int):  # noqa: ANN202
+    def _arrival(self, control: socket.socket, sending: threading.Lock, index: int
+                 ) -> Callable[[socket.socket, str], None]:  # fmt: skip
         def arrived(conn: socket.socket, caller: str) -> None:
             conn_id = secrets.token_bytes(protocol.ID_SIZE)
             with self._lock:
