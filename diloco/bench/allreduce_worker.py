@@ -225,7 +225,7 @@ def whole_group(dht: object, prefix: str, ip: str, size: int, k: int, transport:
         yield GroupRounds(
             matcher, rank=0, shape=Shape("FULL_SHARD", 1), model_shapes=[(size,)], endpoints=[endpoint],
             broadcast=lambda found: found, listener=listener, codec=WIRE_FORMATS["none"].tcp,
-            timeout=AVERAGING_TIMEOUT_S / 4, replicas=None, transport=transport, connect=connect, tunnel=tunnel,
+            timeout=AVERAGING_TIMEOUT_S / 4, replicas=None, connect=connect, tunnel=tunnel,
             key=SwarmKey(hashlib.sha256(prefix.encode()).digest()) if keyed else None,
             p2p=[tunnel.peer_id] if tunnel is not None else None,
         )  # fmt: skip

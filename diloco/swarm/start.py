@@ -314,7 +314,7 @@ def group_rounds(hv: HvConfig, env: DistEnv, gather: Callable[[Any], list[Any]],
     return GroupRounds(
         matchmaker if env.rank == 0 else None, rank=env.rank, shape=shape, model_shapes=model_shapes,
         endpoints=endpoints, broadcast=broadcast, listener=door.listener, codec=rounds_codec(hv),
-        timeout=timeout, replicas=replicas, transport=hv.transport, connect=door.connect, tunnel=door.tunnel,
+        timeout=timeout, replicas=replicas, connect=door.connect, tunnel=door.tunnel,
         dialable=dialable, reach=door.reach.kind, relayed=relayed, p2p=p2p,
         fragments=fragments, aggregation=hv.aggregation, key=key, signer=signer, public_keys=public_keys, model=model,
         deadlines=Deadlines(hv.averaging_timeout) if env.rank == 0 else None,

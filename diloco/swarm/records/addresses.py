@@ -21,6 +21,11 @@ def ips(maddr: Multiaddr | str) -> list[str]:
     return found
 
 
+def without_p2p(maddr: str) -> str:
+    """The transport part of a multiaddr, without its ``/p2p/<peer id>`` (p2pd's connect takes the peer id apart)."""
+    return maddr.split("/p2p/")[0]
+
+
 def offset_port(maddr: str, offset: int) -> str:
     """`maddr` with its TCP port moved up by `offset`: each local rank gets its own port when the user named a
     fixed one (port 0 stays 'any free port'; a multiaddr without a TCP part is left alone)."""

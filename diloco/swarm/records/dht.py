@@ -31,6 +31,7 @@ from multiaddr import Multiaddr
 
 from diloco.errors import FieldError, first_line
 from diloco.procs import check_tempdir, exit_with_parent
+from diloco.swarm.records.addresses import without_p2p
 from diloco.swarm.records.fork_locks import make_hivemind_locks_kill_safe
 from diloco.swarm.records.identity import ensure_identity
 from diloco.swarm.records.ownership import checking_validator
@@ -332,7 +333,7 @@ def rendezvous(
     many members were seen.
     """
     deadline = time.monotonic() + timeout
-    mine = {"peer_id": dht.peer_id.to_base58(), "maddrs": [_without_p2p(m) for m in visible_maddrs(dht)]}
+    mine = {"peer_id": dht.peer_id.to_base58(), "maddrs": [without_p2p(m) for m in visible_maddrs(dht)]}
     seen: dict = {}
     while True:
         dht.store(key, subkey=member, value=mine, expiration_time=get_dht_time() + timeout + 60)
@@ -344,11 +345,6 @@ def rendezvous(
     others = [entry.value for name, entry in seen.items() if name != member and isinstance(entry.value, dict)]
     dht.run_coroutine(partial(_connect, others))
     return len(seen)
-
-
-def _without_p2p(maddr: str) -> str:
-    """The transport part of a multiaddr (p2pd's connect takes the peer id apart)."""
-    return maddr.split("/p2p/")[0]
 
 
 async def _connect(peers: list[dict], dht: hivemind.DHT, node: hivemind.DHTNode) -> None:

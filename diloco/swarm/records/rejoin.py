@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from diloco.swarm.records.addresses import without_p2p
+
 log = logging.getLogger("diloco")
 
 CHECK_S = 5.0
@@ -55,7 +57,7 @@ async def _rejoin(initial_peers: list[str], node: Any) -> bool:
         with contextlib.suppress(Exception):  # unreachable, not a DHT peer: the others may do
             address = Multiaddr(maddr)
             peer = PeerID.from_base58(address.value_for_protocol("p2p"))
-            transport = Multiaddr(maddr.split("/p2p/")[0])
+            transport = Multiaddr(without_p2p(maddr))
             await asyncio.wait_for(node.p2p._client.connect(peer, [transport]), CONNECT_TIMEOUT_S)
             return await node.protocol.call_ping(peer, validate=False, strict=False) is not None
         return False

@@ -269,9 +269,9 @@ class GroupRounds:
         round's steps take `timeout`; the other ranks' own is never used).
     :param fragments: with ``--hv.fragments``: the indices of each fragment's parameters (``diloco.outer.fragments``);
         a round of fragment f is laid out over those parameters alone. None: rounds are of the whole model.
-    :param transport: this rank's preference (``--hv.transport``); ``connect`` reaches other ranks' listeners over
-        TCP, and with a ``tunnel`` (a ``diloco.swarm.rounds.tunnel.Tunnel``, which also brings their streams to
-        ``listener``) ranks that take libp2p streams at their peer id. ``close()`` closes both.
+    :param connect: reaches other ranks' listeners over TCP, and with a ``tunnel`` (a
+        ``diloco.swarm.rounds.tunnel.Tunnel``, which also brings their streams to ``listener``) ranks that take libp2p
+        streams at their peer id. ``close()`` closes both.
     :param p2p: per rank, the libp2p peer id at which it takes streams ("": none), announced with the group.
     :param aggregation: how this rank combines the contributions to the spans it reduces (``--hv.aggregation``).
     :param key: the swarm key (``diloco.swarm.records.swarm_key``): announcements without its MAC are left out of the
@@ -295,7 +295,6 @@ class GroupRounds:
         codec: tcp.Codec | Callable[[Sequence[Sequence[int]]], tcp.Codec],
         timeout: float,
         replicas: Replicas | None,
-        transport: str = "tcp",
         connect: tcp.Connect = tcp.connect,
         tunnel: object | None = None,
         fragments: Sequence[Sequence[int]] | None = None,
@@ -323,7 +322,7 @@ class GroupRounds:
             broadcast, listener, codec, timeout, replicas
         )  # fmt: skip
         self.layout = group_layout(self.model_shapes, shape)[rank]  # this rank's part of the canonical vector
-        self.transport, self.connect, self.tunnel = transport, connect, tunnel
+        self.connect, self.tunnel = connect, tunnel
         self.fragments = [list(f) for f in fragments] if fragments else None
         self.malformed = 0  # announcements left out of rounds for a form this version cannot read
         self.dialable = tuple(bool(d) for d in dialable) if dialable is not None else (True,) * shape.world_size
@@ -508,20 +507,24 @@ def member_of(entry: object) -> Member:
     model = entry.get("model", "")
     if not isinstance(model, str) or len(model) > 128:
         raise ValueError("a model fingerprint that is no short string")
-    dialable = entry.get("dialable", [])
-    if not isinstance(dialable, list) or (dialable and len(dialable) != len(endpoints)) or not all(
-            type(d) is bool for d in dialable):  # fmt: skip
-        raise ValueError("a reachability that is not one bool per rank")
-    relayed = entry.get("relayed", [])
-    if not isinstance(relayed, list) or (relayed and len(relayed) != len(endpoints)) or not all(
-            type(r) is bool for r in relayed):  # fmt: skip
-        raise ValueError("relay flags that are not one bool per rank")
-    p2p = entry.get("p2p", [])
-    if not isinstance(p2p, list) or (p2p and len(p2p) != len(endpoints)) or not all(
-            type(p) is str and _PEER_ID.fullmatch(p) for p in p2p):  # fmt: skip
-        raise ValueError("libp2p peer ids that are not one short base58 string (or none) per rank")
-    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight, keys, model, tuple(dialable),
-                  tuple(relayed), tuple(p2p))  # fmt: skip
+    def is_flag(value: object) -> bool:
+        return type(value) is bool
+
+    dialable = _per_rank(entry, "dialable", len(endpoints), is_flag, "a reachability that is not one bool per rank")
+    relayed = _per_rank(entry, "relayed", len(endpoints), is_flag, "relay flags that are not one bool per rank")
+    p2p = _per_rank(entry, "p2p", len(endpoints), lambda p: type(p) is str and bool(_PEER_ID.fullmatch(p)),
+                    "libp2p peer ids that are not one short base58 string (or none) per rank")  # fmt: skip
+    return Member(Shape(strategy, int(world_size), int(nodes)), endpoints, weight, keys, model, dialable, relayed,
+                  p2p)  # fmt: skip
+
+
+def _per_rank(entry: dict, key: str, ranks: int, valid: Callable[[object], bool], why: str) -> tuple:
+    """An announcement's optional list of one value per rank under `key` (absent or empty: ``()``); ValueError(`why`)
+    for anything else."""
+    values = entry.get(key, [])
+    if not isinstance(values, list) or (values and len(values) != ranks) or not all(valid(v) for v in values):
+        raise ValueError(why)
+    return tuple(values)
 
 
 def abreast(claims: list[object], round_index: int) -> list[int]:

@@ -126,10 +126,11 @@ def hosts_of(maddrs: Sequence[str], peer: str) -> list[str]:
             parsed = Multiaddr(maddr)
             if parsed.value_for_protocol("p2p") != peer:
                 continue
-            for protocol in ("ip4", "ip6", "dns", "dns4", "dns6"):
+            names = []
+            for protocol in ("dns", "dns4", "dns6"):
                 with contextlib.suppress(Exception):  # the multiaddr has no such part
-                    if (host := parsed.value_for_protocol(protocol)) and host not in hosts:
-                        hosts.append(host)
+                    names.append(parsed.value_for_protocol(protocol))
+            hosts += [host for host in [*ips(parsed), *names] if host and host not in hosts]
     return hosts
 
 
