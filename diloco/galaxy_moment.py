@@ -52,7 +52,7 @@ class GalaxyAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
-            lr, (beta1, beta2), k = group["lr"], group["betas"], group["galaxy_batches"]
+            buckets: dict[float, _Bucket] = {}  # by step count: each bucket shares its bias corrections
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -62,18 +62,61 @@ class GalaxyAdamW(torch.optim.Optimizer):
                     for key in ("exp_avg", "exp_avg_sq", "exp_var"):
                         state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                t = float(state["step"])
-                grad, exp_avg, exp_avg_sq, exp_var = p.grad, state["exp_avg"], state["exp_avg_sq"], state["exp_var"]
-                p.mul_(1 - lr * group["weight_decay"])
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                variance = self.variance.get(p)
-                if variance is not None:
-                    exp_var.mul_(beta2).add_(variance, alpha=1 - beta2)
-                second = torch.maximum(exp_avg_sq - (1 - 1 / k) * exp_var, exp_avg_sq / k)
-                denom = (second / (1 - beta2**t)).sqrt_().add_(group["eps"])
-                p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**t))
+                bucket = buckets.setdefault(float(state["step"]), _Bucket())
+                bucket.add(p, state, self.variance.get(p))
+            for t, bucket in buckets.items():
+                _step(bucket, group, t)
         self.variance = {}
+
+
+class _Bucket:
+    """The local tensors (each rank's shard under FSDP2) of the parameters that take a step at one step count:
+    every operation below is elementwise, so the shards step as the whole would, and multi-tensor ops on plain
+    tensors cost a fraction of one DTensor dispatch per operation and parameter."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.exp_avgs: list[torch.Tensor] = []
+        self.exp_avg_sqs: list[torch.Tensor] = []
+        self.exp_vars: list[torch.Tensor] = []
+        self.observed_vars: list[torch.Tensor] = []  # the exp_var of parameters with an estimate this step
+        self.estimates: list[torch.Tensor] = []
+
+    def add(self, p: torch.Tensor, state: dict, variance: torch.Tensor | None) -> None:
+        self.params.append(local(p))
+        self.grads.append(local(p.grad))  # type: ignore[arg-type]
+        self.exp_avgs.append(local(state["exp_avg"]))
+        self.exp_avg_sqs.append(local(state["exp_avg_sq"]))
+        self.exp_vars.append(local(state["exp_var"]))
+        if variance is not None:
+            self.observed_vars.append(self.exp_vars[-1])
+            self.estimates.append(local(variance))
+
+
+def _step(b: _Bucket, group: dict, t: float) -> None:
+    """One GalaxyAdamW step of a bucket's parameters at step count t."""
+    lr, (beta1, beta2), k = group["lr"], group["betas"], group["galaxy_batches"]
+    torch._foreach_mul_(b.params, 1 - lr * group["weight_decay"])
+    torch._foreach_lerp_(b.exp_avgs, b.grads, 1 - beta1)
+    torch._foreach_mul_(b.exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(b.exp_avg_sqs, b.grads, b.grads, value=1 - beta2)
+    if b.observed_vars:
+        torch._foreach_mul_(b.observed_vars, beta2)
+        torch._foreach_add_(b.observed_vars, b.estimates, alpha=1 - beta2)
+    second = torch._foreach_mul(b.exp_vars, 1 - 1 / k)
+    torch._foreach_sub_(second, b.exp_avg_sqs)
+    torch._foreach_neg_(second)  # E[g²] - (1 - 1/k) E[Var g] ...
+    torch._foreach_maximum_(second, torch._foreach_div(b.exp_avg_sqs, k))  # ... never below E[g²] / k
+    torch._foreach_div_(second, 1 - beta2**t)
+    torch._foreach_sqrt_(second)
+    torch._foreach_add_(second, group["eps"])
+    torch._foreach_addcdiv_(b.params, b.exp_avgs, second, value=-lr / (1 - beta1**t))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place ops on it change the DTensor), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Halves:
@@ -98,20 +141,25 @@ class Halves:
         sizes = [len(piece) for piece in pieces]
         return pieces, first, sum(sizes[:first]) / sum(sizes)
 
+    @torch.no_grad()
     def snapshot(self) -> None:
         """The first part's gradient (reduced over the group), as it stands after its last micro-batch."""
-        self.first = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        self.first = [None if p.grad is None else local(p.grad).clone() for p in self.params]
 
+    @torch.no_grad()
     def observe(self, optimizer: GalaxyAdamW, share: float, scale: float, clip: float) -> None:
         """Hand the optimizer each parameter's variance estimate: with F the snapshot (times `scale`, the gradient
         scaler's factor), G the step's gradient before clipping and c the clip factor (p.grad = c G),
         Var(c G) = c² (F / scale - W G)² / (W (1 - W)) = (c F / scale - W p.grad)² / (W (1 - W))."""
-        variance = {}
-        for p, first in zip(self.params, self.first, strict=True):
-            if first is None or p.grad is None:
-                continue
-            first.mul_(clip / scale).sub_(p.grad, alpha=share)
-            variance[p] = first.square_().div_(share * (1 - share))
+        pairs = [(p, first) for p, first in zip(self.params, self.first, strict=True)
+                 if first is not None and p.grad is not None]  # fmt: skip
+        firsts = [first for _, first in pairs]
+        if firsts:
+            torch._foreach_mul_(firsts, clip / scale)
+            torch._foreach_sub_(firsts, [local(p.grad) for p, _ in pairs], alpha=share)  # type: ignore[arg-type]
+            torch._foreach_pow_(firsts, 2.0)
+            torch._foreach_div_(firsts, share * (1 - share))
+        variance = {p: first for p, first in pairs}
         self.first = []
         optimizer.observe(variance)
 

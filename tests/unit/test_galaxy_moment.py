@@ -36,6 +36,72 @@ def test_with_one_groups_batch_it_takes_adamws_steps() -> None:
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+
+def halves_run(model: torch.nn.Module, steps: int = 4) -> None:
+    """Steps of GalaxyAdamW with each step's variance from two halves, a parameter left out of one step."""
+    opt = GalaxyAdamW(model.parameters(), lr=0.01, betas=BETAS, weight_decay=WD, galaxy_batches=3.0)
+    halves, g = Halves(model.parameters()), torch.Generator().manual_seed(3)
+    for step in range(steps):
+        x = torch.randn(4, 6, generator=g)
+        model.zero_grad(set_to_none=True)
+        model(x[:2]).square().mean().backward()
+        halves.snapshot()
+        model(x[2:]).square().mean().backward()
+        if step == 2:
+            model[1].bias.grad = None  # a step that leaves a parameter out: it steps at its own count afterwards
+        halves.observe(opt, 0.5, 1.0, 0.8)
+        opt.step()
+
+
+def test_on_fsdp2_shards_it_steps_as_on_whole_tensors(one_process_group: None) -> None:
+    """The step and the estimate work on each rank's local shard (elementwise, multi-tensor ops): a model under
+    fully_shard ends bit-identical to the same model stepped as plain tensors."""
+    from torch.distributed.fsdp import fully_shard
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+
+    plain, sharded = model(), model()
+    fully_shard(sharded)
+    sharded.set_requires_gradient_sync(True)
+    halves_run(plain)
+    halves_run(sharded)
+    for p, q in zip(plain.parameters(), sharded.parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach().full_tensor())
+
+
+
+def test_its_multi_tensor_step_is_the_formula_per_parameter() -> None:
+    """v = max(E[g²] - (1 - 1/k) E[Var g], E[g²] / k), AdamW otherwise, parameter by parameter: the same bits,
+    also for a parameter that missed a step (its own bias correction)."""
+    ours, theirs = params(), params()
+    opt, k, lr = GalaxyAdamW(ours, lr=0.01, betas=BETAS, weight_decay=WD, galaxy_batches=3.0), 3.0, 0.01
+    state = [dict(m=torch.zeros_like(q), v=torch.zeros_like(q), var=torch.zeros_like(q), t=0) for q in theirs]
+    gen = torch.Generator().manual_seed(4)
+    for step in range(5):
+        grads = [torch.randn(q.shape, generator=gen) for q in theirs]
+        variance = [g.square() * 0.5 for g in grads]
+        skip = 1 if step == 2 else None
+        for i, (p, q, g, var, s) in enumerate(zip(ours, theirs, grads, variance, state, strict=True)):
+            p.grad = None if i == skip else g.clone()
+            if i == skip:
+                continue
+            with torch.no_grad():
+                s["t"] += 1
+                q.mul_(1 - lr * WD)
+                s["m"].lerp_(g, 1 - BETAS[0])
+                s["v"].mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+                s["var"].mul_(BETAS[1]).add_(var, alpha=1 - BETAS[1])
+                second = torch.maximum(s["v"] - (1 - 1 / k) * s["var"], s["v"] / k)
+                denom = (second / (1 - BETAS[1] ** s["t"])).sqrt_().add_(1e-8)
+                q.addcdiv_(s["m"], denom, value=-lr / (1 - BETAS[0] ** s["t"]))
+        opt.observe({p: v for p, v in zip(ours, variance, strict=True)})
+        opt.step()
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+
+
 def first_step(variance_per_grad_square: float, k: float) -> torch.Tensor:
     p = torch.nn.Parameter(torch.zeros(3))
     opt = GalaxyAdamW([p], lr=0.1, betas=BETAS, weight_decay=0.0, galaxy_batches=k)
