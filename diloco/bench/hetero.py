@@ -33,6 +33,9 @@ moment late). Phases, one after another:
   own (galaxy size 1: no DHT, no averaging); tokens/s = its inner-step tokens ÷ inner-step time (the
   `tokens_per_s` rows after the warm-up, combined as a harmonic mean: a step the kernel parked counts with its
   full time);
+- solo side by side (the full run): each trio's three solo runs at once, with their quotas: what three trainers
+  sharing this machine's two cores lose before any swarm (caches, memory bandwidth, the host), which a ratio to
+  the solo runs alone counts against the swarm; the arms' tokens/s are given against both sums;
 - each arm on the unequal trio, then on the equal one (`--quick`: tokens on the unequal trio), with
   galaxy size 3 and `--max-steps S`: under fixed H every group trains S inner steps (a late one under `keep` skips
   the round it jumps over), under the token budget the swarm trains 3 × S steps' worth of tokens in as many rounds;
@@ -553,6 +556,16 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
             solo.append(solo_figures(launch, setup, cgroup["engaged_at"], Counters(series), i))
             cgroups["solo"].append(cgroup)
             commands["solo"].append(shlex.join(launch.command))
+    side_by_side = {"unequal": solo} if quick else {}  # quick: the solo phase ran the three at once already
+    for trio, cores in ({} if quick else TRIOS).items():
+        phase = [Launch(f"side-{trio}-{i}", c, train_command(setup, model, work_dir / f"side-{trio}-{i}",
+                                                             solo_steps(setup, c), []), work_dir / f"side-{trio}-{i}")
+                 for i, c in enumerate(cores)]  # fmt: skip
+        log.info("bench hetero solo side by side, %s: %s", trio, shlex.join(phase[0].command))
+        figures, series = run_phase(phase, work_dir, setup.timeout_s)
+        side_by_side[trio] = [solo_figures(launch, setup, cgroup["engaged_at"], Counters(series), i)
+                              for i, (launch, cgroup) in enumerate(zip(phase, figures))]  # fmt: skip
+        commands[f"side-{trio}"] = [shlex.join(launch.command) for launch in phase]
     arms = []
     with ExitStack() as stack:
         peers, dht = start_dht(stack, work_dir)
@@ -565,7 +578,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
             groups = [group_figures(x.run_dir, setup) | {"moment": moment(work_dir / f"{x.label}.log")}
                       for x in launches]  # fmt: skip
             alone = [next(s for s in solo if s["cores"] == c) for c in cores]
-            arms.append(arm_figures(arm, groups, cgroups[name], alone, Counters(series), trio))
+            arms.append(arm_figures(arm, groups, cgroups[name], alone, Counters(series), trio, side_by_side.get(trio)))
             commands[name] = [shlex.join(x.command) for x in launches]
         dead, commands["equal-tokens-dead"] = dead_arm(setup, model, work_dir, peers, dht)
         pause = None
@@ -582,6 +595,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
         "arm_flags": ARM_FLAGS,
         "solo": solo,
         "solo_sum_tokens_per_s": solo_sum,
+        "side_by_side": side_by_side,
         "fixed_h_expected_ratio": len(CORES) * min(s["tokens_per_s"] for s in solo) / solo_sum,
         "arms": arms,
         "dead": dead,

@@ -20,6 +20,7 @@ from diloco.bench.hetero_pause import pause_lines
 __all__ = ["Counters", "arm_figures", "explain", "markdown", "plot", "step_cpu", "targets"]
 
 TRIO_NAMES = ("unequal", "equal")  # the unequal trio, then every group at the middle share (`hetero.TRIOS`)
+ARM_ORDER = ("old-fixed", "fixed", "tokens", "tokens-group")  # `hetero.ARMS`
 RATIO_TARGET = 0.95  # swarm tokens/s ÷ the sum of the groups' solo tokens/s
 FULL_ROUNDS_TARGET = 0.95  # share of the swarm's rounds that had every group
 DISCARD_TARGET = 0  # inner steps discarded while every group lives
@@ -106,9 +107,10 @@ def arm_figures(
     solo: list[dict[str, Any]],
     counters: Counters | None = None,
     trio: str = "unequal",
+    side_by_side: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """An arm's swarm figures from its groups' (see `group_figures`), the solo figures of the same cores, and the
-    sampler's counters (None: no CPU figures).
+    """An arm's swarm figures from its groups' (see `group_figures`), the solo figures of the same cores, the
+    sampler's counters (None: no CPU figures) and the trio's solo runs side by side (None: not measured).
 
     Its wall time runs from the first inner step of any group to the last outer step of any group. Throughput is
     measured over the part of it after every quota was set (`engage_when_ready`): the steps that began then.
@@ -163,6 +165,8 @@ def arm_figures(
         "swarm_tokens_per_s": measured / window,
         "solo_sum_tokens_per_s": solo_sum,
         "ratio_to_solo_sum": measured / window / solo_sum,
+        "ratio_to_side_by_side_sum": (measured / window / sum(s["tokens_per_s"] for s in side_by_side)
+                                      if side_by_side else None),  # fmt: skip
         "full_rounds": full,
         "swarm_rounds": rounds,
         "full_round_share": full / rounds if rounds else None,
@@ -332,7 +336,27 @@ def explain(result: dict[str, Any]) -> list[str]:
             solo = [next(s for s in result["solo"] if s["cores"] == c) for c in arm["cores"]]
             lines.append(explain_arm(arm, solo))
     by_name = {arm_key(arm): arm for arm in result["arms"]}
-    return lines + [line + "." for trio in TRIO_NAMES if (line := moment_cost(by_name, trio))]
+    lines += [line + "." for trio in TRIO_NAMES if (line := moment_cost(by_name, trio))]
+    return lines + [line for trio in TRIO_NAMES if (line := side_by_side_line(result, trio, by_name))]
+
+
+def side_by_side_line(result: dict[str, Any], trio: str, arms: dict[str, dict[str, Any]]) -> str | None:
+    """What the trio's three trainers lose by sharing the machine with no swarm (their solo runs at once against
+    each alone), and what the swarm arms reach of that (None where the side-by-side runs did not take place)."""
+    together = result.get("side_by_side", {}).get(trio)
+    if not together or result["quick"]:
+        return None
+    alone = [next(s for s in result["solo"] if s["cores"] == side["cores"]) for side in together]
+    speeds = [side["tokens_per_s"] / solo["tokens_per_s"] for side, solo in zip(together, alone)]
+    per_step = [side["cpu_per_step_s"] / solo["cpu_per_step_s"] if side.get("cpu_per_step_s") and
+                solo.get("cpu_per_step_s") else None for side, solo in zip(together, alone)]  # fmt: skip
+    total, total_alone = sum(s["tokens_per_s"] for s in together), sum(s["tokens_per_s"] for s in alone)
+    reached = [f"{name} {arm['ratio_to_side_by_side_sum']:.2f}" for name in ARM_ORDER
+               if (arm := arms.get(f"{trio}-{name}")) and arm.get("ratio_to_side_by_side_sum") is not None]
+    return (f"{trio} trio side by side (its three solo runs at once, no swarm): {total:.0f} tokens/s, "
+            f"{total / total_alone:.2f} of the sum alone; each at {slashed(speeds)} of its solo speed, "
+            f"{slashed(per_step)}× its CPU per step: what sharing this machine costs before any swarm. Against this "
+            f"sum the arms reach {', '.join(reached)}.")
 
 
 # ---------------------------------------------------------------- the section
@@ -358,7 +382,9 @@ def setup_lines(result: dict[str, Any]) -> list[str]:
         f"- solo: each group alone, galaxy size 1 (no DHT), "
         f"{'all three at once (quick: a smoke test)' if result['quick'] else 'one after the other'}, {s['solo_steps']} "
         f"inner steps for the fastest and fewer for slower ones; tokens/s over the steps after {s['skip']} warm-up "
-        "steps (harmonic mean of the rows' `tokens_per_s`); the equal trio's solo is the middle group's",
+        "steps (harmonic mean of the rows' `tokens_per_s`); the equal trio's solo is the middle group's; solo side "
+        "by side: each trio's three solo runs at once, each under its quota (what sharing the machine costs three "
+        "trainers before any swarm)",
         f"- arms ({ran}): {flags}; each with `--max-steps {s['steps']} --hv.local-steps {s['local_steps']}` (the "
         f"token budget: {s['target_tokens']} tokens, H × 3 × tokens per step) and the outer SGD pinned at lr 1.0, "
         "momentum 0 (its lr warm-up as `auto` picks it); every other flag at its default (the inner AdamW moment "
@@ -401,6 +427,7 @@ def arm_rows(result: dict[str, Any]) -> list[str]:
         gap = gaps[arm["trio"]]["fixed"] if arm["name"] == "tokens" else None
         cells = [arm["trio"], arm["name"], f"{arm['wall_s']:.1f}", f"{arm['unthrottled_start_s']:.2f}",
                  f"{arm['swarm_tokens']:,}", f"{arm['swarm_tokens_per_s']:.0f}", f"**{arm['ratio_to_solo_sum']:.2f}**",
+                 fmt(arm.get("ratio_to_side_by_side_sum"), ".2f"),
                  f"{arm['full_rounds']}/{arm['swarm_rounds']} ({fmt(arm['full_round_share'], '.0%')})",
                  str(arm["discarded_steps"]), fmt(arm["final_eval_loss"], ".4f"), fmt(gap, "+.2%"),
                  "yes" if arm["same_model"] else "no"]  # fmt: skip
@@ -440,6 +467,12 @@ def machine_rows(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def side_note(arm: dict[str, Any]) -> str:
+    """", X of Σ solo side by side" where measured."""
+    ratio = arm.get("ratio_to_side_by_side_sum")
+    return "" if ratio is None else f"; {ratio:.2f} of Σ solo side by side"
+
+
 def verdict(result: dict[str, Any]) -> str:
     """Every arm's targets, met or missed; the tokens arm's eval loss against fixed per trio; the decision."""
     t = result["targets"]
@@ -449,7 +482,7 @@ def verdict(result: dict[str, Any]) -> str:
         a = t["arms"][arm_key(arm)]
         words.append(
             f"{arm['trio']} {arm['name']}: swarm ÷ Σ solo {a['ratio']:.2f} (≥ {t['ratio_target']}: "
-            f"**{MET[a['ratio_met']]}**), full rounds {fmt(a['full_round_share'], '.0%')} "
+            f"**{MET[a['ratio_met']]}**{side_note(arm)}), full rounds {fmt(a['full_round_share'], '.0%')} "
             f"(≥ {t['full_rounds_target']:.0%}: **{MET[a['full_rounds_met']]}**), discarded steps "
             f"{a['discarded_steps']} (= {t['discard_target']}: **{MET[a['discarded_met']]}**), final eval loss "
             f"{fmt(arm['final_eval_loss'], '.4f')}."
@@ -484,8 +517,8 @@ def markdown(result: dict[str, Any]) -> str:
         *group_rows(result),
         "",
         "| trio | arm | wall (s) | before every quota (s) | swarm tokens | swarm tokens/s | ÷ sum of solo | "
-        "full rounds | discarded | final eval loss | tokens vs fixed | same model |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        "÷ sum of solo side by side | full rounds | discarded | final eval loss | tokens vs fixed | same model |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
         *arm_rows(result),
         "",
         "Where the time went, per group (over the measured wall; CPU in core-seconds): step speed ÷ solo = cores in "

@@ -416,3 +416,24 @@ def test_a_paused_groups_evaluations_are_matched_with_the_next_round_the_others_
     assert not late["waited_for"] and [p["num_peers"] for p in late["pauses"]] == [3, 2]  # a split is a miss
     text = "\n".join(hetero_pause.pause_lines(late, "--hv.pace fixed"))
     assert "| 2 | 7.0 | 9.0 | 2 | 7.2 |" in text and "**missed**" in text and "2 of 2 waited past" in text
+
+
+def test_the_solo_runs_side_by_side_split_what_the_machine_costs_from_what_the_swarm_costs() -> None:
+    """Three solo runs at once at 0.8 of their speed alone (1.25× the CPU per step): the arm's tokens/s is given
+    against both sums, and a line says what sharing the machine cost before any swarm."""
+    alone = [{"tokens_per_s": 100.0, "cores": 0.5, "cpu_per_step_s": 1.0, "cores_in_steps": 0.5}] * 3
+    side = [s | {"tokens_per_s": 80.0, "cpu_per_step_s": 1.25} for s in alone]
+    groups = [group(10, [5, 5], 0.0, 20.0) for _ in range(3)]  # 50 tokens/s each
+    arm = hetero_report.arm_figures("tokens", groups, cgroups(0.0), alone, None, "equal", side)
+    assert arm["ratio_to_solo_sum"] == pytest.approx(150 / 300)
+    assert arm["ratio_to_side_by_side_sum"] == pytest.approx(150 / 240)
+    assert hetero_report.arm_figures("tokens", [group(10, [5, 5], 0.0, 20.0) for _ in range(3)], cgroups(0.0),
+                                     alone)["ratio_to_side_by_side_sum"] is None  # fmt: skip
+    result = {"arms": [arm], "solo": alone, "side_by_side": {"equal": side}, "quick": False}
+    line = hetero_report.side_by_side_line(result, "equal", {"equal-tokens": arm})
+    assert line == ("equal trio side by side (its three solo runs at once, no swarm): 240 tokens/s, 0.80 of the sum "
+                    "alone; each at 0.80 / 0.80 / 0.80 of its solo speed, 1.25 / 1.25 / 1.25× its CPU per step: what "
+                    "sharing this machine costs before any swarm. Against this sum the arms reach tokens 0.62.")
+    assert line in hetero_report.explain(result)
+    assert hetero_report.side_by_side_line(result, "unequal", {}) is None
+    assert "; 0.62 of Σ solo side by side" in hetero_report.side_note(arm)
