@@ -51,7 +51,6 @@ POLL_S = 0.5
 RSS_EVERY_S = 10.0
 ORPHAN_WAIT_S = 15.0  # a killed trainer's DHT, averager and p2pd must be gone by then (they watch their parent)
 STOP_WAIT_S = 90.0  # a SIGTERMed group that has not exited by then is a hang (then killed)
-PACE_MARGIN = 1.15  # soak rounds planned beyond the baseline's pace
 
 
 class Swarm:
@@ -262,7 +261,7 @@ def run_soak(setup: ChurnSetup, stack: ExitStack, work_dir: Path, model: Path, p
     plan = schedule(setup)
     # the soak may round faster than the baseline (its slowest group is often down: 6% faster in the first full
     # run, which then reached its tail 6 events before the schedule's end); the margin lets every event happen
-    rounds = math.ceil((plan[-1][0] + setup.tail_s) / round_s * PACE_MARGIN) + 2  # start-up: about two rounds
+    rounds = math.ceil((plan[-1][0] + setup.tail_s) / round_s * setup.pace_margin) + 2  # start-up: about two rounds
     tail_rounds = math.ceil(setup.tail_s / round_s)
     swarm = Swarm(setup, stack, work_dir, "soak", model, peers, rounds * setup.local_steps)
     for slot in swarm.slots:
