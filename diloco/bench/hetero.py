@@ -556,7 +556,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
             solo.append(solo_figures(launch, setup, cgroup["engaged_at"], Counters(series), i))
             cgroups["solo"].append(cgroup)
             commands["solo"].append(shlex.join(launch.command))
-    side_by_side = {"unequal": solo} if quick else {}  # quick: the solo phase ran the three at once already
+    side_by_side: dict[str, list[dict[str, Any]]] = {}  # none in a quick run, whose solo phase is side by side
     for trio, cores in ({} if quick else TRIOS).items():
         phase = [Launch(f"side-{trio}-{i}", c, train_command(setup, model, work_dir / f"side-{trio}-{i}",
                                                              solo_steps(setup, c), []), work_dir / f"side-{trio}-{i}")

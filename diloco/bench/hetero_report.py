@@ -344,7 +344,7 @@ def side_by_side_line(result: dict[str, Any], trio: str, arms: dict[str, dict[st
     """What the trio's three trainers lose by sharing the machine with no swarm (their solo runs at once against
     each alone), and what the swarm arms reach of that (None where the side-by-side runs did not take place)."""
     together = result.get("side_by_side", {}).get(trio)
-    if not together or result["quick"]:
+    if not together:
         return None
     alone = [next(s for s in result["solo"] if s["cores"] == side["cores"]) for side in together]
     speeds = [side["tokens_per_s"] / solo["tokens_per_s"] for side, solo in zip(together, alone)]
