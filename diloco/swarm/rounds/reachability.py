@@ -130,7 +130,9 @@ def hosts_of(maddrs: Sequence[str], peer: str) -> list[str]:
             for protocol in ("dns", "dns4", "dns6"):
                 with contextlib.suppress(Exception):  # the multiaddr has no such part
                     names.append(parsed.value_for_protocol(protocol))
-            hosts += [host for host in [*ips(parsed), *names] if host and host not in hosts]
+            for host in [*ips(parsed), *names]:
+                if host and host not in hosts:
+                    hosts.append(host)
     return hosts
 
 
