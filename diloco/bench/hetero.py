@@ -48,14 +48,14 @@ quota was set ÷ the wall time from then on, rounds included (the arms evaluate 
 solo runs do not evaluate at all). Per arm and group: the inner steps discarded (summary.json), the share of rounds
 that had every group (`num_peers` = 3 in the outer rows) and the final eval loss.
 
-Where the time goes: every SAMPLE_S seconds a thread reads each group's cgroups (the quota's CPU seconds and
-throttling, the helpers' CPU seconds), the training process's main thread (/proc), the bootstrap DHT's cgroup, this
-process and the machine (/proc/stat). Integrated over each group's inner steps they give the training process's CPU
-seconds per step and the cores it ran at inside its steps, against the same two figures alone: their ratio is the
-step speed in the swarm ÷ solo, split into "more CPU per step" and "less CPU per second". Over the arm's window:
-the helpers', the bootstrap DHT's, this bench's and every other process's core-seconds against the spare capacity
-the quotas leave ((cores − Σ quotas) × wall), and each group's time in inner steps, rounds, evaluation and after
-its last round. Targets are reported, never asserted (`targets`).
+Where the time goes: every SAMPLE_S seconds a thread (`hetero_sampler`) reads each group's cgroups (the quota's CPU
+seconds and throttling, the helpers' CPU seconds), the training process's main thread (/proc), the bootstrap DHT's
+cgroup, this process and the machine (/proc/stat). Integrated over each group's inner steps they give the training
+process's CPU seconds per step and the cores it ran at inside its steps, against the same two figures alone: their
+ratio is the step speed in the swarm ÷ solo, split into "more CPU per step" and "less CPU per second". Over the
+arm's window: the helpers', the bootstrap DHT's, this bench's and every other process's core-seconds against the
+spare capacity the quotas leave ((cores − Σ quotas) × wall), and each group's time in inner steps, rounds,
+evaluation and after its last round. Targets are reported, never asserted (`targets`).
 """
 
 from __future__ import annotations
@@ -63,18 +63,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 import shlex
 import subprocess
 import sys
-import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from diloco import procs
 from diloco.bench import BenchError
@@ -90,8 +86,9 @@ from diloco.bench.hetero_report import (
     targets,
     usable_cores,
 )
+from diloco.bench.hetero_sampler import Sampler
 from diloco.bench.models import write_model
-from diloco.bench.throttle import CpuLimit, ThrottleError
+from diloco.bench.throttle import CpuLimit
 from diloco.bench.wire import dht_peers, last_line, started, summary, wait_all
 from diloco.corpus import TINYSHAKESPEARE
 
@@ -118,8 +115,6 @@ PAUSE_ARM = "fixed"  # the paused-group arm's (`pause_arm`): rounds due at an in
 QUICK_ARMS = (("unequal", "tokens"),)  # a smoke test of the default pace; the full run compares the paces
 MOMENT = re.compile(r"inner AdamW moment (\w+)")  # the trainer's start-up line
 ENGAGE_POLL_S = 0.02  # how often a starting trainer is looked at: its quota is set within this of being ready
-SAMPLE_S = 0.1  # how often the sampler reads the CPU counters (the CFS period is 0.1 s)
-CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")  # the unit of /proc's utime and stime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,90 +186,6 @@ def arm_flags(setup: HeteroSetup, trio: str, arm: str, rank: int, peers: list[st
         *ARM_FLAGS[arm], "--hv.outer-lr", "1.0", "--hv.outer-momentum", "0", "--hv.run-id", f"hetero-{run or f'{trio}-{arm}'}",
         "--hv.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--hv.initial-peers", *peers,
     ]  # fmt: skip
-
-
-# ---------------------------------------------------------------- counting CPU
-
-
-def thread_cpu_s(pid: int) -> float | None:
-    """CPU seconds of process `pid`'s main thread (its training loop), or None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) * CLOCK_TICK_S  # utime, stime
-
-
-class Sampler:
-    """Reads every SAMPLE_S seconds, in a thread, until `stop`: per group its quota's CPU seconds and throttling, its
-    helpers' CPU seconds and its trainer's main thread; the bootstrap DHT's cgroup, this process, and the machine's
-    busy and stolen CPU seconds. It also moves any process but the trainer out of the quota into the helpers'
-    cgroup (a child forked after the quota was set). A counter that cannot be read keeps its last value."""
-
-    GROUP = ("train", "main", "helpers", "throttled_s", "throttled", "periods")
-
-    def __init__(self, pids: list[int], limits: list[CpuLimit], helpers: list[CpuLimit], dht: CpuLimit | None):
-        self.pids, self.limits, self.helpers, self.dht = pids, limits, helpers, dht
-        self.series: dict[str, Any] = {"t": [], "busy": [], "steal": [], "bench": [], "dht": []}
-        self.series |= {name: [[] for _ in pids] for name in self.GROUP}
-        self._me = psutil.Process()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="hetero-sampler", daemon=True)
-
-    def start(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop after one last reading (idempotent)."""
-        if not self._stop.is_set():
-            self._stop.set()
-            self._thread.join()
-
-    def _loop(self) -> None:
-        while True:
-            self.sample()
-            if self._stop.wait(SAMPLE_S):
-                self.sample()
-                return
-
-    def sample(self) -> None:
-        s = self.series
-        machine, me = psutil.cpu_times(), self._me.cpu_times()
-        s["t"].append(time.time())
-        s["busy"].append(machine.user + machine.nice + machine.system + machine.irq + machine.softirq)
-        s["steal"].append(getattr(machine, "steal", 0.0))
-        s["bench"].append(me.user + me.system)
-        s["dht"].append(self._cpu(self.dht, s["dht"]))
-        for i, (pid, limit, helper) in enumerate(zip(self.pids, self.limits, self.helpers)):
-            self._sweep(pid, limit, helper)
-            try:
-                usage = limit.usage()
-                values = (usage.cpu_s, thread_cpu_s(pid), self._cpu(helper, s["helpers"][i]), usage.throttled_s,
-                          usage.throttled_periods, usage.periods)  # fmt: skip
-            except (OSError, ThrottleError, ValueError):
-                values = (None,) * len(self.GROUP)
-            for name, value in zip(self.GROUP, values):
-                column = s[name][i]
-                column.append(value if value is not None else (column[-1] if column else 0.0))
-
-    @staticmethod
-    def _cpu(limit: CpuLimit | None, column: list[float]) -> float:
-        try:
-            value = limit.usage().cpu_s if limit is not None else 0.0
-        except (OSError, ThrottleError, ValueError):
-            value = None
-        return value if value is not None else (column[-1] if column else 0.0)
-
-    @staticmethod
-    def _sweep(pid: int, limit: CpuLimit, helper: CpuLimit) -> None:
-        try:
-            for other in limit.pids():
-                if other != pid:
-                    helper.add(other)
-        except (OSError, ThrottleError, ValueError):
-            pass  # the group is being removed: the phase is over
 
 
 # ---------------------------------------------------------------- running a phase
@@ -537,17 +448,19 @@ def pause_arm(setup: HeteroSetup, model: Path, work_dir: Path, peers: list[str],
     return figures | {"flags": ARM_FLAGS[PAUSE_ARM]}, [shlex.join(x.command) for x in launches]
 
 
+def solo_launch(setup: HeteroSetup, model: Path, work_dir: Path, label: str, cores: float) -> Launch:
+    """A group alone (galaxy size 1) at `cores`, for `solo_steps` inner steps, in the run folder named `label`."""
+    run_dir = work_dir / label
+    return Launch(label, cores, train_command(setup, model, run_dir, solo_steps(setup, cores), []), run_dir)
+
+
 def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
     """Solo (one group after the other; in a quick run all at once, a smoke test), then each arm on each trio
     (`arm_list`; see the module's docstring). Returns the result document."""
     setup = hetero_setup(quick)
     model = write_model(MODEL, work_dir / "models")
     solo, cgroups, commands = [], {"solo": []}, {"solo": []}
-    launches = [
-        Launch(f"solo-{i}", cores, train_command(setup, model, work_dir / f"solo-{i}", solo_steps(setup, cores), []),
-               work_dir / f"solo-{i}")
-        for i, cores in enumerate(CORES)
-    ]  # fmt: skip
+    launches = [solo_launch(setup, model, work_dir, f"solo-{i}", cores) for i, cores in enumerate(CORES)]
     for phase in [launches] if quick else [[launch] for launch in launches]:
         for launch in phase:
             log.info("bench hetero %s (%g core): %s", launch.label, launch.cores, shlex.join(launch.command))
@@ -558,9 +471,7 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
             commands["solo"].append(shlex.join(launch.command))
     side_by_side: dict[str, list[dict[str, Any]]] = {}  # none in a quick run, whose solo phase is side by side
     for trio, cores in ({} if quick else TRIOS).items():
-        phase = [Launch(f"side-{trio}-{i}", c, train_command(setup, model, work_dir / f"side-{trio}-{i}",
-                                                             solo_steps(setup, c), []), work_dir / f"side-{trio}-{i}")
-                 for i, c in enumerate(cores)]  # fmt: skip
+        phase = [solo_launch(setup, model, work_dir, f"side-{trio}-{i}", c) for i, c in enumerate(cores)]
         log.info("bench hetero solo side by side, %s: %s", trio, shlex.join(phase[0].command))
         figures, series = run_phase(phase, work_dir, setup.timeout_s)
         side_by_side[trio] = [solo_figures(launch, setup, cgroup["engaged_at"], Counters(series), i)

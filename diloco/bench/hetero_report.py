@@ -20,7 +20,6 @@ from diloco.bench.hetero_pause import pause_lines
 __all__ = ["Counters", "arm_figures", "explain", "markdown", "plot", "step_cpu", "targets"]
 
 TRIO_NAMES = ("unequal", "equal")  # the unequal trio, then every group at the middle share (`hetero.TRIOS`)
-ARM_ORDER = ("old-fixed", "fixed", "tokens", "tokens-group")  # `hetero.ARMS`
 RATIO_TARGET = 0.95  # swarm tokens/s ÷ the sum of the groups' solo tokens/s
 FULL_ROUNDS_TARGET = 0.95  # share of the swarm's rounds that had every group
 DISCARD_TARGET = 0  # inner steps discarded while every group lives
@@ -337,10 +336,10 @@ def explain(result: dict[str, Any]) -> list[str]:
             lines.append(explain_arm(arm, solo))
     by_name = {arm_key(arm): arm for arm in result["arms"]}
     lines += [line + "." for trio in TRIO_NAMES if (line := moment_cost(by_name, trio))]
-    return lines + [line for trio in TRIO_NAMES if (line := side_by_side_line(result, trio, by_name))]
+    return lines + [line for trio in TRIO_NAMES if (line := side_by_side_line(result, trio))]
 
 
-def side_by_side_line(result: dict[str, Any], trio: str, arms: dict[str, dict[str, Any]]) -> str | None:
+def side_by_side_line(result: dict[str, Any], trio: str) -> str | None:
     """What the trio's three trainers lose by sharing the machine with no swarm (their solo runs at once against
     each alone), and what the swarm arms reach of that (None where the side-by-side runs did not take place)."""
     together = result.get("side_by_side", {}).get(trio)
@@ -351,8 +350,8 @@ def side_by_side_line(result: dict[str, Any], trio: str, arms: dict[str, dict[st
     per_step = [side["cpu_per_step_s"] / solo["cpu_per_step_s"] if side.get("cpu_per_step_s") and
                 solo.get("cpu_per_step_s") else None for side, solo in zip(together, alone)]  # fmt: skip
     total, total_alone = sum(s["tokens_per_s"] for s in together), sum(s["tokens_per_s"] for s in alone)
-    reached = [f"{name} {arm['ratio_to_side_by_side_sum']:.2f}" for name in ARM_ORDER
-               if (arm := arms.get(f"{trio}-{name}")) and arm.get("ratio_to_side_by_side_sum") is not None]
+    reached = [f"{arm['name']} {arm['ratio_to_side_by_side_sum']:.2f}" for arm in result["arms"]
+               if arm["trio"] == trio and arm.get("ratio_to_side_by_side_sum") is not None]
     return (f"{trio} trio side by side (its three solo runs at once, no swarm): {total:.0f} tokens/s, "
             f"{total / total_alone:.2f} of the sum alone; each at {slashed(speeds)} of its solo speed, "
             f"{slashed(per_step)}× its CPU per step: what sharing this machine costs before any swarm. Against this "

@@ -430,10 +430,10 @@ def test_the_solo_runs_side_by_side_split_what_the_machine_costs_from_what_the_s
     assert hetero_report.arm_figures("tokens", [group(10, [5, 5], 0.0, 20.0) for _ in range(3)], cgroups(0.0),
                                      alone)["ratio_to_side_by_side_sum"] is None  # fmt: skip
     result = {"arms": [arm], "solo": alone, "side_by_side": {"equal": side}, "quick": False}
-    line = hetero_report.side_by_side_line(result, "equal", {"equal-tokens": arm})
+    line = hetero_report.side_by_side_line(result, "equal")
     assert line == ("equal trio side by side (its three solo runs at once, no swarm): 240 tokens/s, 0.80 of the sum "
                     "alone; each at 0.80 / 0.80 / 0.80 of its solo speed, 1.25 / 1.25 / 1.25× its CPU per step: what "
                     "sharing this machine costs before any swarm. Against this sum the arms reach tokens 0.62.")
     assert line in hetero_report.explain(result)
-    assert hetero_report.side_by_side_line(result, "unequal", {}) is None
+    assert hetero_report.side_by_side_line(result, "unequal") is None
     assert "; 0.62 of Σ solo side by side" in hetero_report.side_note(arm)
