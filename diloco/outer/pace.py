@@ -9,7 +9,10 @@
   H' = N ÷ (galaxy size × its tokens per inner step). N and R are announced in the setter's status record and
   every group that joins takes them (``adopt``; ``diloco.outer.agreement.budget_to_adopt``), whatever its batch
   and --max-steps. A group's own step count no longer says where the run is, so its LR schedule and its end follow
-  the swarm's progress: its own `max_steps` inner steps spread over the R rounds.
+  the swarm's progress: its own `max_steps` inner steps spread over the R rounds, and within a round its tokens over
+  its share of the swarm's rate (``budget.own_share``; equal groups: its own steps), not the swarm's estimated
+  tokens, whose records of a new round are read a moment late (on three equal groups that schedule ended 1-2.5%
+  worse, docs/outer-step.md).
 
 With ``--hv.fragments F`` a round averages one fragment, so both paces count fragment rounds: H/F inner steps, or
 N/F tokens of the swarm, each. The outer loop passes the round a group trains for as `outer_step`: its applied
@@ -227,7 +230,10 @@ class TokenBudget:
             # closed: this group waits in the round now; the others count its tokens as they are
             self.swarm.publish_tokens(replace(mine, closed=due))
             self.published_at = now
-        return due, min(estimate / self.target_tokens, 1.0), estimate
+        # where the schedule stands: this group's tokens over its share of the round, not the swarm's estimate,
+        # whose records of the round arrive a read late (a step or more behind at a round's start, then a jump)
+        share = budget.own_share(records, mine, self.galaxy_size)
+        return due, min(tokens / (share * self.target_tokens), 1.0), estimate
 
     def _corroborated(self, claims: dict[int, list[RoundTokens]], mine: RoundTokens) -> bool:
         """Rank 0: whether a group whose token record says it is past `mine`'s outer step (`claims`, by world rank:

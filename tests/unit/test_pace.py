@@ -77,6 +77,22 @@ def test_honest_groups_of_unequal_speed_count_in_full() -> None:
         assert budget.swarm_tokens(records, mine, now=1000.0, galaxy_size=3) == sum(steps.values()) * tps
 
 
+def test_a_groups_share_of_the_swarms_rate_takes_each_latest_record_capped() -> None:
+    """``budget.own_share``, where the LR schedule stands within a round: this group's rate over the galaxy's, each
+    other world rank by its latest record of any outer step, a stranger's rate capped at OTHERS_CAP times this
+    group's, world ranks outside the galaxy ignored; groups taken as equal before any rate is known."""
+    mine = RoundTokens(world_rank=0, outer_step=3, tokens=100, tokens_per_s=10.0, at=1000.0)
+    assert budget.own_share([], mine, galaxy_size=4) == pytest.approx(1 / 4)  # nobody else heard of yet
+    assert budget.own_share([RoundTokens(1, 3, 0, 30.0, 999.0)], replace(mine, tokens_per_s=0.0), 4) == 1 / 4
+    records = [
+        RoundTokens(1, 2, 500, 5.0, at=990.0),  # its last round's: older than the next one
+        RoundTokens(1, 3, 0, 30.0, at=999.0),  # the latest: 30 tokens/s
+        RoundTokens(2, 3, 10**15, 10.0**9, at=999.0),  # a stranger's: capped at 8 x 10
+        RoundTokens(7, 3, 0, 10.0**9, at=999.0),  # outside the galaxy of 4
+    ]
+    assert budget.own_share(records, mine, galaxy_size=4) == pytest.approx(10 / (10 + 30 + 80))
+
+
 def test_a_token_records_owner_is_its_subkeys_never_its_values() -> None:
     good = RoundTokens(1, 0, 5, 1.0, 2.0)
     assert "owner" not in good.to_dict()
@@ -114,15 +130,25 @@ def test_target_tokens_and_local_steps_together_are_refused(capsys: pytest.Captu
 
 
 def test_the_schedule_follows_the_swarm_and_ends_at_the_same_outer_step_everywhere() -> None:
-    hub = MemorySwarm(1)
+    """Within a round the schedule stands at this group's tokens over its share of the swarm's rate (equal groups:
+    its own steps), whatever the other groups' records of the round say yet; it ends at the same outer step
+    everywhere."""
+    hub, now = MemorySwarm(1), [1000.0]
     pace = TokenBudget(
         hub.member("g0"), solo_group(), world_rank=0, target_tokens=600, galaxy_size=3, tokens_per_step=20,
-        max_steps=25,
+        max_steps=25, clock=lambda: now[0],
     )  # fmt: skip
     assert pace.steps_per_round == 10 and pace.final_outer_step == 3  # ⌈25 / 10⌉
-    hub.tokens[1] = RoundTokens(1, 0, 200, 0.0, at=time.time(), closed=True)
+    now[0] += 10.0  # 100 tokens in 10 s: 10 tokens/s
+    hub.tokens[1] = RoundTokens(1, 0, 200, 10.0, at=now[0], closed=True)
     assert not pace.due(step=5, outer_step=0, tokens=100)  # 300 of 600
-    assert pace.position(5, 0) == 5  # half a round of 10 average steps
+    assert pace.position(5, 0) == 3  # no record of world rank 2 yet: a share of 1/2, 100 of its 300 tokens
+    hub.tokens[2] = RoundTokens(2, -1, 0, 10.0, at=now[0] - 30)  # its last round's record: its rate carries over
+    assert not pace.due(step=5, outer_step=0, tokens=100)
+    assert pace.position(5, 0) == 5  # a share of 1/3: 100 of its 200, half a round of 10 average steps
+    hub.tokens[2] = RoundTokens(2, 0, 100, 30.0, at=now[0])
+    assert not pace.due(step=5, outer_step=0, tokens=100)
+    assert pace.position(5, 0) == 8  # a share of 1/5: 100 of its 120
     hub.tokens[1] = RoundTokens(1, 2, 0, 0.0, at=time.time())
     hub.records["g1", 1] = progress_record(1, "t1", "g1", outer_step=2)
     hub.providers["g1"] = lambda: ({}, [])

@@ -121,6 +121,27 @@ def swarm_tokens(records: Iterable[RoundTokens], mine: RoundTokens, now: float, 
     return mine.tokens + sum(others.values())
 
 
+def own_share(records: Iterable[RoundTokens], mine: RoundTokens, galaxy_size: int) -> float:
+    """This group's share of the swarm's rate: its own rate over the sum of its own and every other group's of the
+    galaxy, each the one of its latest record at any outer step (a rate carries over from one round to the next, so
+    a new round's share is known at its first step, before any record of it is read) and at most ``OTHERS_CAP``
+    times this group's own. Where no other group has a record yet, the galaxy's groups count as equal:
+    ``1 / galaxy_size``, as when this group's own rate is not known yet. Only for where the LR schedule stands
+    (``diloco.outer.pace.TokenBudget``): a stranger's rates can move this group's schedule within a round, never
+    bring a round due."""
+    if mine.tokens_per_s <= 0:
+        return 1.0 / galaxy_size
+    latest: dict[int, RoundTokens] = {}
+    for r in records:
+        if r.world_rank != mine.world_rank and 0 <= r.world_rank < galaxy_size:
+            if r.world_rank not in latest or r.at > latest[r.world_rank].at:
+                latest[r.world_rank] = r
+    if not latest:
+        return 1.0 / galaxy_size
+    others = sum(min(r.tokens_per_s, OTHERS_CAP * mine.tokens_per_s) for r in latest.values())
+    return mine.tokens_per_s / (mine.tokens_per_s + others)
+
+
 def earliest(target: float, galaxy_size: int) -> float:
     """The fewest tokens of its own with which a group can find a round of `target` tokens due: every other world
     rank of the galaxy at its cap (`swarm_tokens`)."""
