@@ -46,6 +46,11 @@ from diloco.swarm.rounds.transfer import SharedCopies
 
 log = logging.getLogger("diloco")
 
+# a pause is announced this many times as long as the caller expects: one evaluation took 1.3x the one before on a
+# shared machine; announcing more costs the others nothing when the group is back sooner (their round closes once
+# every expected group is in), only when it dies away, and then at most one round's bound
+PAUSE_MARGIN = 1.5
+
 __all__ = ["DiLoCo", "JoinError"]
 
 
@@ -492,9 +497,10 @@ class DiLoCo(Admission, StateTransfer):
             self._publish_status("training", step=row.get("step", self.step))
 
     def pause(self, seconds: float | None) -> None:
-        """Rank 0 says the group is away from its inner steps for about `seconds` (None: back); see ``OuterLoop``."""
+        """Rank 0 says the group is away from its inner steps for up to `PAUSE_MARGIN` x `seconds` (None: back); see
+        ``OuterLoop``."""
         announced, now = self.beacon.paused_until, time.time()
-        self.beacon.paused_until = None if seconds is None else now + seconds
+        self.beacon.paused_until = None if seconds is None else now + PAUSE_MARGIN * seconds
         back_early = announced is not None and announced > now  # the others expect it later than it comes: tell them
         if (seconds is not None or back_early) and self.beacon.sent and not self.done:
             self._publish_status("training")

@@ -53,8 +53,6 @@ from diloco.shards import Checkpoint
 
 log = logging.getLogger("diloco")
 
-PAUSE_MARGIN = 1.5  # a pause is announced as this times the longest of its kind so far (`pause_estimate`)
-
 
 class StopRequest:
     """Set by SIGINT/SIGTERM; the loop stops at the next step boundary. A second signal exits at once, unless
@@ -241,20 +239,13 @@ def follow_schedule(run: Run) -> None:
 
 @contextlib.contextmanager
 def away(run: Run, took: list[float]) -> Iterator[None]:
-    """The block leaves the inner steps for about `pause_estimate(took)` seconds: the other groups' rounds expect
-    this group that much later, rather than averaging without it."""
-    run.outer.pause(pause_estimate(took))
+    """The block leaves the inner steps for about as long as the longest of its kind so far, `took` (none yet: no
+    estimate): the other groups' rounds expect this group that much later, rather than averaging without it."""
+    run.outer.pause(max(took) if took else None)
     try:
         yield
     finally:
         run.outer.pause(None)
-
-
-def pause_estimate(took: list[float]) -> float | None:
-    """Seconds a pause is announced for, from those of its kind so far (`took`; none: no estimate). One evaluation
-    took 1.3x the one before on a shared machine; more costs the others nothing when the group is back sooner (their
-    round closes once every expected group is in), only when it dies away, and then at most one round's bound."""
-    return PAUSE_MARGIN * max(took) if took else None
 
 
 def log_eval(run: Run) -> None:

@@ -136,17 +136,17 @@ def test_a_beacon_announces_a_pause_and_clears_it() -> None:
     assert type(sent).from_dict(sent.to_dict() | {"paused_until": "soon"}) is None
 
 
-def test_a_pause_is_announced_longer_than_the_longest_of_its_kind() -> None:
-    """``trainer.away``: the pause it announces is `PAUSE_MARGIN` times the longest of its kind so far (an evaluation
-    that took 5.6 s took 7.1 s the next time on a shared machine: the last one's length made the others average
-    without the group), none before the first, and the end of the block says the group is back."""
+def test_a_pause_is_expected_as_long_as_the_longest_of_its_kind() -> None:
+    """``trainer.away``: the pause it hands the outer loop is the longest of its kind so far (an evaluation that took
+    5.6 s took 7.1 s the next time on a shared machine: the last one's length made the others average without the
+    group; ``DiLoCo.pause`` adds its margin), none before the first, and the end of the block says it is back."""
     from types import SimpleNamespace
 
-    from diloco.train.trainer import PAUSE_MARGIN, away
+    from diloco.train.trainer import away
 
     announced: list[float | None] = []
     run = SimpleNamespace(outer=SimpleNamespace(pause=announced.append))
     for took in ([], [5.6, 7.1, 5.9]):
         with away(run, took):  # type: ignore[arg-type]
             pass
-    assert announced == [None, None, pytest.approx(PAUSE_MARGIN * 7.1), None]
+    assert announced == [None, None, 7.1, None]
