@@ -338,12 +338,12 @@ def swarm_arm(sizes: tuple[int, ...], arms: list[str], k: int, rounds: int, at: 
         worker.run("peer", i, k, at.initial_peers, at.ip(i), cases, f"bench-{os.getpid()}-{at.where}-{k}")
     rows = []
     for size, transport in cases:
-        sampler = RssSampler(workers, pss=True)
+        sampler = RssSampler(workers)
         row = swarm_case(workers, size, transport, rounds, at.hosts)
         rss = sampler.stop()
         # what a peer holds for the case (its tensor, the averager's copies, buffers of the round) ÷ the payload
-        held = (sampler.peak_pss_mb - row.pop("pss_before_mb")) * 2**20 / k / payload_bytes(size)
-        rows.append(row | {"tree_peak_rss_mb": rss, "tree_peak_pss_mb": sampler.peak_pss_mb, "held_per_payload": held})
+        held = (row["tree_peak_pss_mb"] - row.pop("pss_before_mb")) * 2**20 / k / payload_bytes(size)
+        rows.append(row | {"tree_peak_rss_mb": rss, "held_per_payload": held})
     for worker in workers:
         worker.expect("IDLE", timeout=START_TIMEOUT_S)
     return rows
@@ -354,7 +354,8 @@ def swarm_case(children: list[Child], size: int, transport: str, rounds: int, ho
     """Release the peers together for each round of one size and transport and collect their reports, the CPU
     seconds their processes spent in the round and (on ``hosts``) the bytes the kernel counted on each peer's veth.
     A round that fails (a peer not ok, or not with all k: a matchmaking split, seen 3 times in about 300 rounds
-    under load) is recorded in ``failed_rounds`` and tried again, up to ATTEMPTS times."""
+    under load) is recorded in ``failed_rounds`` and tried again, up to ATTEMPTS times. Then one more, untimed
+    round, during which the peers' summed PSS is sampled (``tree_peak_pss_mb``)."""
     k = len(children)
     done: list[dict[str, Any]] = []
     failed: list[list[dict]] = []
@@ -376,9 +377,15 @@ def swarm_case(children: list[Child], size: int, transport: str, rounds: int, ho
         if len(failed) >= ATTEMPTS:
             raise BenchError(f"{len(failed)} {ARMS[transport]} rounds of {size} parameters with {k} peers failed: "
                              f"{json.dumps(failed)}")  # fmt: skip
+    # what the peers hold is sampled in one more round, not timed: reading a PSS walks the process's page tables,
+    # and every SAMPLE_S over 600 MB tensors that took 20-40% of the rounds' throughput on a 2-core host
+    sampler = RssSampler(children, pss=True)
+    swarm_round(children, hosts)
+    sampler.stop()
     for child in children:  # only now: a peer that leaves a round early cuts its replies still on the way
         child.send("next")
-    return summarize_swarm(size, k, transport, done) | {"failed_rounds": failed, "pss_before_mb": before}
+    return summarize_swarm(size, k, transport, done) | {"failed_rounds": failed, "pss_before_mb": before,
+                                                        "tree_peak_pss_mb": sampler.peak_pss_mb}
 
 
 def swarm_round(children: list[Child], hosts: list[netns.Host] | None) -> dict[str, Any]:

@@ -122,7 +122,8 @@ def cpu_table(rows: list[dict[str, Any]], arms: list[str]) -> list[str]:
     lines = [
         "CPU seconds per averaging round on loopback, all peers summed (median round), peak RSS of all peer "
         "processes (shared tensor buffers counted twice), and what a peer holds ÷ its payload: the peak PSS of all "
-        "peer processes during the case (shared pages counted once) minus theirs before it, per peer, ÷ the tensor's "
+        "peer processes during one more, untimed round of the case (shared pages counted once; sampling it walks the "
+        "page tables, which would slow the timed rounds) minus theirs before the case, per peer, ÷ the tensor's "
         "bytes (the tensor itself is 1 of it; the rest is the averager's copies and the round's buffers):",
         "",
         "| parameters | peers | transport | round s | averager CPU s | p2pd CPU s | DHT CPU s | caller CPU s | "

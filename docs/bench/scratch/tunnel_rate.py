@@ -2,7 +2,11 @@
 libp2p streams through two p2pd daemons), for one tree of the code. Run it on two trees one after the other, with
 nothing else on the machine, to compare two versions of the tunnel on the same host and load.
 Run from the repository root of the tree to measure:
-PYTHONPATH=. python docs/bench/scratch/tunnel_rate.py OUT.json [PEERS ...]   (peers default: 2)"""
+PYTHONPATH=. python docs/bench/scratch/tunnel_rate.py OUT.json [PEERS ...]   (peers default: 2)
+
+It reports throughput only, so the bench's PSS sampling is switched off: reading a peer's PSS walks its page tables
+(smaps_rollup), and every 0.2 s over 600 MB tensors that took 20-40% of the rounds' throughput on this 2-core host.
+Trees from before the bench timed its rounds without it are measured the same way."""
 
 import json
 import subprocess
@@ -11,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from diloco import procs
 from diloco.bench import allreduce
 
 SIZES = (10_000_000, 50_000_000, 150_000_000)
@@ -22,6 +27,7 @@ def load() -> float:
 
 
 def main() -> None:
+    procs.tree_pss_mb = lambda pids: 0.0  # see the docstring: the same in every tree measured
     out, peers = Path(sys.argv[1]), [int(k) for k in sys.argv[2:]] or [2]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"commit": commit, "load_start": load(), "started": time.time(), "rows": []}
