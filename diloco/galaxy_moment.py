@@ -24,9 +24,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
-ESTIMATE_EVERY = 1  # steps between two variance estimates
-
-
 class GalaxyAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments) whose second moment is that of a batch
     `galaxy_batches` times this group's: v = max(E[g²] - (1 - 1/k) E[Var g], E[g²] / k), both moving averages of
@@ -47,13 +44,10 @@ class GalaxyAdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps, "galaxy_batches": galaxy_batches}
         super().__init__(params, defaults)
         self.variance: dict[torch.Tensor, torch.Tensor] = {}  # this step's estimate per parameter (`observe`)
-        self.span = 1  # the steps this estimate stands for (`observe`)
 
-    def observe(self, variance: dict[torch.Tensor, torch.Tensor], span: int = 1) -> None:
-        """The variance of this step's gradient, per parameter, for the next `step`, standing for `span` steps (the
-        steps since the last estimate): it enters the moving average with the weight of `span` steps, 1 - β2^span,
-        so the average keeps the horizon of E[g²] and their shared bias correction stays exact."""
-        self.variance, self.span = variance, span
+    def observe(self, variance: dict[torch.Tensor, torch.Tensor]) -> None:
+        """The variance of this step's gradient, per parameter, for the next `step`."""
+        self.variance = variance
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
@@ -71,8 +65,8 @@ class GalaxyAdamW(torch.optim.Optimizer):
                 bucket = buckets.setdefault(float(state["step"]), _Bucket())
                 bucket.add(p, state, self.variance.get(p))
             for t, bucket in buckets.items():
-                _step(bucket, group, t, self.span)
-        self.variance, self.span = {}, 1
+                _step(bucket, group, t)
+        self.variance = {}
 
 
 class _Bucket:
@@ -100,17 +94,16 @@ class _Bucket:
             self.estimates.append(local(variance))
 
 
-def _step(b: _Bucket, group: dict, t: float, span: int) -> None:
-    """One GalaxyAdamW step of a bucket's parameters at step count t; an estimate stands for `span` steps."""
+def _step(b: _Bucket, group: dict, t: float) -> None:
+    """One GalaxyAdamW step of a bucket's parameters at step count t."""
     lr, (beta1, beta2), k = group["lr"], group["betas"], group["galaxy_batches"]
     torch._foreach_mul_(b.params, 1 - lr * group["weight_decay"])
     torch._foreach_lerp_(b.exp_avgs, b.grads, 1 - beta1)
     torch._foreach_mul_(b.exp_avg_sqs, beta2)
     torch._foreach_addcmul_(b.exp_avg_sqs, b.grads, b.grads, value=1 - beta2)
     if b.observed_vars:
-        decay = beta2**span
-        torch._foreach_mul_(b.observed_vars, decay)
-        torch._foreach_add_(b.observed_vars, b.estimates, alpha=1 - decay)
+        torch._foreach_mul_(b.observed_vars, beta2)
+        torch._foreach_add_(b.observed_vars, b.estimates, alpha=1 - beta2)
     second = torch._foreach_mul(b.exp_vars, 1 - 1 / k)
     torch._foreach_sub_(second, b.exp_avg_sqs)
     torch._foreach_neg_(second)  # E[g²] - (1 - 1/k) E[Var g] ...
@@ -132,19 +125,9 @@ class Halves:
     The caller also reduces the gradients over the group after the first part's last micro-batch, calls `snapshot`
     there, and `observe` once the step's gradient is unscaled and clipped."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], every: int = ESTIMATE_EVERY) -> None:
+    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.first: list[torch.Tensor | None] = []
-        self.every, self.steps, self.last = every, 0, 0  # steps counted, and the last one that estimated
-
-    def due(self) -> int:
-        """Called once per step: 0 if this step takes no estimate, else the steps its estimate stands for (those
-        since the last estimate; the first stands for one)."""
-        self.steps += 1
-        if self.last and self.steps - self.last < self.every:
-            return 0
-        span, self.last = (self.steps - self.last if self.last else 1), self.steps
-        return span
 
     @staticmethod
     def split(pieces: list[torch.Tensor]) -> tuple[list[torch.Tensor], int, float]:
@@ -164,7 +147,7 @@ class Halves:
         self.first = [None if p.grad is None else local(p.grad).clone() for p in self.params]
 
     @torch.no_grad()
-    def observe(self, optimizer: GalaxyAdamW, share: float, scale: float, clip: float, span: int = 1) -> None:
+    def observe(self, optimizer: GalaxyAdamW, share: float, scale: float, clip: float) -> None:
         """Hand the optimizer each parameter's variance estimate: with F the snapshot (times `scale`, the gradient
         scaler's factor), G the step's gradient before clipping and c the clip factor (p.grad = c G),
         Var(c G) = c² (F / scale - W G)² / (W (1 - W)) = (c F / scale - W p.grad)² / (W (1 - W))."""
@@ -178,7 +161,7 @@ class Halves:
             torch._foreach_div_(firsts, share * (1 - share))
         variance = {p: first for p, first in pairs}
         self.first = []
-        optimizer.observe(variance, span)
+        optimizer.observe(variance)
 
 
 def clip_factor(total_norm: torch.Tensor, max_norm: float) -> float:

@@ -373,9 +373,8 @@ def inner_optimizer(model: torch.nn.Module, spec: ArmSpec, lr: float) -> tuple[t
 
 def inner_step(model: torch.nn.Module, batch: torch.Tensor, opt: torch.optim.Optimizer, halves: Halves | None) -> torch.Tensor:
     """One inner step as `train.inner_step` takes it on one rank with one micro-batch: split in two halves under
-    the galaxy's second moment (on the steps that estimate its variance). Returns the step's loss."""
-    span = halves.due() if halves is not None else 0
-    if not span:
+    the galaxy's second moment. Returns the step's loss."""
+    if halves is None:
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
@@ -390,7 +389,7 @@ def inner_step(model: torch.nn.Module, batch: torch.Tensor, opt: torch.optim.Opt
         if i == first - 1:
             halves.snapshot()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-    halves.observe(opt, share, 1.0, clip_factor(norm, GRAD_CLIP), span)  # type: ignore[arg-type]
+    halves.observe(opt, share, 1.0, clip_factor(norm, GRAD_CLIP))  # type: ignore[arg-type]
     opt.step()
     return total
 

@@ -120,8 +120,6 @@ def inner_step(run: Run) -> torch.Tensor:
     model, halves = run.model, run.halves
     pieces = [run.data.train.next_batch() for _ in range(run.grad_accum)]
     first, share = 0, 0.0
-    span = halves.due() if halves is not None else 0  # the steps this one's variance estimate stands for, if any
-    halves = halves if span else None
     if halves is not None:
         pieces, first, share = halves.split(pieces)
         sequences = sum(len(piece) for piece in pieces)  # a piece's loss weighs by its share of them
@@ -145,7 +143,7 @@ def inner_step(run: Run) -> torch.Tensor:
             clip = galaxy_moment.clip_factor(norm, run.config.max_grad_norm)
     if halves is not None:
         scale = float(run.scaler.get_scale()) if run.scaler.is_enabled() else 1.0
-        halves.observe(run.optimizer, share, scale, clip, span)  # type: ignore[arg-type]
+        halves.observe(run.optimizer, share, scale, clip)  # type: ignore[arg-type]
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.scheduler.step()

@@ -1,8 +1,9 @@
 """Scratch run for issue 40 (docs/outer-step.md, the galaxy's second moment): the variance estimate taken every
 m-th step instead of every step (`diloco.galaxy_moment.ESTIMATE_EVERY`), which saves the second pass of a split
 micro-batch on the other steps, on the `defaults` study's workload at H = 25 through the bench's own `run_arms`:
-auto at k = 4 (its galaxy moment) for the given seeds, labelled with the tree's ESTIMATE_EVERY; `group` adds auto
-with plain AdamW. Run from the repository root of a tree with the ESTIMATE_EVERY to measure:
+auto at k = 4 (its galaxy moment) for the given seeds, labelled with the tree's ESTIMATE_EVERY; `group` runs auto
+with plain AdamW instead. Ran 2026-11-30 21:46-22:11 UTC (moment-every.jsonl) in worktrees of commit 5d5ea12 with
+ESTIMATE_EVERY set to 1, 2 and 4; the estimate every m-th step lost and was then removed, so this runs only there:
 PYTHONPATH=. python docs/bench/scratch/moment_every.py OUT.jsonl SEEDS [group]   (SEEDS: 0,1,2)"""
 
 import json
