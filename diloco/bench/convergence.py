@@ -80,6 +80,9 @@ STUDY_MODULES = {"late": "diloco.bench.late"}
 ADAMW_BETAS = Config.model_fields["adam_betas"].default
 WEIGHT_DECAY = Config.model_fields["weight_decay"].default
 GRAD_CLIP = Config.model_fields["max_grad_norm"].default
+# an arm's inner step is one micro-batch of its batch, as a trainer's whose --per-device-train-batch-size is its
+# --total-batch-size: what `auto` picks the inner moment by
+MICRO_BATCHES = 1
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ def setting_name(setting: Setting) -> str:
 def diloco_arm(k: int, w: Workload, h: int, setting: Setting, seed: int, auto: bool = False) -> ArmSpec:
     """DiLoCo at galaxy size k; `auto`: what the trainer picks with no outer flags, the inner moment too."""
     name = f"diloco-H{h}-{'auto' if auto else setting_name(setting)}"
-    moment = auto_inner_moment(h, k) if auto else "group"
+    moment = auto_inner_moment(h, k, MICRO_BATCHES) if auto else "group"
     return ArmSpec(name, k, k, w.batch, w.steps, h, setting[:2], outer_warmup=setting[2], seed=seed,
                    inner_moment=moment)  # fmt: skip
 

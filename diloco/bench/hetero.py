@@ -5,9 +5,9 @@ CPU quota: `diloco.bench.throttle`), in three swarm arms, and the same arms on t
 - `fixed`: `--hv.pace fixed`, every other flag at its default (matchmaking `auto`, late work kept);
 - `tokens`: `--hv.pace tokens`, every other flag at its default (a swarm-wide token budget N = H × 3 × tokens per
   inner step of the first group, announced to the others);
-- `tokens-group` (unequal trio only, no part of the decision): `tokens` with `--hv.inner-moment group`, the plain
-  AdamW of the solo runs: what the default inner moment (galaxy at 3 groups and H <= 25, each step in two halves)
-  costs per inner step, measured.
+- `tokens-galaxy` (unequal trio only, no part of the decision): `tokens` with `--hv.inner-moment galaxy`, each
+  step's lone micro-batch split in two halves for the galaxy's second moment: what that costs per inner step
+  against the default (`auto` takes plain AdamW, the solo runs', where it would split a lone micro-batch).
 
 Every arm passes `--hv.local-steps H` and pins the outer SGD at lr 1.0, momentum 0 (measured best for small H here:
 `auto` would pick by run length, the same in every arm); `--hv.averaging-timeout` is left at its default.
@@ -104,12 +104,12 @@ ARM_FLAGS = {  # each arm's pace, rendezvous and late work; everything else at t
     "old-fixed": ["--hv.pace", "fixed", "--hv.matchmaking-time", "5", "--hv.late-work", "drop"],
     "fixed": ["--hv.pace", "fixed"],
     "tokens": ["--hv.pace", "tokens"],
-    # not an arm of the decision: tokens with plain AdamW, to measure what `--hv.inner-moment auto` (galaxy at 3
-    # groups and H <= 25: each step in two halves) costs per inner step against the solo runs (plain AdamW)
-    "tokens-group": ["--hv.pace", "tokens", "--hv.inner-moment", "group"],
+    # not an arm of the decision: tokens with the galaxy moment, to measure what its halves of a lone micro-batch
+    # cost per inner step against the default's plain AdamW (that of the solo runs)
+    "tokens-galaxy": ["--hv.pace", "tokens", "--hv.inner-moment", "galaxy"],
 }
 ARMS = tuple(ARM_FLAGS)
-DIAGNOSTIC = {"tokens-group": ("unequal",)}  # runs on these trios only
+DIAGNOSTIC = {"tokens-galaxy": ("unequal",)}  # runs on these trios only
 DEAD_ARM = "tokens"  # the dead-group arm's flags (`dead_arm`): the default pace
 PAUSE_ARM = "fixed"  # the paused-group arm's (`pause_arm`): rounds due at an inner step, as after a pause matters
 QUICK_ARMS = (("unequal", "tokens"),)  # a smoke test of the default pace; the full run compares the paces

@@ -312,22 +312,22 @@ def explain_arm(arm: dict[str, Any], solo: list[dict[str, Any]]) -> str:
 
 
 def moment_cost(arms: dict[str, dict[str, Any]], trio: str) -> str | None:
-    """The inner moment's CPU per step: the tokens arm's ÷ the tokens-group arm's, per group (None without both)."""
-    galaxy, group = arms.get(f"{trio}-tokens"), arms.get(f"{trio}-tokens-group")
-    if galaxy is None or group is None:
+    """The galaxy moment's CPU per step: the tokens-galaxy arm's ÷ the tokens arm's, per group (None without
+    both)."""
+    galaxy, default = arms.get(f"{trio}-tokens-galaxy"), arms.get(f"{trio}-tokens")
+    if galaxy is None or default is None:
         return None
     ratios = [a["time"]["cpu_per_step_s"] / b["time"]["cpu_per_step_s"]
               if a["time"]["cpu_per_step_s"] and b["time"]["cpu_per_step_s"] else None
-              for a, b in zip(galaxy["groups"], group["groups"])]  # fmt: skip
-    moments = [f"{g.get('moment')} / {h.get('moment')}" for g, h in zip(galaxy["groups"], group["groups"])]
-    return (f"{trio}: an inner step of tokens (inner AdamW moment {moments[0]} in tokens / tokens-group) took "
-            f"{slashed(ratios)}× the CPU of the same step in tokens-group (`--hv.inner-moment group`, the solo runs' "
-            f"plain AdamW): {'the galaxy moment' if galaxy['groups'][0].get('moment') == 'galaxy' else 'the moment'}'s "
-            "cost per step, measured")  # fmt: skip
+              for a, b in zip(galaxy["groups"], default["groups"])]  # fmt: skip
+    moments = [f"{g.get('moment')} / {h.get('moment')}" for g, h in zip(galaxy["groups"], default["groups"])]
+    return (f"{trio}: an inner step of tokens-galaxy (inner AdamW moment {moments[0]} in tokens-galaxy / tokens) "
+            f"took {slashed(ratios)}× the CPU of the same step in tokens (`--hv.inner-moment auto`): what the "
+            "galaxy moment's two halves of a lone micro-batch cost per step, measured")  # fmt: skip
 
 
 def explain(result: dict[str, Any]) -> list[str]:
-    """Per tokens arm (and its plain-AdamW twin), where its throughput went (`explain_arm`), and what the inner
+    """Per tokens arm (and its galaxy-moment twin), where its throughput went (`explain_arm`), and what the inner
     moment cost per step where both ran (`moment_cost`)."""
     lines = []
     for arm in result["arms"]:
@@ -387,8 +387,8 @@ def setup_lines(result: dict[str, Any]) -> list[str]:
         f"- arms ({ran}): {flags}; each with `--max-steps {s['steps']} --hv.local-steps {s['local_steps']}` (the "
         f"token budget: {s['target_tokens']} tokens, H × 3 × tokens per step) and the outer SGD pinned at lr 1.0, "
         "momentum 0 (its lr warm-up as `auto` picks it); every other flag at its default (the inner AdamW moment "
-        f"`auto`: galaxy at 3 groups and H <= 25); one eval of {s['eval_steps']} batches at the end (none during the "
-        "run, as in the solo runs)",
+        f"`auto`: plain AdamW, as a step is one micro-batch); one eval of {s['eval_steps']} batches at the end "
+        "(none during the run, as in the solo runs)",
         "- wall: from the arm's first inner step to its last outer step; tokens/s: the tokens of the steps that "
         "began once every quota was set ÷ the wall from then on (rounds included); step tokens/s: its tokens ÷ the "
         "time inside its inner steps (first step left out); idle = the sum of the outer rows' `wait_s`; rounds: "

@@ -24,8 +24,9 @@ class OuterSetting(NamedTuple):
 
 
 # --hv.inner-moment auto: the galaxy's second moment for this many groups or more, at H up to this (it helped 3-8
-# groups at H <= 25 and cost 2 groups, and 4 groups at H >= 50)
-AUTO_GALAXY_MIN_K, AUTO_GALAXY_MAX_H = 3, 25
+# groups at H <= 25 and cost 2 groups, and 4 groups at H >= 50), where a step's halves are whole micro-batches (this
+# many per rank): splitting a lone one costs each step a second pass, more than the moment's gain is worth
+AUTO_GALAXY_MIN_K, AUTO_GALAXY_MAX_H, AUTO_GALAXY_MIN_MICRO_BATCHES = 3, 25, 2
 # runs of this many outer steps or more take the paper's 0.7 / 0.9 (best or within 1.5 points in the map study);
 # shorter runs take no momentum (0.9 ended 9-48% above DDP at 4-8 outer steps) and the lr below
 AUTO_MOMENTUM_STEPS = 50
@@ -55,9 +56,11 @@ def auto_outer(h: float, galaxy_size: int, warmup_steps: int, max_steps: int) ->
     return OuterSetting(lr, 0.0, warmup if warmup > 1 else 0)  # one step of warm-up is none
 
 
-def auto_inner_moment(h: float, galaxy_size: int) -> InnerMoment:
-    """The inner AdamW's second moment `auto` picks for H inner steps per outer step and `galaxy_size` groups."""
-    return "galaxy" if galaxy_size >= AUTO_GALAXY_MIN_K and h <= AUTO_GALAXY_MAX_H else "group"
+def auto_inner_moment(h: float, galaxy_size: int, micro_batches: int) -> InnerMoment:
+    """The inner AdamW's second moment `auto` picks for H inner steps per outer step, `galaxy_size` groups and
+    `micro_batches` per rank in an inner step."""
+    helps = galaxy_size >= AUTO_GALAXY_MIN_K and h <= AUTO_GALAXY_MAX_H
+    return "galaxy" if helps and micro_batches >= AUTO_GALAXY_MIN_MICRO_BATCHES else "group"
 
 
 def steps_per_round(hv: HvConfig, tokens_per_step: int) -> float:
@@ -88,15 +91,16 @@ def outer_setting(config: Config, tokens_per_step: int, max_steps: int) -> Outer
 
 
 def galaxy_moment(config: Config, tokens_per_step: int, grad_accum: int) -> bool:
-    """Whether the inner AdamW takes the galaxy's second moment (--hv.inner-moment, auto resolved for this run's H
-    and galaxy size). It splits each step's micro-batches in two halves: `auto` keeps plain AdamW where there are
-    none (one micro-batch of one sequence) or under ZERO1; `galaxy` refuses such a run."""
+    """Whether the inner AdamW takes the galaxy's second moment (--hv.inner-moment, auto resolved for this run's H,
+    galaxy size and micro-batches). It splits each step's micro-batches in two halves: `auto` keeps plain AdamW
+    where that would split a lone micro-batch, and under ZERO1; `galaxy` splits one, and refuses a step with no
+    halves (one micro-batch of one sequence)."""
     hv = config.hv
     if hv.galaxy_size == 1:
         return False
     choice = hv.inner_moment
     if choice == "auto":
-        choice = auto_inner_moment(steps_per_round(hv, tokens_per_step), hv.galaxy_size)
+        choice = auto_inner_moment(steps_per_round(hv, tokens_per_step), hv.galaxy_size, grad_accum)
     halves = grad_accum > 1 or config.per_device_train_batch_size > 1
     if choice == "galaxy" and not halves and hv.inner_moment == "galaxy":
         raise UsageError("--hv.inner-moment galaxy needs two halves of each inner step: a "

@@ -111,7 +111,7 @@ def test_hetero_quick(tmp_path: Path) -> None:
     for g in token["groups"]:  # under a token budget each group is weighted by its tokens
         applied = sum(w for w, n in zip(g["weights"], g["num_peers"]) if n)
         assert applied == g["tokens_counted_by_trainer"] == g["tokens"]  # weight = tokens, each round
-        assert g["moment"] == "galaxy"  # --hv.inner-moment auto at 3 groups and H = 4
+        assert g["moment"] == "group"  # --hv.inner-moment auto: a step is one micro-batch, no halves to split
     fast, slow = token["groups"][0], token["groups"][2]
     assert fast["inner_steps"] > slow["inner_steps"], token
     # nobody waits for the others longer than the slowest group's inner step, beyond forming the group (unless a
@@ -129,7 +129,7 @@ def test_hetero_quick(tmp_path: Path) -> None:
     assert "- command: `diloco bench hetero --quick --out " in text and "mixed-shape" in text
     assert "| trio | arm | group | cores | solo tokens/s | swarm tokens/s |" in text
     assert f"| unequal | tokens | 2 | {hetero.CORES[2]:g} | " in text and "| equal |" not in text
-    assert "- unequal tokens (inner AdamW moment galaxy): inner steps at " in text
+    assert "- unequal tokens (inner AdamW moment group): inner steps at " in text
     assert "helpers (DHT, p2pd, averager) used " in text and "Tokens on unequal groups" not in text
     assert "Decision: not measured" in text
     dead = data["dead"]  # group 2 of the equal trio killed after its first round; the others finish ok
@@ -294,22 +294,22 @@ def test_where_the_time_went_from_the_counters(monkeypatch: pytest.MonkeyPatch) 
     assert "helpers (DHT, p2pd, averager) used 6.0 core-s" in line and "spare capacity of -20.0" in line
 
 
-def test_the_inner_moment_cost_is_the_cpu_per_step_of_tokens_against_tokens_group() -> None:
-    """Same steps, the training process at 0.5 core in tokens and at 0.25 in tokens-group: twice the CPU a step."""
+def test_the_galaxy_moment_cost_is_the_cpu_per_step_of_tokens_galaxy_against_tokens() -> None:
+    """Same steps, the training process at 0.5 core in tokens-galaxy and at 0.25 in tokens: twice the CPU a step."""
     solo = [{"tokens_per_s": 100.0, "cores": 1.0, "cpu_per_step_s": 1.0, "cores_in_steps": 1.0}] * 3
     arms = []
-    for name, cores, moment in (("tokens", 0.5, "galaxy"), ("tokens-group", 0.25, "group")):
+    for name, cores, moment in (("tokens", 0.25, "group"), ("tokens-galaxy", 0.5, "galaxy")):
         groups = [group(10, [5, 5], 0.0, 20.0) | {"moment": moment} for _ in range(3)]
         arms.append(hetero_report.arm_figures(name, groups, cgroups(0.0), solo, counters([cores] * 3)))
     result = {"arms": arms, "solo": solo}
     lines = hetero_report.explain(result)
-    assert len(lines) == 3 and lines[0].startswith("unequal tokens (inner AdamW moment galaxy): inner steps at")
-    assert lines[1].startswith("unequal tokens-group (inner AdamW moment group): ")
+    assert len(lines) == 3 and lines[0].startswith("unequal tokens (inner AdamW moment group): inner steps at")
+    assert lines[1].startswith("unequal tokens-galaxy (inner AdamW moment galaxy): ")
     assert "of the gap" not in lines[0] + lines[1]  # steps at solo speed: cores and CPU per step both halved
-    assert lines[2] == ("unequal: an inner step of tokens (inner AdamW moment galaxy / group in tokens / "
-                        "tokens-group) took 2.00 / 2.00 / 2.00× the CPU of the same step in tokens-group "
-                        "(`--hv.inner-moment group`, the solo runs' plain AdamW): the galaxy moment's cost per step, "
-                        "measured.")  # fmt: skip
+    assert lines[2] == ("unequal: an inner step of tokens-galaxy (inner AdamW moment galaxy / group in "
+                        "tokens-galaxy / tokens) took 2.00 / 2.00 / 2.00× the CPU of the same step in tokens "
+                        "(`--hv.inner-moment auto`): what the galaxy moment's two halves of a lone micro-batch cost "
+                        "per step, measured.")  # fmt: skip
 
 
 def test_rounds_are_counted_from_the_rows_in_order() -> None:
@@ -322,7 +322,7 @@ def test_arms_and_their_flags() -> None:
     """old-fixed is the former defaults, fixed and tokens only the pace; every arm pins H and the outer SGD."""
     setup = hetero.hetero_setup(quick=False)
     assert hetero.arm_list(quick=False) == [("unequal", "old-fixed"), ("unequal", "fixed"), ("unequal", "tokens"),
-                                            ("unequal", "tokens-group"), ("equal", "old-fixed"), ("equal", "fixed"),
+                                            ("unequal", "tokens-galaxy"), ("equal", "old-fixed"), ("equal", "fixed"),
                                             ("equal", "tokens")]  # fmt: skip
     flags = {arm: hetero.arm_flags(setup, "equal", arm, 1, ["/p"]) for arm in hetero.ARMS}
     assert "--hv.late-work drop" in " ".join(flags["old-fixed"]) and "--hv.matchmaking-time 5" in " ".join(
@@ -334,7 +334,7 @@ def test_arms_and_their_flags() -> None:
         assert "--hv.target-tokens" not in line and "--hv.averaging-timeout" not in line
         assert ("--hv.matchmaking-time" in line) == (arm == "old-fixed") and f"hetero-equal-{arm}" in line
     assert "--hv.pace tokens" in " ".join(flags["tokens"]) and "--hv.pace fixed" in " ".join(flags["fixed"])
-    assert " ".join(flags["tokens-group"]).count("--hv.inner-moment group") == 1
+    assert " ".join(flags["tokens-galaxy"]).count("--hv.inner-moment galaxy") == 1
     assert not any("--hv.inner-moment" in " ".join(flags[arm]) for arm in ("old-fixed", "fixed", "tokens"))
     assert hetero.TRIOS["equal"] == (hetero.CORES[1],) * 3 and sum(hetero.CORES) < 2
 

@@ -168,16 +168,29 @@ def test_one_micro_batch_is_split_in_two_and_several_in_two_parts() -> None:
 @pytest.mark.parametrize(("k", "h", "moment"), [(4, 25, "galaxy"), (8, 10, "galaxy"), (2, 25, "group"),
                                                  (3, 25, "galaxy"), (4, 50, "group")])  # fmt: skip
 def test_auto_takes_the_galaxy_moment_for_three_groups_or_more_at_h_up_to_25(k: int, h: int, moment: str) -> None:
-    assert auto_inner_moment(h, k) == moment
+    assert auto_inner_moment(h, k, micro_batches=2) == moment
     cfg = Config.model_validate({"path_model": "m", "fake_data": True, "hv": {"galaxy_size": k, "local_steps": h}})
-    assert galaxy_moment(cfg, tokens_per_step=4096, grad_accum=1) == (moment == "galaxy")
+    assert galaxy_moment(cfg, tokens_per_step=4096, grad_accum=2) == (moment == "galaxy")
+
+
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_auto_splits_no_lone_micro_batch_for_the_galaxy_moment(k: int) -> None:
+    """A second pass per step costs more than the moment gains (docs/outer-step.md): one micro-batch, plain AdamW;
+    `--hv.inner-moment galaxy` still splits it."""
+    assert auto_inner_moment(25, k, micro_batches=1) == "group"
+    hv = {"galaxy_size": k, "local_steps": 25}
+    cfg = Config.model_validate({"path_model": "m", "fake_data": True, "hv": hv})
+    assert not galaxy_moment(cfg, tokens_per_step=4096, grad_accum=1)
+    assert galaxy_moment(cfg, tokens_per_step=4096, grad_accum=3)
+    forced = Config.model_validate({"path_model": "m", "fake_data": True, "hv": hv | {"inner_moment": "galaxy"}})
+    assert galaxy_moment(forced, tokens_per_step=4096, grad_accum=1)
 
 
 def test_auto_under_target_tokens_reads_the_h_of_equal_groups() -> None:
     hv = {"galaxy_size": 4, "target_tokens": 4 * 1000 * 20}  # 20 steps of 1000 tokens per group
     cfg = Config.model_validate({"path_model": "m", "fake_data": True, "hv": hv})
-    assert galaxy_moment(cfg, tokens_per_step=1000, grad_accum=1)
-    assert not galaxy_moment(cfg, tokens_per_step=100, grad_accum=1)  # H = 200
+    assert galaxy_moment(cfg, tokens_per_step=1000, grad_accum=2)
+    assert not galaxy_moment(cfg, tokens_per_step=100, grad_accum=2)  # H = 200
 
 
 def test_where_a_step_has_no_halves_auto_keeps_adamw_and_galaxy_refuses() -> None:
@@ -195,7 +208,7 @@ def test_where_a_step_has_no_halves_auto_keeps_adamw_and_galaxy_refuses() -> Non
 def test_zero1_keeps_adamw_under_auto_and_refuses_galaxy() -> None:
     hv = {"galaxy_size": 4, "local_steps": 25}
     cfg = Config.model_validate({"path_model": "m", "fake_data": True, "sharding_strategy": "ZERO1", "hv": hv})
-    assert not galaxy_moment(cfg, tokens_per_step=1024, grad_accum=1)
+    assert not galaxy_moment(cfg, tokens_per_step=1024, grad_accum=2)
     with pytest.raises(ValueError, match="--hv.inner-moment galaxy needs each rank's whole AdamW state"):
         Config.model_validate({"path_model": "m", "fake_data": True, "sharding_strategy": "ZERO1",
                                "hv": {**hv, "inner_moment": "galaxy"}})  # fmt: skip
