@@ -25,7 +25,8 @@ class OuterSetting(NamedTuple):
 
 # --hv.inner-moment auto: the galaxy's second moment for this many groups or more, at H up to this (it helped 3-8
 # groups at H <= 25 and cost 2 groups, and 4 groups at H >= 50), where a step's halves are whole micro-batches (this
-# many per rank): splitting a lone one costs each step a second pass, more than the moment's gain is worth
+# many per rank): splitting a lone one costs each step a second pass, about even with the moment's gain on a quiet
+# host and a loss on a busy one (docs/outer-step.md)
 AUTO_GALAXY_MIN_K, AUTO_GALAXY_MAX_H, AUTO_GALAXY_MIN_MICRO_BATCHES = 3, 25, 2
 # runs of this many outer steps or more take the paper's 0.7 / 0.9 (best or within 1.5 points in the map study);
 # shorter runs take no momentum (0.9 ended 9-48% above DDP at 4-8 outer steps) and the lr below
