@@ -2,7 +2,7 @@
 worth in compute. Plain AdamW (auto with `--hv.inner-moment group`) on the `defaults` study's workload at k = 4,
 H = 25, given more inner steps than the 200 the galaxy moment had (each run's `auto` outer setting for its own
 length, as the trainer would pick it), against the galaxy moment at 200 steps (moment-every.jsonl, every1). Ran
-2026-12-01 00:12-00:45 UTC (moment-compute.jsonl) at commit d8946e9:
+2026-12-01 00:12-00:23 UTC (moment-compute.jsonl) at commit d8946e9:
 PYTHONPATH=. python docs/bench/scratch/moment_compute.py OUT.jsonl SEEDS STEPS   (SEEDS: 0,1,2; STEPS: 225,250)"""
 
 import json
