@@ -102,9 +102,9 @@ def galaxy_moment(config: Config, tokens_per_step: int, grad_accum: int) -> bool
     choice = hv.inner_moment
     if choice == "auto":
         choice = auto_inner_moment(steps_per_round(hv, tokens_per_step), hv.galaxy_size, grad_accum)
-    halves = grad_accum > 1 or config.per_device_train_batch_size > 1
-    if choice == "galaxy" and not halves and hv.inner_moment == "galaxy":
+    # auto picks galaxy only with two micro-batches or more, so a step without halves is an explicit galaxy's
+    if choice == "galaxy" and grad_accum < 2 and config.per_device_train_batch_size < 2:
         raise UsageError("--hv.inner-moment galaxy needs two halves of each inner step: a "
                          "--per-device-train-batch-size of at least 2, or a --total-batch-size of two "
                          "micro-batches per rank")  # fmt: skip
-    return choice == "galaxy" and halves and config.sharding_strategy != "ZERO1"
+    return choice == "galaxy" and config.sharding_strategy != "ZERO1"
