@@ -3,16 +3,18 @@
 - `FixedSteps` (``--hv.pace fixed``, OpenDiLoCo's mode): every group takes H inner steps per round; a fast group
   waits for the groups on their way (``diloco.swarm.records.arrivals``). The LR schedule follows its own steps.
 - `TokenBudget` (``--hv.pace tokens``, or ``--hv.target-tokens N``): the swarm takes an outer step once its groups
-  together trained N tokens since the last one; each keeps training until then, so nobody waits for the slowest,
-  and each group's pseudo-gradient is weighted by its tokens. Under ``--hv.pace tokens`` N = H × galaxy size ×
-  the tokens of an inner step of the group that sets it. The run lasts R rounds: the setter's ⌈max_steps ÷ H'⌉,
-  H' = N ÷ (galaxy size × its tokens per inner step). N and R are announced in the setter's status record and
-  every group that joins takes them (``adopt``; ``diloco.outer.agreement.budget_to_adopt``), whatever its batch
-  and --max-steps. A group's own step count no longer says where the run is, so its LR schedule and its end follow
-  the swarm's progress: its own `max_steps` inner steps spread over the R rounds, and within a round its tokens over
-  its share of the swarm's rate (``budget.own_share``; equal groups: its own steps), not the swarm's estimated
-  tokens, whose records of a new round are read a moment late (on three equal groups that schedule ended 1-2.5%
-  worse, docs/outer-step.md).
+  together trained N tokens since the last one; each keeps training until then, so nobody waits for the slowest, and
+  each group's pseudo-gradient is weighted by its tokens. A group the round is due for trains on while a slower
+  group ends the step it is in later than one more of its own would end (``TokenBudget._hold``): the round forms
+  when the slowest comes, with the others' last steps in it, not their idle wait. Under ``--hv.pace tokens`` N = H ×
+  galaxy size × the tokens of an inner step of the group that sets it. The run lasts R rounds: the setter's
+  ⌈max_steps ÷ H'⌉, H' = N ÷ (galaxy size × its tokens per inner step). N and R are announced in the setter's status
+  record and every group that joins takes them (``adopt``; ``diloco.outer.agreement.budget_to_adopt``), whatever its
+  batch and --max-steps. A group's own step count no longer says where the run is, so its LR schedule and its end
+  follow the swarm's progress: its own `max_steps` inner steps spread over the R rounds, and within a round its
+  tokens over its share of the swarm's rate (``budget.own_share``; equal groups: its own steps), not the swarm's
+  estimated tokens, whose records of a new round are read a moment late (on three equal groups that schedule ended
+  1-2.5% worse, docs/outer-step.md).
 
 With ``--hv.fragments F`` a round averages one fragment, so both paces count fragment rounds: H/F inner steps, or
 N/F tokens of the swarm, each. The outer loop passes the round a group trains for as `outer_step`: its applied
@@ -35,7 +37,9 @@ catch-up as before (``diloco.outer.catchup``).
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -53,6 +57,11 @@ if TYPE_CHECKING:
 PUBLISH_S = 1.0  # rank 0 refreshes its round-token record at most this often
 CORROBORATE_S = 2.0  # while a token record says another group is ahead, its progress records are read this often
 CORROBORATE_PINGS = 3  # progress records ahead whose peers one such read asks whether they are alive, at most
+# a group due by the tokens trains on while a slower group ends its step, for at most this share of the round so far
+# (a stranger's record of a slow group costs the swarm's rounds no more than that)
+HOLD_SHARE = 0.25
+HOLD_SLOWER = 1.25  # ... for a group whose steps take this many times its own: groups of about one speed hold for none
+STEP_TIMES = 3  # a group's step time is the median of its last this many (an evaluation between two is one outlier)
 
 
 class Pace(Protocol):
@@ -207,6 +216,12 @@ class TokenBudget:
         self.refused: Callable[[Progress], bool] = lambda record: False
         self.follows_h = follows_h
         self.corroborated: tuple[int, float, bool] = (-1, -math.inf, False)  # (outer step, checked at, verdict)
+        self.step_times: deque[float] = deque(maxlen=STEP_TIMES)  # seconds of this group's last inner steps
+        self.stepped_at: float | None = None  # when its last inner step of this round ended
+        self.due_at: float | None = None  # when the tokens first made this round due (`_hold`)
+        self.undue: tuple[float, float] | None = None  # (time, estimate) of its last step end at which they had not
+        self.arrivals: dict[int, float] = {}  # by world rank: when the slower groups then end their steps
+        self.held_s = 0.0  # how long this group trained on past the moment its last round came due
 
     # ---------------------------------------------------------------- every inner step
 
@@ -220,12 +235,23 @@ class TokenBudget:
         now = self.clock()
         if tokens:
             self.rate = tokens / max(now - self.round_started, 1e-6)
-        mine = RoundTokens(self.world_rank, outer_step, tokens, self.rate, now)
+        if self.stepped_at is not None:
+            self.step_times.append(now - self.stepped_at)
+        self.stepped_at = now
+        step_s = statistics.median(self.step_times) if self.step_times else 0.0
+        mine = RoundTokens(self.world_rank, outer_step, tokens, self.rate, now, step_s=step_s)
         records = self.swarm.token_records()
         estimate = budget.swarm_tokens(records, mine, now, self.galaxy_size)
         claims = budget.claims_ahead(records, mine, self.galaxy_size)
         behind = tokens >= self.earliest and bool(claims) and self._corroborated(claims, mine)
-        due = estimate >= self.target_tokens or behind or outer_step >= self.final_outer_step
+        final = outer_step >= self.final_outer_step
+        due = estimate >= self.target_tokens or behind or final
+        if estimate < self.target_tokens:
+            self.undue = (now, estimate)
+        if due and not (behind or final) and self._hold(records, mine, estimate):
+            due = False
+        if due:
+            self.held_s = 0.0 if self.due_at is None else now - self.due_at
         if due or now - self.published_at >= PUBLISH_S:
             # closed: this group waits in the round now; the others count its tokens as they are
             self.swarm.publish_tokens(replace(mine, closed=due))
@@ -234,6 +260,32 @@ class TokenBudget:
         # whose records of the round arrive a read late (a step or more behind at a round's start, then a jump)
         share = budget.own_share(records, mine, self.galaxy_size)
         return due, min(tokens / (share * self.target_tokens), 1.0), estimate
+
+    def _hold(self, records: list[RoundTokens], mine: RoundTokens, estimate: float) -> bool:
+        """Rank 0, the round due by the tokens: whether this group takes one more inner step first, because a slower
+        group (steps ``HOLD_SLOWER`` times as long or more) ends the step it is in more than half a step of this
+        group's from now (``budget.step_ends``, as of the moment the round first came due, `estimate` the swarm's
+        tokens then). The round then forms when the slowest group comes, with the others' last steps in it rather
+        than their idle wait; groups of about one speed hold for none. At most ``HOLD_SHARE`` of the round so far: a
+        record, anyone's, holds rounds no longer."""
+        if self.due_at is None:
+            self.due_at = mine.at
+            came_due = self._came_due(estimate, mine.at)
+            self.arrivals = budget.step_ends(records, mine, mine.at, self.galaxy_size, came_due,
+                                             longer_than=HOLD_SLOWER * mine.step_s)  # fmt: skip
+        if mine.step_s <= 0 or mine.at - self.due_at >= HOLD_SHARE * (self.due_at - self.round_started):
+            return False
+        inside = budget.closed(records, mine, self.galaxy_size)  # came meanwhile: not waited for any longer
+        # (its step ends within half of this group's own of the slower group's: one more would end further off)
+        return any(end > mine.at + mine.step_s / 2 for rank, end in self.arrivals.items() if rank not in inside)
+
+    def _came_due(self, estimate: float, now: float) -> float:
+        """Rank 0: when the swarm's tokens reached the target, by this group's estimates: between its last step end
+        at which they had not (`undue`) and `now`, at which they have, by linear interpolation."""
+        if self.undue is None:
+            return self.round_started
+        then, before = self.undue
+        return then + (now - then) * min(max((self.target_tokens - before) / max(estimate - before, 1e-9), 0.0), 1.0)
 
     def _corroborated(self, claims: dict[int, list[RoundTokens]], mine: RoundTokens) -> bool:
         """Rank 0: whether a group whose token record says it is past `mine`'s outer step (`claims`, by world rank:
@@ -275,8 +327,11 @@ class TokenBudget:
 
     def new_round(self, outer_step: int) -> None:
         self.fraction, self.round_started = 0.0, self.clock()
+        self.stepped_at, self.due_at, self.undue, self.arrivals = None, None, None, {}
         if self.group.is_main:  # tell the others at once: they must not count last round's tokens any longer
-            self.swarm.publish_tokens(RoundTokens(self.world_rank, outer_step, 0, self.rate, self.round_started))
+            step_s = statistics.median(self.step_times) if self.step_times else 0.0
+            self.swarm.publish_tokens(RoundTokens(self.world_rank, outer_step, 0, self.rate, self.round_started,
+                                                  step_s=step_s))  # fmt: skip
             self.published_at = self.round_started
 
     def position(self, step: int, outer_step: int) -> int:
@@ -285,7 +340,7 @@ class TokenBudget:
         return min(int((outer_step + self.fraction) * self.steps_per_round), self.max_steps - 1)
 
     def summary(self, tokens: int) -> dict[str, Any]:
-        return {"swarm_tokens": int(self.estimate)}
+        return {"swarm_tokens": int(self.estimate), "held_s": round(self.held_s, 3)}
 
     def budget(self) -> tuple[int, int]:
         return round(self.target_tokens), self.final_outer_step

@@ -20,7 +20,7 @@ from diloco.outer.agreement import schedule
 from diloco.outer.diloco import DiLoCo
 from diloco.outer.links import solo_group
 from diloco.outer.memory import MemorySwarm
-from diloco.outer.pace import FixedSteps, TokenBudget
+from diloco.outer.pace import HOLD_SHARE, FixedSteps, TokenBudget
 from diloco.swarm.records import budget
 from diloco.swarm.records.budget import HORIZON_S, RoundTokens
 from diloco.swarm.records.fingerprint import ModelId
@@ -93,6 +93,94 @@ def test_a_groups_share_of_the_swarms_rate_takes_each_latest_record_capped() -> 
     assert budget.own_share(records, mine, galaxy_size=4) == pytest.approx(10 / (10 + 30 + 80))
 
 
+def test_a_groups_next_step_end_follows_its_newest_record_of_the_round() -> None:
+    """``budget.step_ends``: a record's `at` ends a step, the next end `step_s` later. A step that ended unheard of
+    before the swarm's tokens reached the target (999.0 here) did not take its group to the round, one after it
+    may have: none. Groups in the round (closed), without a step time, writing from a clock ahead of this one, of
+    another round or outside the galaxy have none either."""
+    mine = RoundTokens(world_rank=0, outer_step=3, tokens=100, tokens_per_s=50.0, at=1000.0, step_s=0.25)
+    records = [
+        RoundTokens(1, 3, 40, 10.0, at=999.9, step_s=0.4),  # its step under way ends at 1000.3
+        RoundTokens(1, 3, 30, 10.0, at=998.0, step_s=9.0),  # an older record of world rank 1: the newest counts
+        RoundTokens(2, 3, 40, 10.0, at=999.9, step_s=1.0),  # ends at 1000.9
+        RoundTokens(3, 3, 40, 10.0, at=999.9, step_s=1.0, closed=True),  # in the round already
+        RoundTokens(4, 3, 40, 10.0, at=999.9),  # no step time (not known yet)
+        RoundTokens(5, 3, 40, 10.0, at=998.5, step_s=1.0),  # ended a step at 999.5, after 999.0: maybe in the round
+        RoundTokens(6, 3, 40, 10.0, at=1005.0, step_s=1.0),  # written after this clock's now
+        RoundTokens(7, 2, 40, 10.0, at=999.9, step_s=1.0),  # training for another round
+        RoundTokens(8, 3, 40, 10.0, at=997.5, step_s=1.4),  # ended one at 998.9, not due then: the next at 1000.3
+        RoundTokens(9, 3, 40, 10.0, at=999.9, step_s=1.0),  # outside the galaxy of 9
+    ]
+    ends = budget.step_ends(records, mine, now=1000.0, galaxy_size=9, came_due=999.0)
+    assert ends == pytest.approx({1: 1000.3, 2: 1000.9, 8: 1000.3})
+    assert budget.closed(records, mine, galaxy_size=9) == {3}
+    # a step time past the horizon counts as the horizon
+    far = RoundTokens(1, 3, 40, 10.0, at=1000.0, step_s=10.0**9)
+    assert budget.step_ends([far], mine, now=1000.0, galaxy_size=2, came_due=999.0) == {1: 1000.0 + HORIZON_S}
+
+
+def held_pace(now: list[float], step_s: float) -> TokenBudget:
+    """Group 0 of a galaxy of 3 (N = 600 tokens, 10 per inner step) that took two inner steps of `step_s` seconds,
+    its round 10 s old; each other group's record says it trained 300 tokens."""
+    pace = TokenBudget(
+        MemorySwarm(1).member("g0"), solo_group(), world_rank=0, target_tokens=600, galaxy_size=3,
+        tokens_per_step=10, max_steps=300, clock=lambda: now[0],
+    )  # fmt: skip
+    pace.round_started = now[0] - 10.0
+    for tokens in (0, 10):
+        assert not pace.due(step=tokens // 10, outer_step=0, tokens=tokens)
+        now[0] += step_s
+    return pace
+
+
+def test_a_due_group_trains_on_while_a_slower_group_ends_its_step_and_not_for_one_of_its_own_speed() -> None:
+    """The tokens make the round due; a slower group ends the step it is in 0.9 s later: a group of 0.25 s steps
+    takes inner steps until its own end within half a step of that (held_s in the round's row), then comes to the
+    round. A group as fast is not held for. A group that came to the round meanwhile
+    (closed) is not waited for any longer."""
+    now = [1000.0]
+    pace = held_pace(now, 0.25)
+    hub = pace.swarm.swarm
+    hub.tokens[1] = RoundTokens(1, 0, 300, 30.0, at=now[0] - 0.1, step_s=0.25)  # as fast: ends within a step
+    hub.tokens[2] = RoundTokens(2, 0, 300, 30.0, at=now[0] - 0.1, step_s=1.0)  # ends at now + 0.9
+    taken = []
+    while not pace.due(step=2 + len(taken), outer_step=0, tokens=300 + 10 * len(taken)):
+        taken.append(now[0])
+        now[0] += 0.25
+    # due at +0 but held, and so on while more than half a step of its own remains to the slow group's end at +0.9
+    assert len(taken) == 4, taken
+    assert pace.summary(340)["held_s"] == pytest.approx(1.0)
+    assert hub.tokens[0].closed and hub.tokens[0].step_s == pytest.approx(0.25)
+    pace.new_round(outer_step=1)
+    del hub.tokens[2]
+    now[0] += 0.25
+    hub.tokens[1] = RoundTokens(1, 1, 300, 30.0, at=now[0] - 0.1, step_s=0.25)
+    assert pace.due(step=10, outer_step=1, tokens=300)  # only a group of its own speed: no hold
+    assert pace.summary(300)["held_s"] == 0.0
+
+    pace = held_pace(now, 0.25)
+    hub = pace.swarm.swarm
+    hub.tokens[2] = RoundTokens(2, 0, 300, 30.0, at=now[0] - 0.1, step_s=1.0)
+    assert not pace.due(step=2, outer_step=0, tokens=300)
+    now[0] += 0.25
+    hub.tokens[2] = replace(hub.tokens[2], closed=True, at=now[0] - 0.05)  # it came: the round forms now
+    assert pace.due(step=3, outer_step=0, tokens=310)
+
+
+def test_a_record_of_a_slow_group_holds_a_round_at_most_a_share_of_its_time() -> None:
+    """A stranger's record of a group whose steps take 30 s (or a group that slow) holds this group's round for at
+    most HOLD_SHARE of the round so far (11 s): then it goes to the round and waits there."""
+    now = [1000.0]
+    pace = held_pace(now, 0.5)
+    pace.swarm.swarm.tokens[2] = RoundTokens(2, 0, 300, 30.0, at=now[0], step_s=30.0)
+    start, steps = now[0], 0
+    while not pace.due(step=2 + steps, outer_step=0, tokens=300 + 10 * steps):
+        steps += 1
+        now[0] += 0.5
+    cap = HOLD_SHARE * (start - pace.round_started)  # of the 11 s the round had taken when it came due
+    assert cap <= now[0] - start < cap + 0.5, (now[0] - start, cap)
+
+
 def test_a_token_records_owner_is_its_subkeys_never_its_values() -> None:
     good = RoundTokens(1, 0, 5, 1.0, 2.0)
     assert "owner" not in good.to_dict()
@@ -112,7 +200,10 @@ def test_a_silent_group_stops_adding_tokens_after_the_horizon() -> None:
     "data",
     [None, "x", {"world_rank": 0}, {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "tokens": -1},
      {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "tokens_per_s": math.inf},
-     {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "world_rank": "0"}],
+     {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "world_rank": "0"},
+     {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "step_s": -0.5},
+     {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "step_s": math.nan},
+     {**RoundTokens(0, 0, 1, 1.0, 1.0).to_dict(), "step_s": "0.5"}],
 )  # fmt: skip
 def test_what_is_not_a_round_token_record_is_skipped(data: Any) -> None:
     good = SimpleNamespace(value=RoundTokens(1, 0, 5, 1.0, 2.0).to_dict())

@@ -5,7 +5,9 @@ Each group's rank 0 publishes one small record about once a second while it trai
 outer step and its rate), under one DHT key per run and a subkey of its world rank and its own key
 (``diloco.swarm.records.ownership``). Every group estimates the swarm's tokens in the round from them (`swarm_tokens`):
 the records are seconds old, so each is extrapolated by its group's rate, as hivemind's progress tracker does. Groups
-read the same records, so they reach the target at about the same moment and meet in one round. A record expires
+read the same records, so they reach the target at about the same moment and meet in one round. A record also
+carries its group's step time and is written at the end of a step, so the others know when the step under way ends
+(`step_ends`): a faster group trains on until a slower one comes (``diloco.outer.pace``). A record expires
 ``TOKENS_TTL`` seconds after its last refresh: a group that died stops counting then.
 
 In an open swarm anyone can store records under the run's key, with world ranks of their choosing, so the
@@ -28,6 +30,7 @@ costs no hivemind.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
@@ -55,6 +58,8 @@ class RoundTokens:
     :param at: wall-clock time (``time.time()``) of `tokens`.
     :param closed: it stopped training for this round and waits for the others in matchmaking (no
         extrapolation: its tokens stay what they are).
+    :param step_s: seconds one of its inner steps takes (0: not known yet); `at` is the end of one, so the others
+        know when its next ends (`step_ends`).
     :param owner: who signed the record (``ownership.owner_id``), from its subkey; not part of the value.
     """
 
@@ -64,6 +69,7 @@ class RoundTokens:
     tokens_per_s: float
     at: float
     closed: bool = False
+    step_s: float = 0.0
     owner: str = field(default="", compare=False)
 
     def now(self, now: float) -> float:
@@ -84,7 +90,7 @@ class RoundTokens:
             record = cls(**data)
         except TypeError:
             return None
-        numbers = (record.tokens, record.tokens_per_s, record.at)
+        numbers = (record.tokens, record.tokens_per_s, record.at, record.step_s)
         ints = isinstance(record.world_rank, int) and isinstance(record.outer_step, int)
         ints = ints and isinstance(record.closed, bool)
         # (compared, not converted: an int past float's range is refused, not an OverflowError)
@@ -140,6 +146,42 @@ def own_share(records: Iterable[RoundTokens], mine: RoundTokens, galaxy_size: in
         return 1.0 / galaxy_size
     others = sum(min(r.tokens_per_s, OTHERS_CAP * mine.tokens_per_s) for r in latest.values())
     return mine.tokens_per_s / (mine.tokens_per_s + others)
+
+
+def latest(records: Iterable[RoundTokens], mine: RoundTokens, galaxy_size: int) -> dict[int, RoundTokens]:
+    """By world rank, the newest record of every other group of the galaxy training for `mine`'s round."""
+    found: dict[int, RoundTokens] = {}
+    for r in records:
+        if r.outer_step == mine.outer_step and r.world_rank != mine.world_rank and 0 <= r.world_rank < galaxy_size:
+            if r.world_rank not in found or r.at > found[r.world_rank].at:
+                found[r.world_rank] = r
+    return found
+
+
+def step_ends(records: Iterable[RoundTokens], mine: RoundTokens, now: float, galaxy_size: int, came_due: float,
+              longer_than: float = 0.0) -> dict[int, float]:  # fmt: skip
+    """By world rank, when each other group of the galaxy still training for `mine`'s round, of steps longer than
+    `longer_than` seconds, ends the inner step it is in at `now` (wall clock). A record's `at` ends a step of its
+    group (the record not closed: the round was not due then), and the next ones follow every `step_s`. A step that
+    ended before `came_due`, when the swarm's tokens reached the target by this group's estimate, did not find the
+    round due either (the groups' estimates agree), so the group went on training: its step under way ends one
+    `step_s` after the last that did. A group that ended a step after `came_due` may be in the round (its record
+    saying so not read yet): none. Left out as well: groups in the round (closed), records without a step time and
+    records written after `now` (another clock)."""
+    ends = {}
+    for rank, r in latest(records, mine, galaxy_size).items():
+        if r.closed or r.step_s <= max(longer_than, 0.0) or r.at > now:
+            continue
+        step = min(r.step_s, HORIZON_S)
+        last = r.at + math.floor((now - r.at) / step) * step  # the last step end at or before now
+        if last == r.at or last < came_due:
+            ends[rank] = last + step
+    return ends
+
+
+def closed(records: Iterable[RoundTokens], mine: RoundTokens, galaxy_size: int) -> set[int]:
+    """The world ranks of the other groups whose newest record of `mine`'s round says they are in it (closed)."""
+    return {rank for rank, r in latest(records, mine, galaxy_size).items() if r.closed}
 
 
 def earliest(target: float, galaxy_size: int) -> float:

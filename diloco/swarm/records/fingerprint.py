@@ -21,7 +21,7 @@ FINGERPRINT_CHARS = 12  # hex characters: enough to tell models apart, short eno
 # The version of what groups exchange: records, announcements, the rounds' and downloads' wire formats and the state
 # digest. It is part of `run_key`, so groups of different versions never meet (they could not average or load each
 # other's states); raised whenever one of those formats changes.
-PROTOCOL = 3  # 3: announcements say which ranks are relayed and which take libp2p streams
+PROTOCOL = 4  # 4: round-token records carry a group's step time (`budget.RoundTokens.step_s`)
 
 
 @dataclass(frozen=True)
