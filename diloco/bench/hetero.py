@@ -40,7 +40,9 @@ moment late). Phases, one after another:
   galaxy size 3 and `--max-steps S`: under fixed H every group trains S inner steps (a late one under `keep` skips
   the round it jumps over), under the token budget the swarm trains 3 × S steps' worth of tokens in as many rounds;
 - a dead group (`diloco.bench.hetero_dead`) and, the full run only, a group away on evaluations
-  (`diloco.bench.hetero_pause`), both on the equal trio.
+  (`diloco.bench.hetero_pause`), both on the equal trio;
+- the full run only: solo again, as before the arms. Each group's solo figures are the mean of both runs, and their
+  ratio is the host's drift meanwhile (`diloco.bench.hetero_solo`); each arm's ratio is also given against either.
 
 An arm's wall time runs from the first inner step of any group to the last outer step of any group (metrics
 rows carry unix times); its tokens/s (a group's, the swarm's) is the tokens of the steps that began once every
@@ -87,6 +89,7 @@ from diloco.bench.hetero_report import (
     usable_cores,
 )
 from diloco.bench.hetero_sampler import Sampler
+from diloco.bench.hetero_solo import bracket
 from diloco.bench.models import write_model
 from diloco.bench.throttle import CpuLimit
 from diloco.bench.wire import dht_peers, last_line, started, summary, wait_all
@@ -454,21 +457,32 @@ def solo_launch(setup: HeteroSetup, model: Path, work_dir: Path, label: str, cor
     return Launch(label, cores, train_command(setup, model, run_dir, solo_steps(setup, cores), []), run_dir)
 
 
-def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
-    """Solo (one group after the other; in a quick run all at once, a smoke test), then each arm on each trio
-    (`arm_list`; see the module's docstring). Returns the result document."""
-    setup = hetero_setup(quick)
-    model = write_model(MODEL, work_dir / "models")
-    solo, cgroups, commands = [], {"solo": []}, {"solo": []}
-    launches = [solo_launch(setup, model, work_dir, f"solo-{i}", cores) for i, cores in enumerate(CORES)]
+def solo_phase(setup: HeteroSetup, model: Path, work_dir: Path, quick: bool,
+               tag: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:  # fmt: skip
+    """Each group alone (in a quick run all three at once, a smoke test), run folders `tag`-i. Returns each group's
+    solo figures, its cgroup figures and its command."""
+    solo, cgroups, commands = [], [], []
+    launches = [solo_launch(setup, model, work_dir, f"{tag}-{i}", cores) for i, cores in enumerate(CORES)]
     for phase in [launches] if quick else [[launch] for launch in launches]:
         for launch in phase:
             log.info("bench hetero %s (%g core): %s", launch.label, launch.cores, shlex.join(launch.command))
         figures, series = run_phase(phase, work_dir, setup.timeout_s)
         for i, (launch, cgroup) in enumerate(zip(phase, figures)):
             solo.append(solo_figures(launch, setup, cgroup["engaged_at"], Counters(series), i))
-            cgroups["solo"].append(cgroup)
-            commands["solo"].append(shlex.join(launch.command))
+            cgroups.append(cgroup)
+            commands.append(shlex.join(launch.command))
+    return solo, cgroups, commands
+
+
+def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Solo, then each arm on each trio (`arm_list`; see the module's docstring), then (the full run) solo again:
+    each arm's figures are taken against the mean of both solo runs (``hetero_solo.bracket``). Returns the result
+    document."""
+    setup = hetero_setup(quick)
+    model = write_model(MODEL, work_dir / "models")
+    cgroups: dict[str, list[dict[str, Any]]] = {}
+    commands: dict[str, list[str]] = {}
+    before, cgroups["solo"], commands["solo"] = solo_phase(setup, model, work_dir, quick, "solo")
     side_by_side: dict[str, list[dict[str, Any]]] = {}  # none in a quick run, whose solo phase is side by side
     for trio, cores in ({} if quick else TRIOS).items():
         phase = [solo_launch(setup, model, work_dir, f"side-{trio}-{i}", c) for i, c in enumerate(cores)]
@@ -477,24 +491,31 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
         side_by_side[trio] = [solo_figures(launch, setup, cgroup["engaged_at"], Counters(series), i)
                               for i, (launch, cgroup) in enumerate(zip(phase, figures))]  # fmt: skip
         commands[f"side-{trio}"] = [shlex.join(launch.command) for launch in phase]
-    arms = []
+    ran = []  # each arm's (trio, name, groups, sampler's counters), its figures taken once solo is complete
     with ExitStack() as stack:
         peers, dht = start_dht(stack, work_dir)
         cgroups["dht"] = [{"cgroup": str(dht.folder)}]
         for trio, arm in arm_list(quick):
-            name, cores = f"{trio}-{arm}", TRIOS[trio]
+            name = f"{trio}-{arm}"
             launches = trio_launches(setup, model, work_dir, peers, trio, arm, name)
             log.info("bench hetero %s: %s", name, shlex.join(launches[-1].command))
             cgroups[name], series = run_phase(launches, work_dir, setup.timeout_s, dht)
             groups = [group_figures(x.run_dir, setup) | {"moment": moment(work_dir / f"{x.label}.log")}
                       for x in launches]  # fmt: skip
-            alone = [next(s for s in solo if s["cores"] == c) for c in cores]
-            arms.append(arm_figures(arm, groups, cgroups[name], alone, Counters(series), trio, side_by_side.get(trio)))
+            ran.append((trio, arm, groups, Counters(series)))
             commands[name] = [shlex.join(x.command) for x in launches]
         dead, commands["equal-tokens-dead"] = dead_arm(setup, model, work_dir, peers, dht)
         pause = None
         if not quick:
             pause, commands["equal-fixed-paused"] = pause_arm(setup, model, work_dir, peers, dht)
+    after = None
+    if not quick:
+        after, cgroups["solo-after"], commands["solo-after"] = solo_phase(setup, model, work_dir, quick, "solo-after")
+    solo = bracket(before, after)
+    arms = []
+    for trio, arm, groups, counters in ran:
+        alone = [next(s for s in solo if s["cores"] == c) for c in TRIOS[trio]]
+        arms.append(arm_figures(arm, groups, cgroups[f"{trio}-{arm}"], alone, counters, trio, side_by_side.get(trio)))
     solo_sum = sum(s["tokens_per_s"] for s in solo)
     result = {
         "model": MODEL,
@@ -505,6 +526,8 @@ def measure(quick: bool, work_dir: Path, info: dict[str, Any]) -> dict[str, Any]
         "trios": {trio: list(cores) for trio, cores in TRIOS.items()},
         "arm_flags": ARM_FLAGS,
         "solo": solo,
+        "solo_before": before,
+        "solo_after": after,
         "solo_sum_tokens_per_s": solo_sum,
         "side_by_side": side_by_side,
         "fixed_h_expected_ratio": len(CORES) * min(s["tokens_per_s"] for s in solo) / solo_sum,

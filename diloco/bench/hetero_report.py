@@ -16,10 +16,12 @@ from diloco.bench import BenchError, machine_line
 from diloco.bench.arms import row
 from diloco.bench.hetero_dead import dead_lines
 from diloco.bench.hetero_pause import pause_lines
+from diloco.bench.hetero_solo import drift_line, ratios_either_side
 
 __all__ = ["Counters", "arm_figures", "explain", "markdown", "plot", "step_cpu", "targets"]
 
 TRIO_NAMES = ("unequal", "equal")  # the unequal trio, then every group at the middle share (`hetero.TRIOS`)
+SOLO_ORDER = "one after the other, before the arms and again after them (each group: the mean of both)"
 RATIO_TARGET = 0.95  # swarm tokens/s ÷ the sum of the groups' solo tokens/s
 FULL_ROUNDS_TARGET = 0.95  # share of the swarm's rounds that had every group
 DISCARD_TARGET = 0  # inner steps discarded while every group lives
@@ -164,6 +166,7 @@ def arm_figures(
         "swarm_tokens_per_s": measured / window,
         "solo_sum_tokens_per_s": solo_sum,
         "ratio_to_solo_sum": measured / window / solo_sum,
+        "ratio_to_solo_runs": ratios_either_side(solo, measured / window),  # before the arms, after them
         "ratio_to_side_by_side_sum": (measured / window / sum(s["tokens_per_s"] for s in side_by_side)
                                       if side_by_side else None),  # fmt: skip
         "full_rounds": full,
@@ -336,7 +339,8 @@ def explain(result: dict[str, Any]) -> list[str]:
             lines.append(explain_arm(arm, solo))
     by_name = {arm_key(arm): arm for arm in result["arms"]}
     lines += [line + "." for trio in TRIO_NAMES if (line := moment_cost(by_name, trio))]
-    return lines + [line for trio in TRIO_NAMES if (line := side_by_side_line(result, trio))]
+    lines += [line for trio in TRIO_NAMES if (line := side_by_side_line(result, trio))]
+    return lines + [line for line in [drift_line(result["solo"])] if line]
 
 
 def side_by_side_line(result: dict[str, Any], trio: str) -> str | None:
@@ -379,7 +383,7 @@ def setup_lines(result: dict[str, Any]) -> list[str]:
         f"- model {result['model']}, {result['data']} with the byte tokenizer, {s['tokens_per_step']} tokens per "
         f"inner step (seq {s['seq_length']} × batch {s['batch']}), float32, one torch thread per process",
         f"- solo: each group alone, galaxy size 1 (no DHT), "
-        f"{'all three at once (quick: a smoke test)' if result['quick'] else 'one after the other'}, {s['solo_steps']} "
+        f"{'all three at once (quick: a smoke test)' if result['quick'] else SOLO_ORDER}, {s['solo_steps']} "
         f"inner steps for the fastest and fewer for slower ones; tokens/s over the steps after {s['skip']} warm-up "
         "steps (harmonic mean of the rows' `tokens_per_s`); the equal trio's solo is the middle group's; solo side "
         "by side: each trio's three solo runs at once, each under its quota (what sharing the machine costs three "
@@ -468,8 +472,9 @@ def machine_rows(result: dict[str, Any]) -> list[str]:
 
 def side_note(arm: dict[str, Any]) -> str:
     """", X of Σ solo side by side" where measured."""
-    ratio = arm.get("ratio_to_side_by_side_sum")
-    return "" if ratio is None else f"; {ratio:.2f} of Σ solo side by side"
+    ratio, runs = arm.get("ratio_to_side_by_side_sum"), arm.get("ratio_to_solo_runs")
+    either = "" if not runs else f"; {runs['before']:.2f} / {runs['after']:.2f} of Σ solo before / after the arms"
+    return either + ("" if ratio is None else f"; {ratio:.2f} of Σ solo side by side")
 
 
 def verdict(result: dict[str, Any]) -> str:

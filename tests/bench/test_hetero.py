@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from diloco.bench import BenchError, hetero, hetero_dead, hetero_pause, hetero_report, throttle
+from diloco.bench import BenchError, hetero, hetero_dead, hetero_pause, hetero_report, hetero_solo, throttle
 from diloco.bench.hetero import Launch
 from diloco.bench.hetero_report import Counters
 from diloco.bench.models import write_model
@@ -437,3 +437,28 @@ def test_the_solo_runs_side_by_side_split_what_the_machine_costs_from_what_the_s
     assert line in hetero_report.explain(result)
     assert hetero_report.side_by_side_line(result, "unequal") is None
     assert "; 0.62 of Σ solo side by side" in hetero_report.side_note(arm)
+
+
+def test_solo_runs_before_and_after_the_arms_bracket_them_and_the_drift_is_said() -> None:
+    """The host ran the solo runs after the arms 1.25× as fast as before: each group's reference is the mean of both
+    (its CPU per step too), the drift is given per group, and each arm's ratio against either run beside the mean."""
+    before = [{"tokens_per_s": 100.0 * c, "cores": c, "cpu_per_step_s": 1.0, "cores_in_steps": c, "main_share": 0.99,
+               "throttled_share_in_steps": 1.0, "steps": 30} for c in (1.0, 0.5, 0.25)]  # fmt: skip
+    after = [s | {"tokens_per_s": 125.0 * s["cores"], "cpu_per_step_s": 0.8} for s in before]
+    solo = hetero_solo.bracket(before, after)
+    assert [s["tokens_per_s"] for s in solo] == [112.5, 56.25, 28.125]
+    assert [s["drift"] for s in solo] == [1.25] * 3 and solo[0]["cpu_per_step_s"] == pytest.approx(0.9)
+    assert solo[0]["tokens_per_s_before"] == 100.0 and solo[0]["tokens_per_s_after"] == 125.0
+    assert solo[0]["steps"] == 30 and before[0]["tokens_per_s"] == 100.0  # (the runs' own figures unchanged)
+    assert hetero_solo.bracket(before, None) is before  # the quick run: solo once
+    with pytest.raises(ValueError, match="bracket no group"):
+        hetero_solo.bracket(before, after[::-1])
+    groups = [group(10, [5, 5], 0.0, 20.0) for _ in range(3)]  # 50 tokens/s each: 150
+    arm = hetero_report.arm_figures("tokens", groups, cgroups(0.0), solo, None, "unequal")
+    assert arm["ratio_to_solo_sum"] == pytest.approx(150 / 196.875)
+    assert arm["ratio_to_solo_runs"] == pytest.approx({"before": 150 / 175, "after": 150 / 218.75})
+    assert "; 0.86 / 0.69 of Σ solo before / after the arms" in hetero_report.side_note(arm)
+    line = hetero_solo.drift_line(solo)
+    assert line is not None and "(1 / 0.5 / 0.25 core): 1.25 / 1.25 / 1.25" in line
+    assert line in hetero_report.explain({"arms": [], "solo": solo, "quick": False})
+    assert hetero_solo.drift_line(before) is None and hetero_solo.ratios_either_side(before, 150.0) is None
