@@ -5,7 +5,7 @@
 - `TokenBudget` (``--hv.pace tokens``, or ``--hv.target-tokens N``): the swarm takes an outer step once its groups
   together trained N tokens since the last one; each keeps training until then, so nobody waits for the slowest, and
   each group's pseudo-gradient is weighted by its tokens. A group the round is due for trains on while a slower
-  group ends the step it is in later than one more of its own would end (``TokenBudget._hold``): the round forms
+  group ends the step it is in more than half a step of its own from now (``TokenBudget._hold``): the round forms
   when the slowest comes, with the others' last steps in it, not their idle wait. Under ``--hv.pace tokens`` N = H ×
   galaxy size × the tokens of an inner step of the group that sets it. The run lasts R rounds: the setter's
   ⌈max_steps ÷ H'⌉, H' = N ÷ (galaxy size × its tokens per inner step). N and R are announced in the setter's status
@@ -221,17 +221,18 @@ class TokenBudget:
         self.due_at: float | None = None  # when the tokens first made this round due (`_hold`)
         self.undue: tuple[float, float] | None = None  # (time, estimate) of its last step end at which they had not
         self.arrivals: dict[int, float] = {}  # by world rank: when the slower groups then end their steps
-        self.held_s = 0.0  # how long this group trained on past the moment its last round came due
+        self.held_s = 0.0  # how long this group trained on past the moment its round came due (when due)
 
     # ---------------------------------------------------------------- every inner step
 
     def due(self, step: int, outer_step: int, tokens: int) -> bool:
         decision = self._decide(outer_step, tokens) if self.group.is_main else None
-        due, self.fraction, self.estimate = self.group.broadcast(decision)
+        due, self.fraction, self.estimate, self.held_s = self.group.broadcast(decision)
         return due
 
-    def _decide(self, outer_step: int, tokens: int) -> tuple[bool, float, float]:
-        """Rank 0: publish this group's progress (at most every `PUBLISH_S`), estimate the swarm's."""
+    def _decide(self, outer_step: int, tokens: int) -> tuple[bool, float, float, float]:
+        """Rank 0: publish this group's progress (at most every `PUBLISH_S`), estimate the swarm's. Returns whether
+        the round is due, where the schedule stands in it, the swarm's tokens in it and how long this group held."""
         now = self.clock()
         if tokens:
             self.rate = tokens / max(now - self.round_started, 1e-6)
@@ -250,8 +251,7 @@ class TokenBudget:
             self.undue = (now, estimate)
         if due and not (behind or final) and self._hold(records, mine, estimate):
             due = False
-        if due:
-            self.held_s = 0.0 if self.due_at is None else now - self.due_at
+        held = 0.0 if not due or self.due_at is None else now - self.due_at
         if due or now - self.published_at >= PUBLISH_S:
             # closed: this group waits in the round now; the others count its tokens as they are
             self.swarm.publish_tokens(replace(mine, closed=due))
@@ -259,7 +259,7 @@ class TokenBudget:
         # where the schedule stands: this group's tokens over its share of the round, not the swarm's estimate,
         # whose records of the round arrive a read late (a step or more behind at a round's start, then a jump)
         share = budget.own_share(records, mine, self.galaxy_size)
-        return due, min(tokens / (share * self.target_tokens), 1.0), estimate
+        return due, min(tokens / (share * self.target_tokens), 1.0), estimate, held
 
     def _hold(self, records: list[RoundTokens], mine: RoundTokens, estimate: float) -> bool:
         """Rank 0, the round due by the tokens: whether this group takes one more inner step first, because a slower
