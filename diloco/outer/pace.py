@@ -239,8 +239,7 @@ class TokenBudget:
         if self.stepped_at is not None:
             self.step_times.append(now - self.stepped_at)
         self.stepped_at = now
-        step_s = statistics.median(self.step_times) if self.step_times else 0.0
-        mine = RoundTokens(self.world_rank, outer_step, tokens, self.rate, now, step_s=step_s)
+        mine = RoundTokens(self.world_rank, outer_step, tokens, self.rate, now, step_s=self.step_s)
         records = self.swarm.token_records()
         estimate = budget.swarm_tokens(records, mine, now, self.galaxy_size)
         claims = budget.claims_ahead(records, mine, self.galaxy_size)
@@ -260,6 +259,11 @@ class TokenBudget:
         # whose records of the round arrive a read late (a step or more behind at a round's start, then a jump)
         share = budget.own_share(records, mine, self.galaxy_size)
         return due, min(tokens / (share * self.target_tokens), 1.0), estimate, held
+
+    @property
+    def step_s(self) -> float:
+        """Seconds an inner step of this group takes: the median of its last `STEP_TIMES` (0: none measured yet)."""
+        return statistics.median(self.step_times) if self.step_times else 0.0
 
     def _hold(self, records: list[RoundTokens], mine: RoundTokens, estimate: float) -> bool:
         """Rank 0, the round due by the tokens: whether this group takes one more inner step first, because a slower
@@ -329,9 +333,8 @@ class TokenBudget:
         self.fraction, self.round_started = 0.0, self.clock()
         self.stepped_at, self.due_at, self.undue, self.arrivals = None, None, None, {}
         if self.group.is_main:  # tell the others at once: they must not count last round's tokens any longer
-            step_s = statistics.median(self.step_times) if self.step_times else 0.0
             self.swarm.publish_tokens(RoundTokens(self.world_rank, outer_step, 0, self.rate, self.round_started,
-                                                  step_s=step_s))  # fmt: skip
+                                                  step_s=self.step_s))  # fmt: skip
             self.published_at = self.round_started
 
     def position(self, step: int, outer_step: int) -> int:

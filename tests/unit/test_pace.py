@@ -121,7 +121,7 @@ def test_a_groups_next_step_end_follows_its_newest_record_of_the_round() -> None
 
 def held_pace(now: list[float], step_s: float) -> TokenBudget:
     """Group 0 of a galaxy of 3 (N = 600 tokens, 10 per inner step) that took two inner steps of `step_s` seconds,
-    its round 10 s old; each other group's record says it trained 300 tokens."""
+    its round 10 s old, no other group's record read yet (each test writes its own)."""
     pace = TokenBudget(
         MemorySwarm(1).member("g0"), solo_group(), world_rank=0, target_tokens=600, galaxy_size=3,
         tokens_per_step=10, max_steps=300, clock=lambda: now[0],
