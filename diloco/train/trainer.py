@@ -25,7 +25,7 @@ from diloco import checkpoint, console, export, galaxy_moment, lora, parallel, p
 from diloco.config import Config
 from diloco.data import Data, Shard, build_data
 from diloco.distenv import DistEnv, stop_with_launcher
-from diloco.errors import FieldError, UsageError
+from diloco.errors import FieldError, UsageError, first_line
 from diloco.fresh import Fresh
 from diloco.metrics import (
     Metrics,
@@ -57,12 +57,31 @@ log = logging.getLogger("diloco")
 class StopRequest:
     """Set by SIGINT/SIGTERM; the loop stops at the next step boundary. A second signal exits at once, unless
     it comes within `echo_s` of the first: torchrun forwards the signal a terminal already sent to every rank,
-    and that echo is the same request, not an impatient user."""
+    and that echo is the same request, not an impatient user.
+
+    During start-up (`starting_up`) the first signal leaves at once: nothing is trained yet, so there is nothing
+    to finish or save, and joining a swarm can take minutes on a busy machine (a DHT start retried, the catch-up's
+    pings) while Slurm or a supervisor sends SIGKILL a short grace after SIGTERM."""
 
     def __init__(self, echo_s: float = 1.0) -> None:
         self.requested = False
         self.echo_s = echo_s
         self.first_at = 0.0
+        self.starting = False
+        self.during_startup = False  # the request came before the first step
+
+    @contextlib.contextmanager
+    def starting_up(self) -> Iterator[None]:
+        """While the run starts: a stop request raises KeyboardInterrupt wherever the main thread is (the swarm's
+        start-up cleans up after any exception); one that came before this block is heeded on entry."""
+        self.starting = True
+        try:
+            if self.requested:
+                self.during_startup = True
+                raise KeyboardInterrupt
+            yield
+        finally:
+            self.starting = False
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -74,6 +93,10 @@ class StopRequest:
         now = time.monotonic()
         if not self.requested:
             self.requested, self.first_at = True, now
+            if self.starting:
+                self.during_startup = True
+                log.warning("received %s during start-up: leaving now", signal.Signals(signum).name)
+                raise KeyboardInterrupt
             log.warning("received %s: stopping after this step", signal.Signals(signum).name)
         elif now - self.first_at > self.echo_s:
             raise KeyboardInterrupt  # a second signal: leave now
@@ -546,14 +569,15 @@ def main(config: Config, env: DistEnv) -> int:
     run: Run | None = None
     status = "failed"
     try:
-        run_dir = resolve_run_dir(config)
-        run = build_run(config, env, device, run_dir, stop)
-        if resume_path is not None:
-            resume(run, resume_path)
-        run.startup_host_peak_mb = parallel.all_gather_object(host_peak_mb())  # what loading the model took
-        if env.is_main:
-            log.info("worker group %d starting:\n%s", config.hv.world_rank, console.banner(describe(run)))
-        joined = run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers)
+        with stop.starting_up():
+            run_dir = resolve_run_dir(config)
+            run = build_run(config, env, device, run_dir, stop)
+            if resume_path is not None:
+                resume(run, resume_path)
+            run.startup_host_peak_mb = parallel.all_gather_object(host_peak_mb())  # what loading the model took
+            if env.is_main:
+                log.info("worker group %d starting:\n%s", config.hv.world_rank, console.banner(describe(run)))
+            joined = run.outer.join(run.step, load_from_peers=not config.hv.skip_load_from_peers)
         run.step = joined.step
         follow_schedule(run)
         run.scheduled_eval_at = run.outer.position(run.step)
@@ -564,7 +588,7 @@ def main(config: Config, env: DistEnv) -> int:
         status = train_loop(run)
         run.profiler.close()  # a window the run's end cut short
         summary = finish(run, status, started)
-    except KeyboardInterrupt:  # a second signal: no more collectives, just record what is known
+    except KeyboardInterrupt:  # a second signal, or one in start-up: no more collectives, just record what is known
         status = "interrupted"
         summary = {"status": status, "steps": run.step if run else 0, "wall_s": time.perf_counter() - started}
     except UsageError:
@@ -574,10 +598,15 @@ def main(config: Config, env: DistEnv) -> int:
         if run is not None and env.is_main:
             write_json_atomic(run.run_dir / "summary.json", failed_summary(run, started) | {"error": str(e)})
         return 1
-    except BaseException:
-        if run is not None and env.is_main:
-            write_json_atomic(run.run_dir / "summary.json", failed_summary(run, started))
-        raise
+    except BaseException as e:
+        if not (stop.during_startup and isinstance(e, Exception)):
+            if run is not None and env.is_main:
+                write_json_atomic(run.run_dir / "summary.json", failed_summary(run, started))
+            raise
+        # a rank inside a collective when the signal came, which failed as its peer ranks left on it: the stop
+        log.warning("stopped during start-up (%s)", first_line(e))
+        status = "interrupted"
+        summary = {"status": status, "steps": run.step if run else 0, "wall_s": time.perf_counter() - started}
     finally:
         if run is not None:
             run.metrics.close()

@@ -3,6 +3,7 @@ stopped with SIGTERM; the survivors must go on, lose nothing, and stay bit-ident
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -18,8 +19,8 @@ import pytest
 
 from tests.support.groups import SWARM, finish, group_args, outer_rows, renice_threads, start_group
 from tests.support.paths import DILOCO, ROOT, TORCHRUN
-from tests.support.procs import FAST, child_env, metrics, summary
-from tests.support.swarm import descendants, kill_group, left_running
+from tests.support.procs import FAST, child_env, metrics, read_until, summary
+from tests.support.swarm import descendants, kill_group, left_running, spawn
 
 
 def wait_for(predicate, timeout: float, what: str, procs: list[subprocess.Popen] = (), logs: list[Path] = ()) -> None:
@@ -575,3 +576,46 @@ def test_a_strangers_malformed_records_change_nothing(tmp_path: Path, dht_peer: 
     said = [log.read_text() for log in logs[:2]]
     assert all(0 < text.count("that is not a valid record") <= 3 for text in said), said  # once per key
     assert not any("Traceback" in text for text in said)
+
+
+def test_a_stop_signal_during_a_slow_start_up_leaves_at_once(tmp_path: Path) -> None:
+    """SIGTERM while a group's start-up waits on an initial peer that does not answer (its DHT process is paused,
+    its p2pd is not: the group's pings time out and its DHT start is retried for up to 30 s, as when joining a busy
+    machine took minutes): the group leaves at once with 130, no traceback, its DHT process and p2pd with it. It
+    used to go on starting until it gave up on the peer (exit 2), and under load for minutes past a supervisor's
+    grace."""
+    bootstrap = spawn([str(DILOCO), "dht", "--identity", str(tmp_path / "id.pem"), "--host-maddrs",
+                       "/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+    paused: list[psutil.Process] = []
+    log = tmp_path / "w0.log"
+    group = None
+    try:
+        peers = read_until(bootstrap, r"--hv\.initial-peers (.+)").group(1).split()
+        paused = [p for p in [psutil.Process(bootstrap.pid), *descendants(bootstrap.pid)] if p.name() != "p2pd"]
+        for proc in paused:
+            proc.suspend()
+        group = start_group(group_args(0, 2, peers, tmp_path / "w0"), log)
+        wait_for(lambda: "did not answer a ping yet" in log.read_text(), 90, "a retried DHT start", [group], [log])
+        # (each attempt starts a DHT process and p2pd of its own: signal while one runs)
+        wait_for(lambda: any(c.name() == "p2pd" for c in descendants(group.pid)), 30, "the next attempt's p2pd",
+                 [group], [log])  # fmt: skip
+        helpers = descendants(group.pid)
+        group.send_signal(signal.SIGTERM)
+        try:
+            code = group.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still starting 15 s after SIGTERM:\n{log.read_text()[-3000:]}") from None
+        said = log.read_text()
+        assert code == 130, said[-3000:]
+        assert "during start-up: leaving now" in said and "Traceback" not in said, said[-3000:]
+        assert not left_running(helpers, grace_s=10)
+    finally:
+        for proc in paused:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()
+        if group is not None:
+            kill_group(group)
+        bootstrap.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            bootstrap.wait(timeout=30)
+        kill_group(bootstrap)
