@@ -237,3 +237,8 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("diloco.data").setLevel(logging.INFO)
     for chatty in ("httpx", "httpx2", "httpcore"):  # huggingface_hub's HTTP clients log every request at INFO
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    # bitsandbytes, imported by peft, warns on a CPU with AVX512-BF16 that it cannot fetch an optional kernel from
+    # the hub (the `kernels` package, not ours to need): a warning in every LoRA run that names nothing to fix
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: "from kernels-community" not in record.getMessage()
+    )
