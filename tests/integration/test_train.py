@@ -349,7 +349,7 @@ def test_killing_torchrun_stops_its_ranks_with_a_checkpoint(run_dir: Path) -> No
 def test_a_second_stop_signal_exits_at_once() -> None:
     """The first SIGINT asks for a stop at the next step; a second one (after the echo window) leaves now."""
     script = (
-        "import time\nfrom diloco.train.trainer import StopRequest\nstop = StopRequest(echo_s=0.5)\nstop.install()\n"
+        "import time\nfrom diloco.train.stop import StopRequest\nstop = StopRequest(echo_s=0.5)\nstop.install()\n"
         "print('ready', flush=True)\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
         "    print('left', stop.requested, flush=True)\n"
     )

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from diloco.train.trainer import StopRequest
+from diloco.train.stop import StopRequest
 
 
 def test_a_signal_during_start_up_leaves_at_once() -> None:
