@@ -540,8 +540,7 @@ def main(config: Config, env: DistEnv) -> int:
         run.profiler.close()  # a window the run's end cut short
         summary = finish(run, status, started)
     except KeyboardInterrupt:  # a second signal, or one in start-up: no more collectives, just record what is known
-        status = "interrupted"
-        summary = {"status": status, "steps": run.step if run else 0, "wall_s": time.perf_counter() - started}
+        status, summary = "interrupted", interrupted_summary(run, started)
     except UsageError:
         raise
     except (FloatingPointError, JoinError) as e:  # NaN/Inf, no state to join with: a clear line, no traceback
@@ -556,8 +555,7 @@ def main(config: Config, env: DistEnv) -> int:
             raise
         # a rank inside a collective when the signal came, which failed as its peer ranks left on it: the stop
         log.warning("stopped during start-up (%s)", first_line(e))
-        status = "interrupted"
-        summary = {"status": status, "steps": run.step if run else 0, "wall_s": time.perf_counter() - started}
+        status, summary = "interrupted", interrupted_summary(run, started)
     finally:
         if run is not None:
             run.metrics.close()
@@ -567,6 +565,11 @@ def main(config: Config, env: DistEnv) -> int:
         write_json_atomic(run.run_dir / "summary.json", summary)
         log.info("run %s: %s after %d steps, summary in %s", run.run_dir, status, run.step, run.run_dir)
     return 0 if status == "ok" else 130
+
+
+def interrupted_summary(run: Run | None, started: float) -> dict[str, Any]:
+    """What is known without a collective: a run left at once (a second signal, or one in start-up)."""
+    return {"status": "interrupted", "steps": run.step if run else 0, "wall_s": time.perf_counter() - started}
 
 
 def failed_summary(run: Run, started: float) -> dict[str, Any]:

@@ -19,8 +19,8 @@ import pytest
 
 from tests.support.groups import SWARM, finish, group_args, outer_rows, renice_threads, start_group
 from tests.support.paths import DILOCO, ROOT, TORCHRUN
-from tests.support.procs import FAST, child_env, metrics, read_until, summary
-from tests.support.swarm import descendants, kill_group, left_running, spawn
+from tests.support.procs import FAST, child_env, metrics, summary
+from tests.support.swarm import descendants, dht_process, kill_group, left_running
 
 
 def wait_for(predicate, timeout: float, what: str, procs: list[subprocess.Popen] = (), logs: list[Path] = ()) -> None:
@@ -584,38 +584,30 @@ def test_a_stop_signal_during_a_slow_start_up_leaves_at_once(tmp_path: Path) -> 
     machine took minutes): the group leaves at once with 130, no traceback, its DHT process and p2pd with it. It
     used to go on starting until it gave up on the peer (exit 2), and under load for minutes past a supervisor's
     grace."""
-    bootstrap = spawn([str(DILOCO), "dht", "--identity", str(tmp_path / "id.pem"), "--host-maddrs",
-                       "/ip4/127.0.0.1/tcp/0"])  # fmt: skip
-    paused: list[psutil.Process] = []
-    log = tmp_path / "w0.log"
-    group = None
-    try:
-        peers = read_until(bootstrap, r"--hv\.initial-peers (.+)").group(1).split()
+    log, group = tmp_path / "w0.log", None
+    with dht_process(tmp_path / "id.pem") as (bootstrap, peers):
         paused = [p for p in [psutil.Process(bootstrap.pid), *descendants(bootstrap.pid)] if p.name() != "p2pd"]
-        for proc in paused:
-            proc.suspend()
-        group = start_group(group_args(0, 2, peers, tmp_path / "w0"), log)
-        wait_for(lambda: "did not answer a ping yet" in log.read_text(), 90, "a retried DHT start", [group], [log])
-        # (each attempt starts a DHT process and p2pd of its own: signal while one runs)
-        wait_for(lambda: any(c.name() == "p2pd" for c in descendants(group.pid)), 30, "the next attempt's p2pd",
-                 [group], [log])  # fmt: skip
-        helpers = descendants(group.pid)
-        group.send_signal(signal.SIGTERM)
         try:
-            code = group.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still starting 15 s after SIGTERM:\n{log.read_text()[-3000:]}") from None
-        said = log.read_text()
-        assert code == 130, said[-3000:]
-        assert "during start-up: leaving now" in said and "Traceback" not in said, said[-3000:]
-        assert not left_running(helpers, grace_s=10)
-    finally:
-        for proc in paused:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.resume()
-        if group is not None:
-            kill_group(group)
-        bootstrap.send_signal(signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            bootstrap.wait(timeout=30)
-        kill_group(bootstrap)
+            for proc in paused:
+                proc.suspend()
+            group = start_group(group_args(0, 2, peers, tmp_path / "w0"), log)
+            wait_for(lambda: "did not answer a ping yet" in log.read_text(), 90, "a retried DHT start", [group], [log])
+            # (each attempt starts a DHT process and p2pd of its own: signal while one runs)
+            wait_for(lambda: any(c.name() == "p2pd" for c in descendants(group.pid)), 30, "the next attempt's p2pd",
+                     [group], [log])  # fmt: skip
+            helpers = descendants(group.pid)
+            group.send_signal(signal.SIGTERM)
+            try:
+                code = group.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"still starting 15 s after SIGTERM:\n{log.read_text()[-3000:]}") from None
+            said = log.read_text()
+            assert code == 130, said[-3000:]
+            assert "during start-up: leaving now" in said and "Traceback" not in said, said[-3000:]
+            assert not left_running(helpers, grace_s=10)
+        finally:  # (resumed before the DHT's stop: a paused process would not heed its SIGINT)
+            for proc in paused:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.resume()
+            if group is not None:
+                kill_group(group)

@@ -43,9 +43,16 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
 @contextlib.contextmanager
 def diloco_dht(identity: Path) -> Iterator[list[str]]:
     """`diloco dht` on loopback with `identity`; yields its --hv.initial-peers multiaddrs; stops it with SIGINT."""
+    with dht_process(identity) as (_, peers):
+        yield peers
+
+
+@contextlib.contextmanager
+def dht_process(identity: Path) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    """`diloco_dht`, yielding its process too (a test that pauses it)."""
     proc = spawn([str(DILOCO), "dht", "--identity", str(identity), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"])
     try:
-        yield read_until(proc, r"--hv\.initial-peers (.+)").group(1).split()
+        yield proc, read_until(proc, r"--hv\.initial-peers (.+)").group(1).split()
     finally:  # a clean stop is test_dht_identity_is_stable_and_stop_is_clean's; here, only cleanup (under load a
         # stop once took over 10 s, which failed the test whose fixture this is)
         proc.send_signal(signal.SIGINT)
